@@ -1,0 +1,35 @@
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: install services test run bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install $(PIP_FLAGS) torch==2.13.0
+	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# Postgres and Redis back the integration tests; start them when they are down.
+services:
+	@pg_isready -h 127.0.0.1 -p 5432 -q || pg_ctlcluster --skip-systemctl-redirect $$(ls /etc/postgresql) main start
+	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
+	@for i in $$(seq 1 30); do pg_isready -h 127.0.0.1 -p 5432 -q && redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && exit 0; sleep 1; done; echo "postgres/redis did not come up" >&2; exit 1
+
+test: install services
+	$(BIN)/python -m pytest
+
+run: install
+	$(BIN)/tidepool serve
+
+bench: install
+	$(BIN)/python benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

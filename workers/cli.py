@@ -1,0 +1,23 @@
+"""The `tidepool` command line. Each area registers its own subcommands; heavy imports stay lazy."""
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from service import commands as service_commands
+    from workers import commands as worker_commands
+
+    parser = argparse.ArgumentParser(prog="tidepool", description="Tidepool: multi-tenant LLM job service")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    worker_commands.register(sub)
+    service_commands.register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
