@@ -1,0 +1,264 @@
+"""Triton paged attention over the KV cache (layout in kernels/paged_attention.py).
+
+decode: one query token per sequence; a program takes one (sequence, KV head, split) and all the query heads
+of that KV head together, so each K/V row is read once per group. Long contexts are split across programs
+(flash-decoding) and a second kernel merges the splits by their log-sum-exp.
+varlen: a tile of query tokens of one sequence and one query head, causal relative to the sequence's cached
+prefix, so one launch serves a mixed batch of prefills, chunked-prefill chunks and decodes.
+
+Both gather cache rows token by token through the block table, so any block size works, and both size their
+grids from host-known shapes (block table width, max_seqlen_q), never from context_lens, so neither syncs.
+Softmax runs in base 2 with fp32 accumulators; a sequence with no keys (context 0, e.g. a padding row) gets zeros.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MIN_SPLIT_TOKENS = 512   # a split shorter than this costs more in the merge than it wins in parallelism
+
+
+@triton.jit
+def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+                   scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                   stride_kslot, stride_kh, split_len,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    dot_ty = tl.float32 if UPCAST else k_cache.dtype.element_ty
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    context = tl.load(context_lens + seq)
+    start = split * split_len
+    end = tl.minimum(context, start + split_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    qo_mask = g_mask[:, None] & d_mask[None, :]
+    q_tile = tl.load(q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                     mask=qo_mask, other=0.0).to(dot_ty)            # [G, D]
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        rows = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_kslot + kv_head * stride_kh
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)   # [N, D]
+        v = tl.load(v_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)
+        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale_log2          # [G, N]
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    safe_l = tl.where(l > 0, l, 1.0)
+    o = acc / safe_l[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out.dtype.element_ty), mask=qo_mask)
+    else:
+        # part_out [B, Hq, S, D] fp32, part_lse [B, Hq, S]; an empty split has lse -inf
+        row = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_out + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qo_mask)
+        lse = tl.where(l > 0, m + tl.log2(safe_l), float("-inf"))
+        tl.store(part_lse + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_out, part_lse, out, stride_ot, stride_oh, num_heads,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < HEAD_DIM
+    base = (seq.to(tl.int64) * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse + base + offs_s, mask=s_mask, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)                                                                # [S]
+    o = tl.load(part_out + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)                       # [S, D]
+    total = tl.sum(w, 0)
+    merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out + seq.to(tl.int64) * stride_ot + head * stride_oh + offs_d, merged.to(out.dtype.element_ty),
+             mask=d_mask)
+
+
+@triton.jit
+def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
+                   scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kslot, stride_kh,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                   UPCAST: tl.constexpr):
+    dot_ty = tl.float32 if UPCAST else k_cache.dtype.element_ty
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + seq)
+    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
+    context = tl.load(context_lens + seq)
+    kv_head = head // GROUP
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    qo_mask = m_mask[:, None] & d_mask[None, :]
+    tokens = (q_start + offs_m).to(tl.int64)
+    q_pos = context - q_len + offs_m                                                      # [M]
+    q_tile = tl.load(q + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                     mask=qo_mask, other=0.0).to(dot_ty)              # [M, D]
+    # keys up to the tile's last query; a tile past the sequence's queries runs no iterations
+    kv_end = tl.where(tile * BLOCK_M < q_len, tl.minimum(context, context - q_len + (tile + 1) * BLOCK_M), 0)
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table = block_tables + seq.to(tl.int64) * stride_bt
+    for n0 in range(0, kv_end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < kv_end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        rows = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_kslot + kv_head * stride_kh
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)
+        v = tl.load(v_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)
+        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale_log2          # [M, N]
+        s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        # rows past q_len may see no key in this tile; keep their max finite so no NaN reaches acc
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             o.to(out.dtype.element_ty), mask=qo_mask)
+
+
+def _check(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q):
+    num_tokens, num_heads, head_dim = q.shape
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches must be [blocks, block_size, Hkv, D]"
+    num_kv_heads = k_cache.shape[2]
+    assert k_cache.shape[3] == head_dim, f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}"
+    if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"triton paged attention supports head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {head_dim}")
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads not a multiple of {num_kv_heads} KV heads"
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"triton paged attention supports {SUPPORTED_DTYPES}, got q {q.dtype} cache {k_cache.dtype}")
+    assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ"
+    assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
+    assert q.stride(-1) == 1, "q must be contiguous in head_dim"
+    assert block_tables.dim() == 2 and block_tables.stride(1) == 1 and not block_tables.is_floating_point(), \
+        "block_tables must be [B, max_blocks] integers, contiguous per row"
+    num_seqs = block_tables.shape[0]
+    assert context_lens.shape == (num_seqs,) and cu_seqlens_q.shape == (num_seqs + 1,), \
+        "context_lens must be [B] and cu_seqlens_q [B + 1]"
+    assert context_lens.is_contiguous() and cu_seqlens_q.is_contiguous()
+    assert len({t.device for t in (q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)}) == 1, \
+        "tensors on different devices"
+
+
+def _num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 8
+    wanted = math.ceil(2 * sms / (batch * num_kv_heads))
+    return max(1, min(wanted, math.ceil(max_context / MIN_SPLIT_TOKENS)))
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, num_splits: int | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    # q [B, Hq, D], one token per sequence -> out [B, Hq, D]
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    max_context = block_tables.shape[1] * block_size
+    block_n = 64 if head_dim <= 128 else 32
+    splits = num_splits or _num_splits(batch, num_kv_heads, max_context, q.device)
+    split_len = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
+    splits = triton.cdiv(max_context, split_len)
+    block_d = triton.next_power_of_2(head_dim)
+    if splits > 1:
+        part_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out
+    _decode_kernel[(batch, num_kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(1), k_cache.stride(2), split_len,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+        **_dot_args(k_cache), num_warps=4)
+    if splits > 1:
+        _merge_splits_kernel[(batch, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            num_warps=4)
+    return out
+
+
+def paged_varlen(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q: int,
+                 scale: float) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    num_seqs = block_tables.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    block_m = min(64, max(16, triton.next_power_of_2(max_seqlen_q)))
+    block_n = 64 if head_dim <= 128 else 32
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
+    _varlen_kernel[grid](
+        q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_cache.stride(1), k_cache.stride(2),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
+        **_dot_args(k_cache), num_warps=4)
+    return out
+
+
+def _dot_args(k_cache: torch.Tensor) -> dict:
+    # CPU tensors only run under TRITON_INTERPRET, whose tl.dot returns garbage for bf16: feed it fp32 there.
+    # fp32 dots stay exact (ieee) rather than tf32, since fp32 inputs are the tight-tolerance test path.
+    upcast = k_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu"
+    exact = upcast or k_cache.dtype == torch.float32
+    return {"PRECISION": "ieee" if exact else "tf32", "UPCAST": upcast}
+
+
+def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q: int,
+                           scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Same contract as paged_attention_ref; max_seqlen_q must bound every q_len (host int, no sync)."""
+    _check(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
+    if max_seqlen_q == 1 and q.shape[0] == block_tables.shape[0]:
+        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
+    return paged_varlen(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale)
