@@ -1,0 +1,157 @@
+"""Paged KV-cache book-keeping: ref-counted blocks, prefix caching by chained hash, LRU eviction.
+
+Pure Python: it hands out block ids and never touches a tensor.
+"""
+from collections import OrderedDict
+
+from workers.engine.sequence import Sequence
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the front is reused first. A freed block keeps its hash
+        # (and stays findable in hash_to_block) until it is reused.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.prefix_queries = 0     # prompt tokens of admitted sequences looked up in the prefix cache
+        self.prefix_hits = 0        # of those, found (counted by the scheduler on admission)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = seq.num_computed_tokens + num_new_tokens
+        return max(0, -(-total // self.block_size) - len(seq.block_table))
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def match_prefix(self, seq: Sequence) -> None:
+        """Admit a fresh sequence onto the cached full blocks of its prefix (never all of its tokens)."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        max_blocks = (seq.num_tokens - 1) // bs     # at least one token is left to compute
+        parent = None
+        for i in range(max_blocks):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tokens:
+                break
+            self._ref(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Make room for num_new_tokens more tokens of seq; False (and nothing changed) if the pool is short."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > len(self.free):
+            return False
+        seq.block_table.extend(self._take_free() for _ in range(needed))
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the blocks that the last step filled completely, so later prompts can share them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        for i in range(len(seq.block_hashes), num_full):
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, tokens)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.hash_to_block:
+                block.hash, block.token_ids = h, tokens
+                self.hash_to_block[h] = block.block_id
+            seq.block_hashes.append(h)
+            parent = h
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every block of parent (copy-on-write happens in `append_slot`)."""
+        assert not child.block_table
+        for block_id in parent.block_table:
+            self._ref(block_id)
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+
+    def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
+        """Room for one more token. Returns (src, dst) when a shared partial block had to be copied.
+
+        Raises MemoryError when no block is free; callers check `can_append` first.
+        """
+        bs = self.block_size
+        if seq.num_computed_tokens % bs == 0 and seq.num_computed_tokens // bs == len(seq.block_table):
+            if not self.free:
+                raise MemoryError("no free KV block")
+            seq.block_table.append(self._take_free())
+            return None
+        last = seq.block_table[-1]
+        if self.blocks[last].ref_count == 1:
+            return None
+        if not self.free:
+            raise MemoryError("no free KV block")
+        new = self._take_free()
+        self._release(last)
+        seq.block_table[-1] = new
+        return last, new
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
+    def free_sequence(self, seq: Sequence) -> None:
+        # Tail blocks first, so a sequence's later (less shareable) blocks are evicted before its prefix.
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+        seq.num_cached_tokens = 0

@@ -1,0 +1,54 @@
+"""LLM: the offline entry point. Submit a list of prompts, get their outputs back in order."""
+from workers.engine.config import EngineConfig
+from workers.engine.llm_engine import LLMEngine, RequestOutput
+from workers.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, device: str = "cpu", dtype: str | None = None, block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, **kwargs):
+        self.engine = LLMEngine(EngineConfig(
+            model=str(model), device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("sampling_params list must match prompts in length")
+        ids = []
+        for prompt, p in zip(prompts, params):
+            request_id = f"gen-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(request_id, prompt, p, sla_class="batch")
+            ids.append(request_id)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+            bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        generated = 0
+        while len(results) < len(ids):
+            for out in self.engine.step():
+                generated += len(out.new_token_ids)
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.set_postfix(tok_s=f"{generated / max(bar.format_dict['elapsed'], 1e-9):.0f}")
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def chat(self, conversations: list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        prompts = [self.tokenizer.encode_chat(messages) for messages in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,225 @@
+"""LLMEngine: requests in, token streams out. Each `step()` is schedule -> run model -> sample -> postprocess."""
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.config import EngineConfig
+from workers.engine.model_runner import ModelRunner
+from workers.engine.sampler import Sampler
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence
+from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None          # "stop" | "length" | "abort"
+    new_token_ids: list[int] = field(default_factory=list)
+    delta_text: str = ""
+    logprobs: list[dict] | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+class _Request:
+    """Per-request state the engine keeps beside its Sequence."""
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, on_token, arrival: float):
+        self.seq = seq
+        self.detok = detok
+        self.on_token = on_token
+        self.emitted = 0                      # characters of detok.text already handed out
+        self.text = ""
+        self.logprobs: list[dict] | None = [] if seq.params.logprobs is not None else None
+        self.arrival_time = arrival
+        self.first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = Tokenizer(config.model)
+        self.runner = ModelRunner(config, config.model_config)
+        # A sequence may never outgrow the whole pool, or it could never be scheduled again.
+        self.max_model_len = min(config.max_model_len, self.runner.num_kv_blocks * config.block_size)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler(self.runner.device)
+        self.eos_token_ids = set(config.model_config.eos_token_ids)
+        if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids = {self.tokenizer.eos_token_id}
+        self.requests: dict[str, _Request] = {}
+        self._inbox: list[_Request] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        self._totals = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "schedule_s": 0.0,
+                        "model_s": 0.0, "sample_s": 0.0, "finished": 0, "aborted": 0}
+        self._last_step = {"tokens": 0, "seqs": 0, "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
+
+    @classmethod
+    def from_args(cls, model: str, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig(model=model, **kwargs))
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    sla_class: str = "interactive", tenant: str = "default", weight: float = 1.0,
+                    on_token: Callable[[RequestOutput], None] | None = None) -> None:
+        """Queue a request (thread-safe). Raises ValueError for a prompt the engine cannot run."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; this model accepts at most {self.max_model_len - 1}")
+        vocab = self.config.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        seq = Sequence(request_id, ids, params, sla_class=sla_class, tenant=tenant, weight=weight)
+        request = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), on_token,
+                           time.time())
+        with self._lock:
+            if request_id in self.requests or any(r.seq.request_id == request_id for r in self._inbox):
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._inbox.append(request)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (thread-safe); it finishes with reason "abort" at the next step."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return bool(self.requests or self._inbox)
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            inbox, aborts = self._inbox, self._aborts
+            self._inbox, self._aborts = [], []
+        for request in inbox:
+            self.requests[request.seq.request_id] = request
+            self.scheduler.add(request.seq)
+        outputs = []
+        for request_id in aborts:
+            request = self.requests.get(request_id)
+            if request is not None:
+                outputs.append(self._finish(request, "abort"))
+        return outputs
+
+    # -- the loop -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs = self._drain_inbox()
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if not batch:
+            return outputs
+        prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
+                            for s, n in zip(batch.seqs, batch.num_new_tokens))
+        logits = self.runner.run(batch)
+        t2 = time.perf_counter()
+        ready = self.scheduler.postprocess(batch)
+        if ready:
+            tokens, logprobs = self.sampler(logits, ready)
+            for seq, token, lp in zip(ready, tokens, logprobs):
+                outputs.append(self._append_token(self.requests[seq.request_id], token, lp))
+        t3 = time.perf_counter()
+        self._record(batch, prompt_tokens, t1 - t0, t2 - t1, t3 - t2)
+        return outputs
+
+    def _append_token(self, request: _Request, token: int, logprob: dict | None) -> RequestOutput:
+        seq, params = request.seq, request.seq.params
+        now = time.time()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        seq.token_ids.append(token)
+        self._totals["generation_tokens"] += 1
+        if request.logprobs is not None:
+            request.logprobs.append(logprob)
+        reason = None
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            reason = "stop"
+        else:
+            request.detok.add(token)
+            text = request.detok.text
+            for stop in params.stop:
+                at = text.find(stop, max(0, len(request.text) - len(stop)))
+                if at != -1:
+                    text, reason = text[:at], "stop"
+                    break
+            request.text = text
+        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            return self._finish(request, reason, new_tokens=[token])
+        # Hold back text that could still turn out to be the start of a stop string.
+        hold = max((len(s) - 1 for s in params.stop), default=0)
+        return self._emit(request, [token], upto=max(request.emitted, len(request.text) - hold))
+
+    def _emit(self, request: _Request, new_tokens: list[int], upto: int, finished: bool = False,
+              reason: str | None = None) -> RequestOutput:
+        seq = request.seq
+        delta = request.text[request.emitted:upto]
+        request.emitted = upto
+        out = RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids, text=request.text, finished=finished, finish_reason=reason,
+            new_token_ids=new_tokens, delta_text=delta, logprobs=request.logprobs,
+            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+            arrival_time=request.arrival_time, first_token_time=request.first_token_time,
+            finished_time=time.time() if finished else None)
+        if request.on_token is not None:
+            request.on_token(out)
+        return out
+
+    def _finish(self, request: _Request, reason: str, new_tokens: list[int] | None = None) -> RequestOutput:
+        seq = request.seq
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        self.sampler.forget(seq.request_id)
+        del self.requests[seq.request_id]
+        self._totals["aborted" if reason == "abort" else "finished"] += 1
+        return self._emit(request, new_tokens or [], upto=len(request.text), finished=True, reason=reason)
+
+    # -- stats ----------------------------------------------------------------------------------
+    def _record(self, batch, prompt_tokens: int, schedule_s: float, model_s: float, sample_s: float) -> None:
+        t = self._totals
+        t["steps"] += 1
+        t["prompt_tokens"] += prompt_tokens
+        t["schedule_s"] += schedule_s
+        t["model_s"] += model_s
+        t["sample_s"] += sample_s
+        self._last_step = {"tokens": batch.num_tokens, "seqs": len(batch.seqs), "schedule_s": schedule_s,
+                           "model_s": model_s, "sample_s": sample_s}
+
+    def stats(self) -> dict:
+        bm, sched = self.block_manager, self.scheduler
+        by_class: dict[str, dict[str, int]] = {}
+        for state, seqs in (("running", sched.running), ("waiting", sched.waiting)):
+            for seq in seqs:
+                by_class.setdefault(seq.sla_class, {"running": 0, "waiting": 0})[state] += 1
+        with self._lock:
+            inbox = len(self._inbox)
+        return {
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + inbox,
+            "by_class": by_class,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
+            "preemptions": sched.num_preemptions,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "last_step": dict(self._last_step),
+            **{f"total_{k}": v for k, v in self._totals.items()},
+        }

@@ -1,0 +1,197 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2) over a flattened, variable-length token batch.
+
+Weights keep Hugging Face names except that q/k/v and gate/up projections are stacked into one
+matmul each (`qkv_proj`, `gate_up_proj`); `load_weights` maps the checkpoint onto them.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels.attention import paged_attention, store_kv
+from workers.engine.models.config import ModelConfig
+
+
+@dataclass
+class AttentionContext:
+    backend: str
+    slot_mapping: torch.Tensor      # [T] cache slot of every new token
+    block_tables: torch.Tensor      # [B, max_blocks]
+    context_lens: torch.Tensor      # [B] tokens in cache per sequence, this step's included
+    cu_seqlens_q: torch.Tensor      # [B + 1]
+    max_seqlen_q: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg, self.max_positions = cfg, max_positions
+        self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim), persistent=False)   # [P, D]
+        self.register_buffer("sin", torch.empty(max_positions, cfg.head_dim), persistent=False)
+        if self.cos.device.type != "meta":
+            self.build()
+
+    def build(self) -> None:
+        """(Re)compute the fp32 cos/sin tables on the buffers' device."""
+        device = self.cos.device
+        inv_freq = rope_inv_freq(self.cfg).to(device)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=device), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    @staticmethod
+    def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)              # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        self.scale = self.head_dim ** -0.5
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext):
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)                     # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        store_kv(ctx.backend, k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        out = paged_attention(ctx.backend, q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
+                              ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rotary, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (stacked parameter, shard index)
+    STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                                  # [T, hidden]
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def _shard_offsets(self, stacked: str) -> list[int]:
+        attn, mlp = self.layers[0].self_attn, self.cfg.intermediate_size
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size] if stacked == "qkv_proj" else [mlp, mlp]
+        return [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        """weights: iterable of (checkpoint name, tensor) in Hugging Face naming."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            for fragment, (stacked, shard) in self.STACKED.items():
+                if f".{fragment}." in name:
+                    target = name.replace(fragment, stacked)
+                    offsets = self._shard_offsets(stacked)
+                    params[target][offsets[shard]:offsets[shard + 1]].copy_(tensor)
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"unexpected weight {name!r} in checkpoint")
+                params[name].copy_(tensor)
+                loaded.add(name)
+        expected = set()
+        for name in params:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            stacked = name.split(".")[-2]
+            if stacked in ("qkv_proj", "gate_up_proj"):
+                expected.update(f"{name}#{i}" for i in range(3 if stacked == "qkv_proj" else 2))
+            else:
+                expected.add(name)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}")

@@ -1,0 +1,79 @@
+"""Turn the last-position logits of a step into next tokens: penalties, temperature, top-k/top-p,
+per-request seeded sampling, and top-N log-probabilities."""
+import torch
+
+from workers.engine.sequence import Sequence
+
+
+class Sampler:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        g = self.generators.get(seq.request_id)
+        if g is None:
+            g = torch.Generator(device=self.device)
+            if seq.params.seed is None:
+                g.seed()
+            else:
+                g.manual_seed(seq.params.seed)
+            self.generators[seq.request_id] = g
+        return g
+
+    def forget(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]):
+        """logits [S, V] (fp32) -> (token ids [S], per-row logprob info or None)."""
+        logits = logits.float()
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for i, seq in enumerate(seqs):
+            if seq.params.has_penalties and seq.num_output_tokens:
+                self._apply_penalties(logits[i], seq)
+        tokens = logits.argmax(dim=-1)
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.greedy:
+                continue
+            row = logits[i] / p.temperature
+            if p.top_k and p.top_k < row.numel():
+                kth = torch.topk(row, p.top_k).values[-1]
+                row = row.masked_fill(row < kth, float("-inf"))
+            if p.top_p < 1.0:
+                sorted_logits, order = torch.sort(row, descending=True)
+                cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+                drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p     # keep the token that crosses top_p
+                row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
+            probs = torch.softmax(row, dim=-1)
+            # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using only this request's generator.
+            noise = torch.empty_like(probs).exponential_(generator=self.generator_for(seq))
+            tokens[i] = (probs / noise).argmax()
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(raw_logprobs, seqs, token_list)
+
+    def _apply_penalties(self, row: torch.Tensor, seq: Sequence) -> None:
+        out = torch.tensor(seq.output_token_ids, device=row.device)
+        counts = torch.zeros_like(row).scatter_add_(0, out, torch.ones_like(out, dtype=row.dtype))
+        row -= seq.params.frequency_penalty * counts + seq.params.presence_penalty * (counts > 0).to(row.dtype)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, seqs: list[Sequence], tokens: list[int]):
+        if raw is None:
+            return [None] * len(seqs)
+        result = []
+        for i, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            if n is None:
+                result.append(None)
+                continue
+            top = torch.topk(raw[i], n) if n else None
+            result.append({
+                "token_id": tokens[i],
+                "logprob": raw[i, tokens[i]].item(),
+                "top": list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
+            })
+        return result

@@ -1,0 +1,68 @@
+import itertools
+from enum import Enum, auto
+
+from workers.engine.sampling_params import SamplingParams
+
+# Highest priority first; the index is the class's rank (lower runs first, preempted last).
+SLA_CLASSES = ("realtime", "interactive", "batch", "deferrable")
+CLASS_RANK = {name: rank for rank, name in enumerate(SLA_CLASSES)}
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    _arrivals = itertools.count()
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 sla_class: str = "interactive", tenant: str = "default", weight: float = 1.0):
+        if sla_class not in CLASS_RANK:
+            raise ValueError(f"sla_class must be one of {SLA_CLASSES}, got {sla_class!r}")
+        if weight <= 0:
+            raise ValueError("tenant weight must be > 0")
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.sla_class = sla_class
+        self.rank = CLASS_RANK[sla_class]
+        self.tenant = tenant
+        self.weight = weight
+        self.arrival = next(Sequence._arrivals)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []      # chained hashes of the full blocks registered so far
+        self.num_computed_tokens = 0           # tokens whose K/V sit in the cache
+        self.num_cached_tokens = 0             # of those, taken from the prefix cache at admission
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.sla_class}, tenant={self.tenant!r}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, {self.status.name})")
