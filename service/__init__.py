@@ -1,0 +1,37 @@
+"""Tidepool service: the Flask app factory. Never imports torch."""
+from flask import Flask
+
+from .config import Config
+
+
+def create_app(test_config: dict | Config | None = None) -> Flask:
+    import redis as redis_lib
+
+    from . import db, errors
+    from .api import admin, batches, files, health, jobs
+    from .dispatch import Dispatcher, make_celery
+    from .quotas import MemoryLimiter, RedisLimiter
+    from .storage import Storage
+
+    cfg = test_config if isinstance(test_config, Config) else Config.from_env(test_config)
+    app = Flask(__name__, static_folder=None)
+    app.config["TIDEPOOL"] = cfg
+    app.config["MAX_CONTENT_LENGTH"] = cfg.max_file_bytes + (1 << 20)  # multipart overhead
+    app.json.sort_keys = False
+    db.init_app(app, cfg.database_url)
+    errors.init_app(app)
+    app.extensions["tidepool.storage"] = Storage(cfg.storage_dir)
+    if cfg.redis_url:
+        client = redis_lib.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        app.extensions["tidepool.redis"] = client
+        app.extensions["tidepool.limiter"] = RedisLimiter(client)
+    else:
+        app.extensions["tidepool.redis"] = None
+        app.extensions["tidepool.limiter"] = MemoryLimiter()
+    celery = make_celery(cfg.broker_url)
+    app.extensions["tidepool.celery"] = celery
+    app.extensions["tidepool.dispatcher"] = Dispatcher(celery, app.extensions["tidepool.engine"],
+                                                       cfg.dispatch_chunk_size)
+    for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp):
+        app.register_blueprint(bp)
+    return app

@@ -1,5 +1,103 @@
 """Service subcommands of the `tidepool` CLI (ledger, tenants, keys, web). Never imports torch."""
+import json
 
 
 def register(sub) -> None:
-    pass
+    db = sub.add_parser("db", help="ledger database").add_subparsers(dest="db_command", required=True)
+    db.add_parser("upgrade", help="run migrations to head").set_defaults(func=_db_upgrade)
+    p = db.add_parser("downgrade", help="roll migrations back")
+    p.add_argument("revision", nargs="?", default="base")
+    p.set_defaults(func=_db_downgrade)
+
+    tenants = sub.add_parser("tenants", help="tenants").add_subparsers(dest="tenants_command", required=True)
+    p = tenants.add_parser("create", help="create a tenant; prints its id and a fresh API key as JSON")
+    p.add_argument("name")
+    p.add_argument("--weight", type=float, default=1.0)
+    p.set_defaults(func=_tenants_create)
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
+    p = keys.add_parser("create", help="issue a key for a tenant; prints it as JSON")
+    p.add_argument("tenant_id")
+    p.set_defaults(func=_keys_create)
+    p = keys.add_parser("revoke", help="revoke a key by its visible prefix")
+    p.add_argument("prefix")
+    p.set_defaults(func=_keys_revoke)
+
+    p = sub.add_parser("web", help="run the API alone (werkzeug; use gunicorn 'service.wsgi:app' in production)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.set_defaults(func=_web)
+
+
+def _config():
+    from service.config import Config
+    return Config.from_env()
+
+
+def _db_upgrade(args) -> int:
+    from service import migrate
+    migrate.upgrade(_config().database_url)
+    print(json.dumps({"upgraded": "head"}))
+    return 0
+
+
+def _db_downgrade(args) -> int:
+    from service import migrate
+    migrate.downgrade(_config().database_url, args.revision)
+    print(json.dumps({"downgraded": args.revision}))
+    return 0
+
+
+def _session():
+    from sqlalchemy.orm import Session
+
+    from service.db import make_engine
+    return Session(make_engine(_config().database_url))
+
+
+def _fail(exc) -> int:
+    import sys
+    print(json.dumps({"error": {"message": getattr(exc, "message", str(exc)), "code": getattr(exc, "code", None)}}),
+          file=sys.stderr)
+    return 1
+
+
+def _tenants_create(args) -> int:
+    from service import tenants
+    from service.errors import APIError
+    with _session() as s:
+        try:
+            tenant, key = tenants.create_tenant(s, args.name, args.weight, actor="cli")
+        except APIError as exc:
+            return _fail(exc)
+        s.commit()
+        print(json.dumps({"id": tenant.id, "name": tenant.name, "weight": tenant.weight, "api_key": key}))
+    return 0
+
+
+def _keys_create(args) -> int:
+    from service import tenants
+    from service.models import Tenant
+    with _session() as s:
+        if s.get(Tenant, args.tenant_id) is None:
+            return _fail(LookupError(f"no tenant {args.tenant_id}"))
+        row, key = tenants.issue_key(s, args.tenant_id, actor="cli")
+        s.commit()
+        print(json.dumps({"tenant_id": args.tenant_id, "prefix": row.prefix, "api_key": key}))
+    return 0
+
+
+def _keys_revoke(args) -> int:
+    from service import tenants
+    with _session() as s:
+        if not tenants.revoke_key(s, args.prefix, actor="cli"):
+            return _fail(LookupError(f"no active key with prefix {args.prefix}"))
+        s.commit()
+        print(json.dumps({"prefix": args.prefix, "revoked": True}))
+    return 0
+
+
+def _web(args) -> int:
+    from service import create_app
+    create_app().run(host=args.host, port=args.port, threaded=True)
+    return 0

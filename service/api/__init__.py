@@ -1,0 +1,46 @@
+"""API blueprints and the small helpers they share."""
+from datetime import datetime
+
+from flask import current_app, request
+
+from ..config import Config
+from ..errors import bad_request
+
+
+def cfg() -> Config:
+    return current_app.config["TIDEPOOL"]
+
+
+def ext(name: str):
+    return current_app.extensions[f"tidepool.{name}"]
+
+
+def ts(value: datetime | None) -> int | None:
+    return int(value.timestamp()) if value is not None else None
+
+
+def json_body() -> dict:
+    body = request.get_json(silent=True, force=True)
+    if body is None:
+        raise bad_request("The request body must be valid JSON.", None, "invalid_json")
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", None, "invalid_body")
+    return body
+
+
+def limit_arg(default: int = 20, maximum: int = 10_000) -> int:
+    raw = request.args.get("limit", default)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise bad_request("'limit' must be an integer.", "limit") from None
+    if not 1 <= value <= maximum:
+        raise bad_request(f"'limit' must be between 1 and {maximum}.", "limit")
+    return value
+
+
+def page(rows: list, limit: int, render) -> dict:
+    """OpenAI cursor page: rows were fetched with limit + 1 to learn has_more."""
+    data = [render(r) for r in rows[:limit]]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}

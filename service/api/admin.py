@@ -1,0 +1,165 @@
+"""Admin JSON API (admin token): tenants, quotas, keys, cross-tenant listings, queue depths."""
+from flask import Blueprint, request
+from sqlalchemy import select
+
+from .. import tenants
+from ..auth import admin_required
+from ..config import SLA_CLASSES
+from ..db import session
+from ..errors import bad_request, not_found
+from ..models import ApiKey, AuditLog, Batch, Job, JobStatus, Quota, Tenant
+from . import cfg, ext, json_body, limit_arg, page, ts
+from .batches import batch_json
+from .jobs import job_json
+
+bp = Blueprint("admin", __name__, url_prefix="/v1/admin")
+
+
+def _tenant(tenant_id: str) -> Tenant:
+    t = session().get(Tenant, tenant_id)
+    if t is None:
+        raise not_found("tenant", tenant_id)
+    return t
+
+
+@bp.post("/tenants")
+@admin_required
+def create_tenant():
+    body = json_body()
+    unknown = sorted(set(body) - {"name", "weight", "quota"})
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    s = session()
+    tenant, key = tenants.create_tenant(s, body.get("name"), body.get("weight", 1.0), body.get("quota"))
+    s.commit()
+    out = tenants.tenant_json(tenant, s.get(Quota, tenant.id))
+    out["api_key"] = key
+    return out, 201
+
+
+@bp.get("/tenants")
+@admin_required
+def list_tenants():
+    rows = session().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.id)).all()
+    return {"object": "list", "data": [tenants.tenant_json(t, q) for t, q in rows]}
+
+
+@bp.get("/tenants/<tenant_id>")
+@admin_required
+def get_tenant(tenant_id):
+    t = _tenant(tenant_id)
+    return tenants.tenant_json(t, session().get(Quota, t.id))
+
+
+@bp.post("/tenants/<tenant_id>/disable")
+@admin_required
+def disable_tenant(tenant_id):
+    return _set_disabled(tenant_id, True)
+
+
+@bp.post("/tenants/<tenant_id>/enable")
+@admin_required
+def enable_tenant(tenant_id):
+    return _set_disabled(tenant_id, False)
+
+
+def _set_disabled(tenant_id, disabled):
+    s = session()
+    _tenant(tenant_id)
+    tenants.set_disabled(s, tenant_id, disabled)
+    s.commit()
+    t = _tenant(tenant_id)
+    s.refresh(t)
+    return tenants.tenant_json(t, s.get(Quota, t.id))
+
+
+@bp.patch("/tenants/<tenant_id>/quota")
+@admin_required
+def set_quota(tenant_id):
+    s = session()
+    _tenant(tenant_id)
+    quota = tenants.set_quota(s, tenant_id, json_body())
+    s.commit()
+    return tenants.quota_json(quota)
+
+
+@bp.post("/tenants/<tenant_id>/keys")
+@admin_required
+def create_key(tenant_id):
+    s = session()
+    _tenant(tenant_id)
+    row, key = tenants.issue_key(s, tenant_id)
+    s.commit()
+    out = tenants.key_json(row)
+    out["api_key"] = key
+    return out, 201
+
+
+@bp.get("/tenants/<tenant_id>/keys")
+@admin_required
+def list_keys(tenant_id):
+    _tenant(tenant_id)
+    rows = session().scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id)).all()
+    return {"object": "list", "data": [tenants.key_json(k) for k in rows]}
+
+
+@bp.post("/keys/<prefix>/revoke")
+@admin_required
+def revoke_key(prefix):
+    s = session()
+    if not tenants.revoke_key(s, prefix):
+        raise not_found("active key", prefix)
+    s.commit()
+    return {"prefix": prefix, "revoked": True}
+
+
+@bp.get("/jobs")
+@admin_required
+def list_jobs():
+    stmt = select(Job)
+    for name, column in (("tenant_id", Job.tenant_id), ("batch_id", Job.batch_id)):
+        if request.args.get(name):
+            stmt = stmt.where(column == request.args[name])
+    if request.args.get("status"):
+        if request.args["status"] not in JobStatus.__members__:
+            raise bad_request("unknown status", "status")
+        stmt = stmt.where(Job.status == JobStatus(request.args["status"]))
+    if request.args.get("sla_class"):
+        if request.args["sla_class"] not in SLA_CLASSES:
+            raise bad_request("unknown sla_class", "sla_class")
+        stmt = stmt.where(Job.sla_class == request.args["sla_class"])
+    if request.args.get("cursor"):
+        stmt = stmt.where(Job.id < request.args["cursor"])
+    limit = limit_arg(cfg().page_size, 1000)
+    out = page(session().scalars(stmt.order_by(Job.id.desc()).limit(limit + 1)).all(), limit,
+               lambda j: {**job_json(j), "tenant_id": j.tenant_id})
+    out["next_cursor"] = out["last_id"] if out["has_more"] else None
+    return out
+
+
+@bp.get("/batches")
+@admin_required
+def list_batches():
+    stmt = select(Batch)
+    if request.args.get("tenant_id"):
+        stmt = stmt.where(Batch.tenant_id == request.args["tenant_id"])
+    if request.args.get("after"):
+        stmt = stmt.where(Batch.id < request.args["after"])
+    limit = limit_arg(20, 100)
+    return page(session().scalars(stmt.order_by(Batch.id.desc()).limit(limit + 1)).all(), limit,
+                lambda b: {**batch_json(b), "tenant_id": b.tenant_id})
+
+
+@bp.get("/queues")
+@admin_required
+def queue_depths():
+    return {"object": "queue_depths", "queues": ext("dispatcher").queue_depths()}
+
+
+@bp.get("/audit")
+@admin_required
+def audit_log():
+    limit = limit_arg(100, 1000)
+    rows = session().scalars(select(AuditLog).order_by(AuditLog.id.desc()).limit(limit)).all()
+    return {"object": "list", "data": [{"id": a.id, "at": ts(a.at), "actor": a.actor, "action": a.action,
+                                        "target": a.target, "details": a.details} for a in rows]}

@@ -1,0 +1,112 @@
+"""OpenAI Batch API over job rows: a batch is validated in full, then becomes jobs in bulk."""
+from flask import Blueprint, g, request
+from sqlalchemy import select
+
+from .. import batches as ledger, bodies, quotas
+from ..auth import tenant_required
+from ..db import session
+from ..errors import APIError, bad_request, not_found
+from ..models import Batch, BatchStatus, File, utcnow
+from . import cfg, ext, json_body, limit_arg, page, ts
+
+bp = Blueprint("batches", __name__)
+FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "sla_class"}
+BATCH_CLASSES = ("batch", "deferrable")
+
+
+def batch_json(b: Batch) -> dict:
+    errors = {"object": "list", "data": b.errors} if b.errors else None
+    return {"id": b.id, "object": "batch", "endpoint": b.endpoint, "errors": errors,
+            "input_file_id": b.input_file_id, "completion_window": b.completion_window,
+            "status": b.status.value, "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
+            "created_at": ts(b.created_at), "in_progress_at": ts(b.in_progress_at),
+            "expires_at": ts(b.expires_at), "finalizing_at": ts(b.finalizing_at),
+            "completed_at": ts(b.completed_at), "failed_at": ts(b.failed_at), "expired_at": ts(b.expired_at),
+            "cancelling_at": ts(b.cancelling_at), "cancelled_at": ts(b.cancelled_at),
+            "request_counts": ledger.request_counts(session(), b), "metadata": b.metadata_,
+            "sla_class": b.sla_class.value}
+
+
+def _own_batch(batch_id: str) -> Batch:
+    b = session().scalar(select(Batch).where(Batch.id == batch_id, Batch.tenant_id == g.tenant.id))
+    if b is None:
+        raise not_found("batch", batch_id)
+    return b
+
+
+@bp.post("/v1/batches")
+@tenant_required
+def create_batch():
+    body, quota, conf = json_body(), g.quota, cfg()
+    unknown = sorted(set(body) - FIELDS)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    if body.get("endpoint") not in bodies.ENDPOINTS:
+        raise bad_request(f"'endpoint' must be one of {list(bodies.ENDPOINTS)}.", "endpoint")
+    if body.get("completion_window") != "24h":
+        raise bad_request("'completion_window' must be '24h'.", "completion_window")
+    sla = body.get("sla_class", "batch")
+    if sla not in BATCH_CLASSES:
+        raise bad_request(f"'sla_class' must be one of {list(BATCH_CLASSES)}.", "sla_class")
+    quotas.check_class(quota, sla)
+    metadata = bodies.check_metadata(body.get("metadata"))
+    file_id = body.get("input_file_id")
+    s = session()
+    f = s.scalar(select(File).where(File.id == file_id, File.tenant_id == g.tenant.id)) \
+        if isinstance(file_id, str) else None
+    if f is None:
+        raise APIError(404, f"No file found with id '{file_id}'.", "not_found", "input_file_id")
+    if f.purpose != "batch":
+        raise bad_request(f"File '{file_id}' has purpose '{f.purpose}', not 'batch'.", "input_file_id")
+
+    now = utcnow()
+    batch = Batch(tenant_id=g.tenant.id, endpoint=body["endpoint"], input_file_id=f.id, completion_window="24h",
+                  sla_class=sla, status=BatchStatus.validating, metadata_=metadata, total=0, completed=0,
+                  failed=0, created_at=now, expires_at=ledger.default_expiry(now))
+    s.add(batch)
+    s.commit()
+    try:
+        errors, created = ledger.load_jobs(s, ext("storage"), batch, quota, served_model=conf.served_model_name,
+                                           max_lines=conf.max_batch_lines, chunk_size=conf.batch_chunk_size)
+    except APIError as exc:  # budget or max_queued: the batch fails as a whole
+        errors, created = [{"code": exc.code, "message": exc.message, "param": None, "line": None}], []
+    if errors:
+        s.rollback()
+        batch.status, batch.failed_at, batch.errors = BatchStatus.failed, utcnow(), errors
+        s.commit()
+        return batch_json(batch)
+    batch.status, batch.in_progress_at, batch.total = BatchStatus.in_progress, utcnow(), len(created)
+    s.commit()
+    ext("dispatcher").publish(created)
+    return batch_json(batch)
+
+
+@bp.get("/v1/batches/<batch_id>")
+@tenant_required
+def get_batch(batch_id):
+    return batch_json(_own_batch(batch_id))
+
+
+@bp.get("/v1/batches")
+@tenant_required
+def list_batches():
+    stmt = select(Batch).where(Batch.tenant_id == g.tenant.id)
+    if request.args.get("after"):
+        stmt = stmt.where(Batch.id < request.args["after"])
+    limit = limit_arg(20, 100)
+    rows = session().scalars(stmt.order_by(Batch.id.desc()).limit(limit + 1)).all()
+    return page(rows, limit, batch_json)
+
+
+@bp.post("/v1/batches/<batch_id>/cancel")
+@tenant_required
+def cancel_batch(batch_id):
+    s = session()
+    batch = _own_batch(batch_id)
+    if batch.status not in (BatchStatus.validating, BatchStatus.in_progress):
+        raise APIError(409, f"Batch '{batch_id}' is {batch.status.value} and cannot be cancelled.",
+                       "batch_not_cancellable")
+    ledger.cancel(s, batch)
+    ledger.finalize(s, ext("storage"), batch, cfg().served_model_name)
+    s.commit()
+    return batch_json(batch)

@@ -1,0 +1,98 @@
+"""OpenAI Files API: bytes stream to the storage folder, the ledger keeps the metadata."""
+from flask import Blueprint, g, request, send_file
+from sqlalchemy import select
+
+from ..auth import tenant_required
+from ..db import session
+from ..errors import APIError, bad_request, not_found
+from ..models import File, new_id, utcnow
+from . import cfg, ext, limit_arg, page, ts
+
+bp = Blueprint("files", __name__)
+PURPOSES = ("batch",)
+MULTIPART_SLACK = 64 * 1024
+
+
+def file_json(f: File) -> dict:
+    return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": ts(f.created_at),
+            "filename": f.filename, "purpose": f.purpose, "status": "processed", "status_details": None,
+            "expires_at": None}
+
+
+def own_file(file_id: str) -> File:
+    f = session().scalar(select(File).where(File.id == file_id, File.tenant_id == g.tenant.id))
+    if f is None:
+        raise not_found("file", file_id)
+    return f
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"File exceeds the maximum size of {limit} bytes.", "file_too_large", "file")
+
+
+@bp.post("/v1/files")
+@tenant_required
+def upload_file():
+    limit = min(filter(None, (g.quota.max_file_bytes, cfg().max_file_bytes)))
+    if request.content_length is not None and request.content_length > limit + MULTIPART_SLACK:
+        raise _too_large(limit)
+    if not (request.mimetype or "").startswith("multipart/form-data"):
+        raise APIError(415, "Upload the file as multipart/form-data with fields 'file' and 'purpose'.",
+                       "unsupported_media_type")
+    purpose = request.form.get("purpose")
+    if purpose not in PURPOSES:
+        raise bad_request(f"'purpose' must be one of {list(PURPOSES)}.", "purpose")
+    upload = request.files.get("file")
+    if upload is None:
+        raise bad_request("'file' is required.", "file", "missing_required_parameter")
+    file_id = new_id("file-")
+    size = ext("storage").save(file_id, upload.stream, limit)
+    f = File(id=file_id, tenant_id=g.tenant.id, purpose=purpose, filename=(upload.filename or "upload")[:255],
+             bytes=size, created_at=utcnow())
+    s = session()
+    s.add(f)
+    s.commit()
+    return file_json(f)
+
+
+@bp.get("/v1/files")
+@tenant_required
+def list_files():
+    stmt = select(File).where(File.tenant_id == g.tenant.id)
+    if request.args.get("purpose"):
+        stmt = stmt.where(File.purpose == request.args["purpose"])
+    order = request.args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request("'order' must be 'asc' or 'desc'.", "order")
+    after = request.args.get("after")
+    if after:
+        stmt = stmt.where(File.id > after if order == "asc" else File.id < after)
+    limit = limit_arg(10_000, 10_000)
+    rows = session().scalars(stmt.order_by(File.id.asc() if order == "asc" else File.id.desc())
+                             .limit(limit + 1)).all()
+    return page(rows, limit, file_json)
+
+
+@bp.get("/v1/files/<file_id>")
+@tenant_required
+def get_file(file_id):
+    return file_json(own_file(file_id))
+
+
+@bp.get("/v1/files/<file_id>/content")
+@tenant_required
+def file_content(file_id):
+    f = own_file(file_id)
+    return send_file(ext("storage").path(f.id), mimetype="application/jsonl", as_attachment=True,
+                     download_name=f.filename)
+
+
+@bp.delete("/v1/files/<file_id>")
+@tenant_required
+def delete_file(file_id):
+    f = own_file(file_id)
+    s = session()
+    s.delete(f)
+    s.commit()
+    ext("storage").delete(f.id)
+    return {"id": f.id, "object": "file", "deleted": True}

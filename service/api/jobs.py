@@ -1,0 +1,145 @@
+"""Native jobs: submit, inspect, list and cancel the tenant's own jobs."""
+import hashlib
+import json
+
+from flask import Blueprint, g, request
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from .. import bodies, jobs as transitions, quotas
+from ..auth import tenant_required
+from ..config import SLA_CLASSES
+from ..db import session
+from ..errors import APIError, bad_request, not_found
+from ..models import Job, JobStatus, utcnow
+from . import cfg, ext, json_body, limit_arg, page, ts
+
+bp = Blueprint("jobs", __name__)
+
+
+def job_json(job: Job) -> dict:
+    usage = None
+    if job.prompt_tokens is not None:
+        usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens or 0,
+                 "total_tokens": job.prompt_tokens + (job.completion_tokens or 0)}
+    return {"id": job.id, "object": "job", "status": job.status.value, "sla_class": job.sla_class.value,
+            "endpoint": job.endpoint, "request": job.request, "metadata": job.metadata_,
+            "batch_id": job.batch_id, "custom_id": job.custom_id, "deadline": ts(job.deadline),
+            "created_at": ts(job.created_at), "queued_at": ts(job.queued_at),
+            "dispatched_at": ts(job.dispatched_at), "started_at": ts(job.started_at),
+            "first_token_at": ts(job.first_token_at), "finished_at": ts(job.finished_at),
+            "attempts": job.attempts, "worker": job.worker, "usage": usage,
+            "output": None if job.status != JobStatus.completed else
+            {"text": job.output, "token_ids": job.output_token_ids},
+            "finish_reason": job.finish_reason, "error": job.error}
+
+
+def _own_job(job_id: str) -> Job:
+    job = session().scalar(select(Job).where(Job.id == job_id, Job.tenant_id == g.tenant.id))
+    if job is None:
+        raise not_found("job", job_id)
+    return job
+
+
+def _replay(job: Job | None, request_hash: str):
+    if job is None:
+        return None
+    if job.request_hash != request_hash:
+        raise APIError(409, "This Idempotency-Key was already used with a different request body.",
+                       "idempotency_conflict")
+    return job_json(job), 200
+
+
+@bp.post("/v1/jobs")
+@tenant_required
+def create_job():
+    body = json_body()
+    quota, conf = g.quota, cfg()
+    if "prompt" in body and "messages" in body:
+        raise bad_request("Send either 'prompt' or 'messages', not both.", "messages")
+    endpoint = bodies.CHAT if "messages" in body else bodies.COMPLETIONS
+    checked = bodies.check(body, endpoint, served_model=conf.served_model_name,
+                           max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA)
+    sla = body.get("sla_class", "interactive")
+    if sla not in SLA_CLASSES:
+        raise bad_request(f"'sla_class' must be one of {list(SLA_CLASSES)}.", "sla_class")
+    quotas.check_class(quota, sla)
+    deadline = bodies.parse_deadline(body.get("deadline"))
+    metadata = bodies.check_metadata(body.get("metadata"))
+
+    s = session()
+    key = request.headers.get("Idempotency-Key")
+    request_hash = None
+    if key is not None:
+        if not key or len(key) > 255:
+            raise bad_request("Idempotency-Key must be 1 to 255 characters.", "Idempotency-Key")
+        request_hash = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+        find = select(Job).where(Job.tenant_id == g.tenant.id, Job.idempotency_key == key)
+        replay = _replay(s.scalar(find), request_hash)
+        if replay:
+            return replay
+
+    quotas.check_budget(s, quota, checked.estimated_tokens)
+    quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
+    now = utcnow()
+    job = Job(tenant_id=g.tenant.id, sla_class=sla, status=JobStatus.queued, endpoint=endpoint,
+              request=checked.body, metadata_=metadata, idempotency_key=key, request_hash=request_hash,
+              estimated_tokens=checked.estimated_tokens, deadline=deadline, attempts=0,
+              created_at=now, queued_at=now)
+    s.add(job)
+    try:
+        s.flush()
+        quotas.reserve_queued(s, quota, 1)
+        s.commit()
+    except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the insert
+        s.rollback()
+        if key is None:
+            raise
+        replay = _replay(s.scalar(find), request_hash)
+        if replay:
+            return replay
+        raise
+    if ext("dispatcher").publish([(job.id, sla)]):
+        job.dispatched_at = utcnow()
+    return job_json(job), 202
+
+
+@bp.get("/v1/jobs/<job_id>")
+@tenant_required
+def get_job(job_id):
+    return job_json(_own_job(job_id))
+
+
+@bp.get("/v1/jobs")
+@tenant_required
+def list_jobs():
+    stmt = select(Job).where(Job.tenant_id == g.tenant.id)
+    status, sla, cursor = request.args.get("status"), request.args.get("sla_class"), request.args.get("cursor")
+    if status:
+        if status not in JobStatus.__members__:
+            raise bad_request(f"'status' must be one of {list(JobStatus.__members__)}.", "status")
+        stmt = stmt.where(Job.status == JobStatus(status))
+    if sla:
+        if sla not in SLA_CLASSES:
+            raise bad_request(f"'sla_class' must be one of {list(SLA_CLASSES)}.", "sla_class")
+        stmt = stmt.where(Job.sla_class == sla)
+    if cursor:
+        stmt = stmt.where(Job.id < cursor)
+    limit = limit_arg(cfg().page_size, 1000)
+    rows = session().scalars(stmt.order_by(Job.id.desc()).limit(limit + 1)).all()
+    out = page(rows, limit, job_json)
+    out["next_cursor"] = out["last_id"] if out["has_more"] else None
+    return out
+
+
+@bp.post("/v1/jobs/<job_id>/cancel")
+@tenant_required
+def cancel_job(job_id):
+    s = session()
+    job = _own_job(job_id)
+    if not transitions.cancel(s, job_id, g.tenant.id):
+        s.rollback()
+        raise APIError(409, f"Job '{job_id}' is already {job.status.value}.", "job_not_cancellable")
+    s.commit()
+    s.refresh(job)
+    return job_json(job)

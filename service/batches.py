@@ -1,0 +1,188 @@
+"""OpenAI Batch API: streaming validation of the input file into job rows, cancellation, finalisation."""
+import json
+from datetime import timedelta
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.orm import Session
+
+from . import bodies, quotas
+from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
+from .storage import Storage
+
+ACTIVE = (BatchStatus.validating, BatchStatus.in_progress, BatchStatus.finalizing, BatchStatus.cancelling)
+
+
+def _line_error(line: int, code: str, message: str, param: str | None = None) -> dict:
+    return {"code": code, "message": message, "param": param, "line": line}
+
+
+def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, served_model: str | None,
+              max_lines: int, chunk_size: int) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Validate every line of the batch's input file, inserting job rows in chunks as it goes.
+    Returns (errors, [(job_id, sla_class)]); with any error the caller rolls the rows back."""
+    errors: list[dict] = []
+    seen: set[str] = set()
+    rows: list[dict] = []
+    created: list[tuple[str, str]] = []
+    tokens = 0
+    now = utcnow()
+    sla = batch.sla_class.value
+    with storage.open(batch.input_file_id) as fh:
+        for lineno, raw in enumerate(fh, 1):
+            if not raw.strip():
+                continue
+            if len(seen) + len(errors) >= max_lines:
+                errors.append(_line_error(lineno, "too_many_lines",
+                                          f"A batch file may hold at most {max_lines} requests."))
+                break
+            try:
+                item = json.loads(raw)
+            except (ValueError, UnicodeDecodeError):
+                errors.append(_line_error(lineno, "invalid_json", "This line is not valid JSON."))
+                continue
+            if not isinstance(item, dict):
+                errors.append(_line_error(lineno, "invalid_request", "Each line must be a JSON object."))
+                continue
+            custom_id = item.get("custom_id")
+            if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
+                errors.append(_line_error(lineno, "missing_required_parameter",
+                                          "'custom_id' must be a non-empty string.", "custom_id"))
+                continue
+            if custom_id in seen:
+                errors.append(_line_error(lineno, "duplicate_custom_id",
+                                          f"The custom_id '{custom_id}' appears more than once.", "custom_id"))
+                continue
+            seen.add(custom_id)
+            if item.get("method", "POST") != "POST":
+                errors.append(_line_error(lineno, "invalid_method", "'method' must be POST.", "method"))
+                continue
+            if item.get("url") != batch.endpoint:
+                errors.append(_line_error(lineno, "invalid_url", f"'url' must be '{batch.endpoint}' to match "
+                                          f"the batch endpoint, got {item.get('url')!r}.", "url"))
+                continue
+            try:
+                checked = bodies.check(item.get("body"), batch.endpoint, served_model=served_model,
+                                       max_tokens_cap=quota.max_tokens_per_request)
+            except Exception as exc:  # APIError carries message and param
+                errors.append(_line_error(lineno, getattr(exc, "code", None) or "invalid_body",
+                                          getattr(exc, "message", str(exc)), f"body.{getattr(exc, 'param', '')}"))
+                continue
+            if errors:
+                continue  # keep validating, stop writing: the batch will fail as a whole
+            job_id = new_id("job_")
+            tokens += checked.estimated_tokens
+            rows.append(dict(id=job_id, tenant_id=batch.tenant_id, batch_id=batch.id, custom_id=custom_id,
+                             sla_class=sla, status=JobStatus.queued.value, endpoint=batch.endpoint,
+                             request=checked.body, estimated_tokens=checked.estimated_tokens, attempts=0,
+                             created_at=now, queued_at=now))
+            created.append((job_id, sla))
+            if len(rows) >= chunk_size:
+                s.execute(insert(Job), rows)
+                rows = []
+    if not errors and not created:
+        errors.append(_line_error(0, "empty_file", "The input file holds no requests."))
+    if not errors:
+        if rows:
+            s.execute(insert(Job), rows)
+        quotas.check_budget(s, quota, tokens)
+        quotas.reserve_queued(s, quota, len(created))
+    return errors, created
+
+
+def request_counts(s: Session, batch: Batch) -> dict:
+    if batch.status not in ACTIVE:
+        return {"total": batch.total, "completed": batch.completed, "failed": batch.failed}
+    counts = dict(s.execute(select(Job.status, func.count()).where(Job.batch_id == batch.id)
+                            .group_by(Job.status)).all())
+    failed = counts.get(JobStatus.failed, 0) + counts.get(JobStatus.expired, 0)
+    return {"total": batch.total, "completed": counts.get(JobStatus.completed, 0), "failed": failed}
+
+
+def cancel(s: Session, batch: Batch) -> None:
+    """in_progress → cancelling: queued jobs are cancelled now, running ones finish or are aborted."""
+    now = utcnow()
+    n = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == JobStatus.queued)
+                  .values(status=JobStatus.cancelled, finished_at=now)).rowcount
+    if n:
+        s.execute(update(Tenant).where(Tenant.id == batch.tenant_id)
+                  .values(queued_count=Tenant.queued_count - n))
+    batch.status, batch.cancelling_at = BatchStatus.cancelling, now
+
+
+def _result_line(job: Job, model: str | None) -> str:
+    created = int(job.finished_at.timestamp()) if job.finished_at else None
+    usage = {"prompt_tokens": job.prompt_tokens or 0, "completion_tokens": job.completion_tokens or 0,
+             "total_tokens": (job.prompt_tokens or 0) + (job.completion_tokens or 0)}
+    if job.endpoint == bodies.CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": job.output},
+                  "finish_reason": job.finish_reason, "logprobs": None}
+        body = {"id": job.id, "object": "chat.completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage}
+    else:
+        choice = {"index": 0, "text": job.output, "finish_reason": job.finish_reason, "logprobs": None}
+        body = {"id": job.id, "object": "text_completion", "created": created, "model": model,
+                "choices": [choice], "usage": usage}
+    return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
+                       "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None})
+
+
+def _error_line(job: Job) -> str:
+    error = job.error or {"code": f"job_{job.status.value}", "message": f"The request was {job.status.value}."}
+    return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id, "response": None,
+                       "error": {"code": error.get("code"), "message": error.get("message")}})
+
+
+def finalize(s: Session, storage: Storage, batch: Batch, model: str | None = None) -> bool:
+    """Once no job of the batch is queued or running, write the output and error files and close it."""
+    if batch.status not in (BatchStatus.in_progress, BatchStatus.cancelling):
+        return False
+    pending = s.scalar(select(func.count()).where(Job.batch_id == batch.id,
+                                                  Job.status.in_((JobStatus.queued, JobStatus.running))))
+    if pending:
+        return False
+    now = utcnow()
+    batch.status, batch.finalizing_at = BatchStatus.finalizing, now
+    counts = {"completed": 0, "failed": 0}
+
+    def lines(want_ok: bool):
+        for job in s.scalars(select(Job).where(Job.batch_id == batch.id).order_by(Job.id)
+                             .execution_options(yield_per=1000)):
+            ok = job.status == JobStatus.completed
+            if ok == want_ok:
+                if ok:
+                    counts["completed"] += 1
+                elif job.status in (JobStatus.failed, JobStatus.expired):
+                    counts["failed"] += 1
+                yield _result_line(job, model) if ok else _error_line(job)
+
+    for want_ok, attr in ((True, "output_file_id"), (False, "error_file_id")):
+        file_id = new_id("file-")
+        size = storage.write_lines(file_id, lines(want_ok))
+        if size:
+            s.add(File(id=file_id, tenant_id=batch.tenant_id, purpose="batch_output",
+                       filename=f"{batch.id}_{'output' if want_ok else 'error'}.jsonl", bytes=size, created_at=now))
+            setattr(batch, attr, file_id)
+        else:
+            storage.delete(file_id)
+    batch.completed, batch.failed = counts["completed"], counts["failed"]
+    if batch.cancelling_at is not None:
+        batch.status, batch.cancelled_at = BatchStatus.cancelled, now
+    elif batch.expired_at is not None:
+        batch.status = BatchStatus.expired
+    else:
+        batch.status, batch.completed_at = BatchStatus.completed, now
+    return True
+
+
+def expire(s: Session, batch: Batch) -> None:
+    """Past expires_at: queued jobs expire; finalize() then closes the batch as expired output."""
+    now = utcnow()
+    n = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == JobStatus.queued)
+                  .values(status=JobStatus.expired, finished_at=now)).rowcount
+    if n:
+        s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values(queued_count=Tenant.queued_count - n))
+    batch.expired_at = now
+
+
+def default_expiry(created):
+    return created + timedelta(hours=24)

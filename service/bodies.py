@@ -1,0 +1,189 @@
+"""Validation of completion and chat request bodies (native jobs and batch lines alike).
+
+Returns the normalised body the worker interprets, plus the admission token estimate
+(prompt estimate + max_tokens). Every failure is an APIError(400) naming the parameter.
+"""
+import math
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from .errors import bad_request
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ENDPOINTS = (COMPLETIONS, CHAT)
+DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: 512}
+MAX_PROMPT_TOKEN_IDS = 1 << 20
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "n", "user", "stream"}
+ALLOWED = {COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "best_of"},
+           CHAT: _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}}
+NATIVE_EXTRA = {"sla_class", "deadline", "metadata"}
+
+
+@dataclass
+class Checked:
+    endpoint: str
+    body: dict
+    estimated_tokens: int
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _number(body, name, lo, hi, *, integer=False, lo_open=False):
+    if name not in body or body[name] is None:
+        return
+    v = body[name]
+    if not (_is_int(v) if integer else _is_num(v)) or v < lo or v > hi or (lo_open and v == lo):
+        kind = "an integer" if integer else "a number"
+        raise bad_request(f"'{name}' must be {kind} in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}.", name)
+
+
+def _estimate_text(text: str) -> int:
+    return max(1, math.ceil(len(text.encode()) / 4))
+
+
+def _check_prompt(prompt) -> int:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' must not be empty.", "prompt")
+        return _estimate_text(prompt)
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        if len(prompt) > MAX_PROMPT_TOKEN_IDS:
+            raise bad_request("'prompt' has too many token ids.", "prompt")
+        return len(prompt)
+    raise bad_request("'prompt' must be a non-empty string or a non-empty list of token ids "
+                      "(one prompt per request).", "prompt")
+
+
+def _check_messages(messages) -> int:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list.", "messages")
+    total = 0
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{where}' must be an object.", where)
+        extra = set(m) - {"role", "content", "name"}
+        if extra:
+            raise bad_request(f"'{where}' has unsupported field '{sorted(extra)[0]}'.", where)
+        if m.get("role") not in ROLES:
+            raise bad_request(f"'{where}.role' must be one of {list(ROLES)}.", f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad_request(f"'{where}.content' parts must be {{'type': 'text', 'text': str}}.",
+                                  f"{where}.content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise bad_request(f"'{where}.content' must be a string or a list of text parts.", f"{where}.content")
+        if "name" in m and not isinstance(m["name"], str):
+            raise bad_request(f"'{where}.name' must be a string.", f"{where}.name")
+        total += _estimate_text(content) + 4 if content else 4
+    return total
+
+
+def _check_stop(body):
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str) and (not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and s for s in stop)):
+        raise bad_request("'stop' must be a string or a list of at most 16 non-empty strings.", "stop")
+    ids = body.get("stop_token_ids")
+    if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids)):
+        raise bad_request("'stop_token_ids' must be a list of token ids.", "stop_token_ids")
+
+
+def check_metadata(meta, param="metadata"):
+    if meta is None:
+        return None
+    if not isinstance(meta, dict) or len(meta) > 16 or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items()):
+        raise bad_request("'metadata' must be an object of at most 16 string keys (≤64 chars) "
+                          "and string values (≤512 chars).", param)
+    return meta
+
+
+def parse_deadline(value) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        if _is_num(value):
+            when = datetime.fromtimestamp(value, timezone.utc)
+        elif isinstance(value, str):
+            when = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=timezone.utc)
+        else:
+            raise ValueError
+    except (ValueError, OverflowError, OSError):
+        raise bad_request("'deadline' must be an ISO 8601 time or a Unix timestamp.", "deadline") from None
+    if when <= datetime.now(timezone.utc):
+        raise bad_request("'deadline' is in the past.", "deadline")
+    return when
+
+
+def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int | None,
+          extra_allowed=frozenset()) -> Checked:
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.", None, "invalid_body")
+    unknown = sorted(set(body) - ALLOWED[endpoint] - set(extra_allowed))
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string.", "model")
+    if model is not None and served_model and model != served_model:
+        raise bad_request(f"The model '{model}' does not exist; this service serves '{served_model}'.",
+                          "model", "model_not_found")
+    if endpoint == COMPLETIONS:
+        if "prompt" not in body:
+            raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
+        prompt_tokens = _check_prompt(body["prompt"])
+        _number(body, "logprobs", 0, 20, integer=True)
+        if body.get("echo") not in (None, False):
+            raise bad_request("'echo' is not supported.", "echo", "unsupported_value")
+        if body.get("best_of") not in (None, 1):
+            raise bad_request("'best_of' must be 1.", "best_of", "unsupported_value")
+    else:
+        if "messages" not in body:
+            raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
+        prompt_tokens = _check_messages(body["messages"])
+        if body.get("logprobs") not in (None, True, False):
+            raise bad_request("'logprobs' must be a boolean.", "logprobs")
+        _number(body, "top_logprobs", 0, 20, integer=True)
+        _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
+    _number(body, "max_tokens", 1, 1 << 20, integer=True)
+    _number(body, "temperature", 0, 2)
+    _number(body, "top_p", 0, 1, lo_open=True)
+    _number(body, "min_p", 0, 1)
+    _number(body, "top_k", -1, 1 << 20, integer=True)
+    _number(body, "seed", -(1 << 63), (1 << 64) - 1, integer=True)
+    _number(body, "presence_penalty", -2, 2)
+    _number(body, "frequency_penalty", -2, 2)
+    _number(body, "repetition_penalty", 0, 10, lo_open=True)
+    _check_stop(body)
+    if body.get("ignore_eos") not in (None, True, False):
+        raise bad_request("'ignore_eos' must be a boolean.", "ignore_eos")
+    if body.get("n") not in (None, 1):
+        raise bad_request("'n' must be 1.", "n", "unsupported_value")
+    if body.get("stream") not in (None, False):
+        raise bad_request("'stream' is not supported for queued jobs.", "stream", "unsupported_value")
+    if "user" in body and not isinstance(body["user"], str):
+        raise bad_request("'user' must be a string.", "user")
+
+    clean = {k: v for k, v in body.items() if k not in extra_allowed and v is not None}
+    max_tokens = clean.pop("max_completion_tokens", None) or clean.get("max_tokens") \
+        or min(DEFAULT_MAX_TOKENS[endpoint], max_tokens_cap or DEFAULT_MAX_TOKENS[endpoint])
+    if max_tokens_cap is not None and max_tokens > max_tokens_cap:
+        raise bad_request(f"'max_tokens' is {max_tokens}; this tenant allows at most {max_tokens_cap}.",
+                          "max_tokens", "max_tokens_exceeded")
+    clean["max_tokens"] = max_tokens
+    return Checked(endpoint, clean, prompt_tokens + max_tokens)

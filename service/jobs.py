@@ -1,0 +1,135 @@
+"""Job state transitions. Each is a guarded UPDATE (`... WHERE status IN (...)`) plus its side effects
+(tenant counters, usage), executed in the caller's transaction; the caller commits."""
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from .models import Job, JobStatus, Quota, Tenant, Usage, utcnow
+from .quotas import period
+
+Q, R = JobStatus.queued, JobStatus.running
+
+
+@dataclass
+class Started:
+    lease_token: str | None
+    reason: str | None = None  # "not_queued" | "throttled" when lease_token is None
+
+
+def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0) -> None:
+    s.execute(update(Tenant).where(Tenant.id == tenant_id)
+              .values(queued_count=Tenant.queued_count + queued, running_count=Tenant.running_count + running))
+
+
+def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300) -> Started:
+    """queued → running, unless the tenant already runs max_running jobs (then nothing changes)."""
+    row = s.execute(select(Job.tenant_id, Quota.max_running).join(Quota, Quota.tenant_id == Job.tenant_id)
+                    .where(Job.id == job_id, Job.status == Q)).first()
+    if row is None:
+        return Started(None, "not_queued")
+    tenant_id, max_running = row
+    bump = update(Tenant).where(Tenant.id == tenant_id).values(
+        queued_count=Tenant.queued_count - 1, running_count=Tenant.running_count + 1)
+    if max_running is not None:
+        bump = bump.where(Tenant.running_count < max_running)
+    if s.execute(bump).rowcount != 1:
+        return Started(None, "throttled")
+    token, now = secrets.token_hex(16), utcnow()
+    res = s.execute(update(Job).where(Job.id == job_id, Job.status == Q).values(
+        status=R, attempts=Job.attempts + 1, lease_token=token, worker=worker, started_at=now,
+        first_token_at=None, lease_expires_at=now + timedelta(seconds=lease_seconds)))
+    if res.rowcount != 1:
+        _counters(s, tenant_id, queued=1, running=-1)
+        return Started(None, "not_queued")
+    return Started(token)
+
+
+def renew_lease(s: Session, job_id: str, lease_token: str, lease_seconds: float = 300) -> bool:
+    return s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
+                     .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))).rowcount == 1
+
+
+def first_token(s: Session, job_id: str, lease_token: str) -> bool:
+    return s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token,
+                                       Job.first_token_at.is_(None))
+                     .values(first_token_at=utcnow())).rowcount == 1
+
+
+def _add_usage(s: Session, tenant_id: str, prompt_tokens: int, completion_tokens: int) -> None:
+    values = dict(tenant_id=tenant_id, period=period(), requests=1, prompt_tokens=prompt_tokens,
+                  completion_tokens=completion_tokens)
+    insert = (postgresql if s.get_bind().dialect.name == "postgresql" else sqlite).insert
+    stmt = insert(Usage).values(**values)
+    s.execute(stmt.on_conflict_do_update(index_elements=["tenant_id", "period"], set_={
+        "requests": Usage.requests + 1, "prompt_tokens": Usage.prompt_tokens + prompt_tokens,
+        "completion_tokens": Usage.completion_tokens + completion_tokens}))
+
+
+def complete(s: Session, job_id: str, lease_token: str, *, output: str, output_token_ids: list[int] | None,
+             prompt_tokens: int, completion_tokens: int, finish_reason: str) -> bool:
+    """running → completed with the result; False (and nothing written) if the lease is not current."""
+    tenant_id = s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
+                          .values(status=JobStatus.completed, finished_at=utcnow(), output=output,
+                                  output_token_ids=output_token_ids, prompt_tokens=prompt_tokens,
+                                  completion_tokens=completion_tokens, finish_reason=finish_reason,
+                                  lease_token=None, lease_expires_at=None)
+                          .returning(Job.tenant_id)).scalar()
+    if tenant_id is None:
+        return False
+    _counters(s, tenant_id, running=-1)
+    _add_usage(s, tenant_id, prompt_tokens, completion_tokens)
+    return True
+
+
+def fail(s: Session, job_id: str, lease_token: str, error: dict, *, retry: bool = False) -> bool:
+    """running → failed, or back to queued (undispatched, so the sweeper republishes it) when retry."""
+    values = dict(lease_token=None, lease_expires_at=None, error=error)
+    if retry:
+        values.update(status=Q, queued_at=utcnow(), dispatched_at=None, worker=None)
+    else:
+        values.update(status=JobStatus.failed, finished_at=utcnow())
+    tenant_id = s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
+                          .values(**values).returning(Job.tenant_id)).scalar()
+    if tenant_id is None:
+        return False
+    _counters(s, tenant_id, queued=1 if retry else 0, running=-1)
+    return True
+
+
+def cancel(s: Session, job_id: str, tenant_id: str | None = None) -> bool:
+    """queued|running → cancelled; a running job's worker finds its lease gone and aborts."""
+    for status, counter in ((Q, "queued"), (R, "running")):
+        stmt = update(Job).where(Job.id == job_id, Job.status == status)
+        if tenant_id is not None:
+            stmt = stmt.where(Job.tenant_id == tenant_id)
+        owner = s.execute(stmt.values(status=JobStatus.cancelled, finished_at=utcnow(), lease_token=None,
+                                      lease_expires_at=None).returning(Job.tenant_id)).scalar()
+        if owner is not None:
+            _counters(s, owner, **{counter: -1})
+            return True
+    return False
+
+
+def expire_overdue(s: Session, now: datetime | None = None) -> int:
+    """queued jobs past their deadline → expired."""
+    now = now or utcnow()
+    owners = s.execute(update(Job).where(Job.status == Q, Job.deadline.is_not(None), Job.deadline < now)
+                       .values(status=JobStatus.expired, finished_at=now).returning(Job.tenant_id)).scalars().all()
+    for tenant_id in set(owners):
+        _counters(s, tenant_id, queued=-owners.count(tenant_id))
+    return len(owners)
+
+
+def reclaim_lapsed(s: Session, max_attempts: int = 3, now: datetime | None = None) -> int:
+    """running jobs whose lease lapsed (worker died) → queued again, or failed after max_attempts."""
+    now = now or utcnow()
+    lapsed = s.execute(select(Job.id, Job.tenant_id, Job.attempts, Job.lease_token)
+                       .where(Job.status == R, Job.lease_expires_at < now)).all()
+    for job_id, _tenant, attempts, token in lapsed:
+        fail(s, job_id, token, {"code": "lease_expired", "message": "The worker stopped renewing its lease."},
+             retry=attempts < max_attempts)
+    return len(lapsed)

@@ -1,0 +1,101 @@
+"""Tenant administration shared by the admin API and the CLI; every change is written to the audit log."""
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from . import keys
+from .config import SLA_CLASSES
+from .errors import APIError, bad_request
+from .models import ApiKey, AuditLog, Quota, Tenant, utcnow
+
+QUOTA_FIELDS = {
+    "requests_per_minute": int, "tokens_per_minute": int, "max_running": int, "max_queued": int,
+    "monthly_token_budget": int, "max_tokens_per_request": int, "max_file_bytes": int,
+    "allowed_sla_classes": list,
+}
+
+
+def audit(s: Session, actor: str, action: str, target: str | None, details: dict | None = None) -> None:
+    s.add(AuditLog(actor=actor, action=action, target=target, details=details, at=utcnow()))
+
+
+def check_quota_fields(values: dict) -> dict:
+    if not isinstance(values, dict):
+        raise bad_request("quota must be an object", "quota")
+    out = {}
+    for name, value in values.items():
+        if name not in QUOTA_FIELDS:
+            raise bad_request(f"Unknown quota field '{name}'.", name, "unknown_parameter")
+        if name == "allowed_sla_classes":
+            if not isinstance(value, list) or any(v not in SLA_CLASSES for v in value):
+                raise bad_request(f"allowed_sla_classes must be a list drawn from {list(SLA_CLASSES)}.", name)
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise bad_request(f"{name} must be a non-negative integer or null.", name)
+        out[name] = value
+    return out
+
+
+def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None = None,
+                  actor: str = "admin") -> tuple[Tenant, str]:
+    if not isinstance(name, str) or not name.strip() or len(name) > 200:
+        raise bad_request("name must be a non-empty string of at most 200 characters.", "name")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+        raise bad_request("weight must be a positive number.", "weight")
+    if s.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
+        raise APIError(409, f"A tenant named '{name}' already exists.", "tenant_exists", "name")
+    tenant = Tenant(name=name, weight=float(weight), disabled=False, queued_count=0, running_count=0,
+                    created_at=utcnow())
+    s.add(tenant)
+    s.flush()
+    s.add(Quota(tenant_id=tenant.id, allowed_sla_classes=list(SLA_CLASSES), **check_quota_fields(quota or {})))
+    row, key = keys.new_key_row(tenant.id)
+    s.add(row)
+    audit(s, actor, "tenant.create", tenant.id, {"name": name, "weight": weight})
+    return tenant, key
+
+
+def set_quota(s: Session, tenant_id: str, values: dict, actor: str = "admin") -> Quota:
+    values = check_quota_fields(values)
+    quota = s.get(Quota, tenant_id)
+    for name, value in values.items():
+        setattr(quota, name, value if name != "allowed_sla_classes" else list(value))
+    audit(s, actor, "quota.set", tenant_id, values)
+    return quota
+
+
+def set_disabled(s: Session, tenant_id: str, disabled: bool, actor: str = "admin") -> None:
+    s.execute(update(Tenant).where(Tenant.id == tenant_id).values(disabled=disabled))
+    audit(s, actor, "tenant.disable" if disabled else "tenant.enable", tenant_id)
+
+
+def issue_key(s: Session, tenant_id: str, actor: str = "admin") -> tuple[ApiKey, str]:
+    row, key = keys.new_key_row(tenant_id)
+    s.add(row)
+    audit(s, actor, "key.create", tenant_id, {"prefix": row.prefix})
+    return row, key
+
+
+def revoke_key(s: Session, prefix: str, actor: str = "admin") -> bool:
+    res = s.execute(update(ApiKey).where(ApiKey.prefix == prefix, ApiKey.revoked_at.is_(None))
+                    .values(revoked_at=utcnow()))
+    if res.rowcount:
+        audit(s, actor, "key.revoke", prefix)
+    return bool(res.rowcount)
+
+
+def tenant_json(t: Tenant, quota: Quota | None = None) -> dict:
+    out = {"id": t.id, "object": "tenant", "name": t.name, "weight": t.weight, "disabled": t.disabled,
+           "created_at": int(t.created_at.timestamp()), "queued_jobs": t.queued_count,
+           "running_jobs": t.running_count}
+    if quota is not None:
+        out["quota"] = quota_json(quota)
+    return out
+
+
+def quota_json(q: Quota) -> dict:
+    return {name: getattr(q, name) for name in QUOTA_FIELDS}
+
+
+def key_json(k: ApiKey) -> dict:
+    ts = lambda d: int(d.timestamp()) if d else None  # noqa: E731
+    return {"prefix": k.prefix, "tenant_id": k.tenant_id, "created_at": ts(k.created_at),
+            "revoked_at": ts(k.revoked_at), "last_used_at": ts(k.last_used_at)}
