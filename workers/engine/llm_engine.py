@@ -160,6 +160,9 @@ class LLMEngine:
             request.text = text
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
+        if reason is not None and request.text == request.detok.text:     # not cut at a stop string
+            request.detok.flush()
+            request.text = request.detok.text
         if reason is not None:
             return self._finish(request, reason, new_tokens=[token])
         # Hold back text that could still turn out to be the start of a stop string.

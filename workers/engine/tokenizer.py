@@ -83,9 +83,16 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of a stream: emit whatever is held back, even an incomplete character."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         full = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             delta = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self.text += delta
