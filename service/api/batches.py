@@ -6,7 +6,7 @@ from .. import batches as ledger, bodies, quotas
 from ..auth import tenant_required
 from ..db import session
 from ..errors import APIError, bad_request, not_found
-from ..models import Batch, BatchStatus, File, utcnow
+from ..models import Batch, BatchStatus, File, SlaClass, utcnow
 from . import cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("batches", __name__)
@@ -61,7 +61,7 @@ def create_batch():
 
     now = utcnow()
     batch = Batch(tenant_id=g.tenant.id, endpoint=body["endpoint"], input_file_id=f.id, completion_window="24h",
-                  sla_class=sla, status=BatchStatus.validating, metadata_=metadata, total=0, completed=0,
+                  sla_class=SlaClass(sla), status=BatchStatus.validating, metadata_=metadata, total=0, completed=0,
                   failed=0, created_at=now, expires_at=ledger.default_expiry(now))
     s.add(batch)
     s.commit()

@@ -11,7 +11,7 @@ from ..auth import tenant_required
 from ..config import SLA_CLASSES
 from ..db import session
 from ..errors import APIError, bad_request, not_found
-from ..models import Job, JobStatus, utcnow
+from ..models import Job, JobStatus, SlaClass, utcnow
 from . import cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("jobs", __name__)
@@ -82,7 +82,7 @@ def create_job():
     quotas.check_budget(s, quota, checked.estimated_tokens)
     quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
     now = utcnow()
-    job = Job(tenant_id=g.tenant.id, sla_class=sla, status=JobStatus.queued, endpoint=endpoint,
+    job = Job(tenant_id=g.tenant.id, sla_class=SlaClass(sla), status=JobStatus.queued, endpoint=endpoint,
               request=checked.body, metadata_=metadata, idempotency_key=key, request_hash=request_hash,
               estimated_tokens=checked.estimated_tokens, deadline=deadline, attempts=0,
               created_at=now, queued_at=now)

@@ -1,0 +1,147 @@
+"""Real backends, clean per test: Postgres databases cloned from a migrated template, a dedicated
+Redis db that is flushed, SQLite files copied from a migrated template."""
+import itertools
+import os
+import shutil
+import threading
+
+import psycopg
+import pytest
+import redis
+from werkzeug.serving import make_server
+
+from service import create_app, migrate
+
+PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
+REDIS = os.environ.get("TIDEPOOL_TEST_REDIS", "redis://127.0.0.1:6379/13")
+ADMIN = "test-admin-token"
+_counter = itertools.count()
+
+
+def _pg_exec(sql: str) -> None:
+    dsn = PG.replace("postgresql+psycopg://", "postgresql://") + "/postgres"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+@pytest.fixture(scope="session")
+def pg_template():
+    name = f"tidepool_test_tmpl_{os.getpid()}"
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    _pg_exec(f"CREATE DATABASE {name}")
+    migrate.upgrade(f"{PG}/{name}")
+    yield name
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def fresh_pg():
+    """An empty Postgres database URL (no schema), dropped afterwards."""
+    name = f"tidepool_test_{os.getpid()}_{next(_counter)}"
+    _pg_exec(f"CREATE DATABASE {name}")
+    yield f"{PG}/{name}"
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def pg_url(pg_template):
+    name = f"tidepool_test_{os.getpid()}_{next(_counter)}"
+    _pg_exec(f"CREATE DATABASE {name} TEMPLATE {pg_template}")
+    yield f"{PG}/{name}"
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sqlite") / "template.db"
+    migrate.upgrade(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture
+def sqlite_url(sqlite_template, tmp_path):
+    path = tmp_path / "ledger.db"
+    shutil.copy(sqlite_template, path)
+    return f"sqlite:///{path}"
+
+
+@pytest.fixture
+def redis_url():
+    client = redis.Redis.from_url(REDIS)
+    client.flushdb()
+    yield REDIS
+    client.flushdb()
+
+
+@pytest.fixture
+def redis_client(redis_url):
+    return redis.Redis.from_url(redis_url)
+
+
+def _dispose(app):
+    app.extensions["tidepool.engine"].dispose()
+
+
+@pytest.fixture
+def app(pg_url, redis_url, tmp_path):
+    """Production shape: Postgres ledger, Redis broker and rate limits."""
+    app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
+                      "admin_token": ADMIN})
+    yield app
+    _dispose(app)
+
+
+@pytest.fixture
+def embedded_app(sqlite_url, tmp_path):
+    """Embedded shape: SQLite ledger, in-memory broker and rate limits."""
+    from kombu.transport.memory import Channel
+    Channel.queues.clear()
+    app = create_app({"database_url": sqlite_url, "redis_url": None, "storage_dir": str(tmp_path / "storage"),
+                      "admin_token": ADMIN})
+    yield app
+    _dispose(app)
+    Channel.queues.clear()
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def any_app(request):
+    """Run a test on both ledgers."""
+    return request.getfixturevalue("app" if request.param == "postgres" else "embedded_app")
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+class Admin:
+    def __init__(self, client):
+        self.client = client
+        self.headers = {"Authorization": f"Bearer {ADMIN}"}
+
+    def tenant(self, name=None, **quota):
+        name = name or f"tenant-{next(_counter)}"
+        r = self.client.post("/v1/admin/tenants", json={"name": name, "quota": quota}, headers=self.headers)
+        assert r.status_code == 201, r.get_json()
+        body = r.get_json()
+        return body["id"], {"Authorization": f"Bearer {body['api_key']}"}
+
+
+@pytest.fixture
+def admin(client):
+    return Admin(client)
+
+
+def auth(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def live_server(app):
+    """The app on a real socket, for the official openai client."""
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    thread.join(5)
