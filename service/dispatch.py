@@ -1,6 +1,9 @@
 """Outbox: after a job row commits, publish a Celery message carrying only its id to its SLA queue,
 then record dispatched_at. republish_undispatched() is what the sweeper calls for lost publishes."""
 import logging
+import os
+import socket
+import uuid
 from collections import defaultdict
 from datetime import timedelta
 
@@ -21,6 +24,24 @@ def make_celery(broker_url: str) -> Celery:
     return app
 
 
+_ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
+_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
+
+
+def _publish_task(producer, job_id: str, queue: str) -> None:
+    """One Celery protocol-2 message for `tidepool.run_job(job_id)`, routed straight to `queue`.
+    Equivalent to `celery.send_task(TASK, args=[job_id], queue=queue)` at a fraction of the cost,
+    which matters when a 50,000-line batch is dispatched."""
+    task_id = str(uuid.uuid4())
+    headers = {"lang": "py", "task": TASK, "id": task_id, "shadow": None, "eta": None, "expires": None,
+               "group": None, "group_index": None, "retries": 0, "timelimit": [None, None],
+               "root_id": task_id, "parent_id": None, "argsrepr": repr([job_id]), "kwargsrepr": "{}",
+               "origin": _ORIGIN, "ignore_result": False}
+    producer.publish(([job_id], {}, _EMBED), exchange="", routing_key=queue, serializer="json",
+                     headers=headers, correlation_id=task_id, reply_to="", retry=False,
+                     delivery_mode=2)
+
+
 class Dispatcher:
     def __init__(self, celery: Celery, engine: Engine, chunk_size: int = 1000):
         self.celery, self.engine, self.chunk_size = celery, engine, chunk_size
@@ -36,7 +57,7 @@ class Dispatcher:
                     chunk = jobs[i:i + self.chunk_size]
                     with producer.batch(max_size=self.chunk_size):
                         for job_id, sla_class in chunk:
-                            self.celery.send_task(TASK, args=[job_id], queue=sla_class, producer=producer)
+                            _publish_task(producer, job_id, sla_class)
                     self._mark([job_id for job_id, _ in chunk])
                     sent += len(chunk)
         except Exception:  # the broker is down: the rows stay undispatched and the sweeper retries
