@@ -1,0 +1,119 @@
+"""Service ingest benchmark: sustained POST /v1/jobs rate and latency against gunicorn + Postgres + Redis,
+and the time to accept a 50,000-line batch (upload + validation + rows + dispatch).
+
+    python benchmarks/service_ingest.py [--seconds 10] [--clients 16] [--workers 4]
+
+Goals: >= 1,000 jobs/s, p99 <= 50 ms, 50,000-line batch <= 10 s. Creates and drops its own database.
+"""
+import argparse
+import http.client
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+import psycopg
+import redis
+
+PG = "postgresql://postgres@127.0.0.1:5432"
+DB = "tidepool_bench"
+REDIS = "redis://127.0.0.1:6379/11"
+ADMIN = "bench-admin"
+
+
+def _pg(sql):
+    with psycopg.connect(f"{PG}/postgres", autocommit=True) as conn:
+        conn.execute(sql)
+
+
+def _request(conn, method, path, body=None, headers=None, raw=None, ctype="application/json"):
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    conn.request(method, path, body=data, headers={"Content-Type": ctype, **(headers or {})})
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read() or b"null")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--port", type=int, default=8765)
+    args = ap.parse_args()
+
+    _pg(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
+    _pg(f"CREATE DATABASE {DB}")
+    redis.Redis.from_url(REDIS).flushdb()
+    env = {**os.environ, "TIDEPOOL_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:5432/{DB}",
+           "TIDEPOOL_REDIS_URL": REDIS, "TIDEPOOL_ADMIN_TOKEN": ADMIN,
+           "TIDEPOOL_STORAGE_DIR": tempfile.mkdtemp(prefix="tidepool-bench-")}
+    bindir = os.path.dirname(sys.executable)
+    subprocess.run([os.path.join(bindir, "tidepool"), "db", "upgrade"], env=env, check=True, capture_output=True)
+    server = subprocess.Popen([os.path.join(bindir, "gunicorn"), "-w", str(args.workers), "-k", "gthread",
+                               "--threads", "4", "--timeout", "120", "-b", f"127.0.0.1:{args.port}", "service.wsgi:app"], env=env)
+    try:
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{args.port}/healthz", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        conn = http.client.HTTPConnection("127.0.0.1", args.port)
+        _, tenant = _request(conn, "POST", "/v1/admin/tenants", {"name": "bench"},
+                             {"Authorization": f"Bearer {ADMIN}"})
+        auth = {"Authorization": f"Bearer {tenant['api_key']}"}
+        latencies, stop = [], time.perf_counter() + args.seconds
+
+        def client():
+            c = http.client.HTTPConnection("127.0.0.1", args.port)
+            mine = []
+            while time.perf_counter() < stop:
+                t = time.perf_counter()
+                status, _ = _request(c, "POST", "/v1/jobs", {"prompt": "Hello there", "max_tokens": 16}, auth)
+                assert status == 202, status
+                mine.append(time.perf_counter() - t)
+            latencies.extend(mine)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=client) for _ in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - start
+        latencies.sort()
+        rate = len(latencies) / elapsed
+        p50, p99 = latencies[len(latencies) // 2] * 1000, latencies[int(len(latencies) * 0.99)] * 1000
+        print(f"POST /v1/jobs: {rate:.0f} jobs/s ({rate / 1000:.2f}x goal), p50 {p50:.1f} ms, "
+              f"p99 {p99:.1f} ms ({50 / p99:.2f}x goal)")
+
+        lines = "\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                      "body": {"prompt": "Hello there", "max_tokens": 16}}) for i in range(50_000))
+        boundary = "benchboundary"
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.jsonl\"\r\n"
+                f"Content-Type: application/jsonl\r\n\r\n").encode() + lines.encode() + f"\r\n--{boundary}--\r\n".encode()
+        conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=120)
+        t = time.perf_counter()
+        status, f = _request(conn, "POST", "/v1/files", raw=body, headers=auth,
+                             ctype=f"multipart/form-data; boundary={boundary}")
+        assert status == 200, f
+        status, b = _request(conn, "POST", "/v1/batches", {"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                          "completion_window": "24h"}, auth)
+        dt = time.perf_counter() - t
+        assert b["status"] == "in_progress" and b["request_counts"]["total"] == 50_000, b
+        print(f"50,000-line batch accepted in {dt:.2f} s ({10 / dt:.2f}x goal)")
+    finally:
+        server.terminate()
+        server.wait(10)
+        redis.Redis.from_url(REDIS).flushdb()
+        _pg(f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
+
+
+if __name__ == "__main__":
+    main()
