@@ -191,21 +191,40 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.d
     return max(1, min(wanted, math.ceil(max_context / MIN_SPLIT_TOKENS)))
 
 
+def kernel_meta(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                device_type: str, num_splits: int = 1, max_seqlen_q: int = 1) -> dict:
+    """Constexprs and num_warps for a launch of the decode ("decode") or varlen ("varlen") kernel."""
+    # CPU tensors only run under TRITON_INTERPRET, whose tl.dot returns garbage for bf16: feed it fp32 there.
+    # fp32 dots stay exact (ieee) rather than tf32, since fp32 inputs are the tight-tolerance test path.
+    upcast = dtype == torch.bfloat16 and device_type == "cpu"
+    fp32 = dtype == torch.float32
+    block_d = triton.next_power_of_2(head_dim)
+    meta = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=block_d,
+                # no config spills registers on sm_90 (tests/kernels/test_triton_compile.py compiles them for it);
+                # fp32 dots run on FMA units and need the smallest tiles
+                BLOCK_N=16 if fp32 else 64 if head_dim <= 128 else 32,
+                PRECISION="ieee" if fp32 or upcast else "tf32", UPCAST=upcast)
+    if kind == "decode":
+        meta.update(NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(meta["GROUP"])), num_warps=4)
+    else:
+        meta.update(BLOCK_M=16 if fp32 else min(64, max(16, triton.next_power_of_2(max_seqlen_q))),
+                    num_warps=8 if block_d >= 128 else 4)
+    return meta
+
+
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, num_splits: int | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     # q [B, Hq, D], one token per sequence -> out [B, Hq, D]
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
     max_context = block_tables.shape[1] * block_size
-    block_n = 64 if head_dim <= 128 else 32
+    meta = kernel_meta("decode", num_heads, num_kv_heads, head_dim, block_size, k_cache.dtype, q.device.type)
     splits = num_splits or _num_splits(batch, num_kv_heads, max_context, q.device)
-    split_len = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
-    splits = triton.cdiv(max_context, split_len)
-    block_d = triton.next_power_of_2(head_dim)
+    split_len = triton.cdiv(triton.cdiv(max_context, splits), meta["BLOCK_N"]) * meta["BLOCK_N"]
+    meta["NUM_SPLITS"] = splits = triton.cdiv(max_context, split_len)
     if splits > 1:
         part_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
@@ -214,14 +233,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(1), k_cache.stride(2), split_len,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_SPLITS=splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        **_dot_args(k_cache), num_warps=4)
+        k_cache.stride(1), k_cache.stride(2), split_len, **meta)
     if splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads,
-            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+            HEAD_DIM=head_dim, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=meta["BLOCK_D"],
             num_warps=4)
     return out
 
@@ -234,25 +250,14 @@ def paged_varlen(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, 
     num_seqs = block_tables.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    block_m = min(64, max(16, triton.next_power_of_2(max_seqlen_q)))
-    block_n = 64 if head_dim <= 128 else 32
-    grid = (triton.cdiv(max_seqlen_q, block_m), num_heads, num_seqs)
+    meta = kernel_meta("varlen", num_heads, num_kv_heads, head_dim, block_size, k_cache.dtype, q.device.type,
+                       max_seqlen_q=max_seqlen_q)
+    grid = (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), num_heads, num_seqs)
     _varlen_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
         scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        k_cache.stride(1), k_cache.stride(2),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n,
-        **_dot_args(k_cache), num_warps=4)
+        k_cache.stride(1), k_cache.stride(2), **meta)
     return out
-
-
-def _dot_args(k_cache: torch.Tensor) -> dict:
-    # CPU tensors only run under TRITON_INTERPRET, whose tl.dot returns garbage for bf16: feed it fp32 there.
-    # fp32 dots stay exact (ieee) rather than tf32, since fp32 inputs are the tight-tolerance test path.
-    upcast = k_cache.dtype == torch.bfloat16 and k_cache.device.type == "cpu"
-    exact = upcast or k_cache.dtype == torch.float32
-    return {"PRECISION": "ieee" if exact else "tf32", "UPCAST": upcast}
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q: int,
