@@ -153,3 +153,26 @@ def test_embedded_mode_publishes_in_process(embedded_app):
     client.post("/v1/jobs", json=PROMPT, headers=key)
     depths = embedded_app.extensions["tidepool.dispatcher"].queue_depths()
     assert depths["interactive"] == 1 and depths["batch"] == 0
+
+
+def test_a_real_celery_worker_consumes_the_published_messages(client, admin, redis_url):
+    from celery import Celery
+    from celery.contrib.testing.worker import start_worker
+    from kombu import Queue
+
+    _, key = admin.tenant()
+    ids = [client.post("/v1/jobs", json={**PROMPT, "sla_class": "batch"}, headers=key).get_json()["id"]
+           for _ in range(3)]
+    got, done = [], threading.Event()
+    worker_app = Celery("test-worker", broker=redis_url, set_as_current=False)
+    worker_app.conf.update(task_queues=[Queue("batch")], worker_hijack_root_logger=False)
+
+    @worker_app.task(name="tidepool.run_job")
+    def run_job(job_id):
+        got.append(job_id)
+        if len(got) == len(ids):
+            done.set()
+
+    with start_worker(worker_app, pool="solo", perform_ping_check=False, queues=["batch"], loglevel="WARNING"):
+        assert done.wait(15)
+    assert sorted(got) == sorted(ids)
