@@ -94,7 +94,8 @@ def _check_messages(messages) -> int:
 
 def _check_stop(body):
     stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and (not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and s for s in stop)):
+    if stop is not None and not isinstance(stop, str) and (
+            not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and s for s in stop)):
         raise bad_request("'stop' must be a string or a list of at most 16 non-empty strings.", "stop")
     ids = body.get("stop_token_ids")
     if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids)):

@@ -11,11 +11,18 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=30000")
             cur.close()
+
+        # Take the write lock when a transaction begins: a read-then-write transaction could
+        # otherwise fail with SQLITE_BUSY_SNAPSHOT instead of waiting for a concurrent writer.
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True,

@@ -56,7 +56,8 @@ def test_monthly_budget(client, admin, app):
     assert int(r.headers["Retry-After"]) > 0
 
 
-def test_concurrent_submissions_respect_max_queued(app, pg_url):
+def test_concurrent_submissions_respect_max_queued(any_app):
+    app = any_app
     client = app.test_client()
     tenant_id, key = Admin(client).tenant(max_queued=5)
     results, barrier = [], threading.Barrier(12)
