@@ -1,6 +1,7 @@
 """Job state transitions. Each is a guarded UPDATE (`... WHERE status IN (...)`) plus its side effects
 (tenant counters, usage), executed in the caller's transaction; the caller commits."""
 import secrets
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -17,7 +18,7 @@ Q, R = JobStatus.queued, JobStatus.running
 @dataclass
 class Started:
     lease_token: str | None
-    reason: str | None = None  # "not_queued" | "throttled" when lease_token is None
+    reason: str | None = None  # "not_queued" | "throttled" | "expired" when lease_token is None
 
 
 def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0) -> None:
@@ -26,12 +27,15 @@ def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0) -> 
 
 
 def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300) -> Started:
-    """queued → running, unless the tenant already runs max_running jobs (then nothing changes)."""
-    row = s.execute(select(Job.tenant_id, Quota.max_running).join(Quota, Quota.tenant_id == Job.tenant_id)
-                    .where(Job.id == job_id, Job.status == Q)).first()
+    """queued → running, unless the tenant already runs max_running jobs (then nothing changes)
+    or the job is past its deadline (then it expires)."""
+    row = s.execute(select(Job.tenant_id, Job.deadline, Quota.max_running)
+                    .join(Quota, Quota.tenant_id == Job.tenant_id).where(Job.id == job_id, Job.status == Q)).first()
     if row is None:
         return Started(None, "not_queued")
-    tenant_id, max_running = row
+    tenant_id, deadline, max_running = row
+    if deadline is not None and deadline <= utcnow():
+        return Started(None, "expired" if expire_overdue(s, job_id=job_id) else "not_queued")
     bump = update(Tenant).where(Tenant.id == tenant_id).values(
         queued_count=Tenant.queued_count - 1, running_count=Tenant.running_count + 1)
     if max_running is not None:
@@ -114,13 +118,15 @@ def cancel(s: Session, job_id: str, tenant_id: str | None = None) -> bool:
     return False
 
 
-def expire_overdue(s: Session, now: datetime | None = None) -> int:
-    """queued jobs past their deadline → expired."""
+def expire_overdue(s: Session, now: datetime | None = None, job_id: str | None = None) -> int:
+    """queued jobs past their deadline → expired (all of them, or just job_id)."""
     now = now or utcnow()
-    owners = s.execute(update(Job).where(Job.status == Q, Job.deadline.is_not(None), Job.deadline < now)
-                       .values(status=JobStatus.expired, finished_at=now).returning(Job.tenant_id)).scalars().all()
-    for tenant_id in set(owners):
-        _counters(s, tenant_id, queued=-owners.count(tenant_id))
+    stmt = update(Job).where(Job.status == Q, Job.deadline.is_not(None), Job.deadline <= now)
+    if job_id is not None:
+        stmt = stmt.where(Job.id == job_id)
+    owners = s.execute(stmt.values(status=JobStatus.expired, finished_at=now).returning(Job.tenant_id)).scalars().all()
+    for tenant_id, n in Counter(owners).items():
+        _counters(s, tenant_id, queued=-n)
     return len(owners)
 
 
