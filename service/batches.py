@@ -28,13 +28,16 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
     now = utcnow()
     sla = batch.sla_class.value
     with storage.open(batch.input_file_id) as fh:
+        count = 0
+        for lineno, raw in enumerate(fh, 1):
+            count += bool(raw.strip())
+            if count > max_lines:
+                return [_line_error(lineno, "too_many_lines",
+                                    f"A batch file may hold at most {max_lines} requests.")], []
+        fh.seek(0)
         for lineno, raw in enumerate(fh, 1):
             if not raw.strip():
                 continue
-            if len(seen) + len(errors) >= max_lines:
-                errors.append(_line_error(lineno, "too_many_lines",
-                                          f"A batch file may hold at most {max_lines} requests."))
-                break
             try:
                 item = json.loads(raw)
             except (ValueError, UnicodeDecodeError):
