@@ -7,7 +7,6 @@ Goals: >= 1,000 jobs/s, p99 <= 50 ms, 50,000-line batch <= 10 s. Creates and dro
 """
 import argparse
 import http.client
-import io
 import json
 import os
 import subprocess
@@ -55,7 +54,8 @@ def main():
     bindir = os.path.dirname(sys.executable)
     subprocess.run([os.path.join(bindir, "tidepool"), "db", "upgrade"], env=env, check=True, capture_output=True)
     server = subprocess.Popen([os.path.join(bindir, "gunicorn"), "-w", str(args.workers), "-k", "gthread",
-                               "--threads", "4", "--timeout", "120", "-b", f"127.0.0.1:{args.port}", "service.wsgi:app"], env=env)
+                               "--threads", "4", "--timeout", "120", "-b", f"127.0.0.1:{args.port}",
+                               "service.wsgi:app"], env=env)
     try:
         for _ in range(100):
             try:
@@ -97,14 +97,15 @@ def main():
         boundary = "benchboundary"
         body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
                 f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.jsonl\"\r\n"
-                f"Content-Type: application/jsonl\r\n\r\n").encode() + lines.encode() + f"\r\n--{boundary}--\r\n".encode()
+                f"Content-Type: application/jsonl\r\n\r\n").encode() + lines.encode() \
+            + f"\r\n--{boundary}--\r\n".encode()
         conn = http.client.HTTPConnection("127.0.0.1", args.port, timeout=120)
         t = time.perf_counter()
         status, f = _request(conn, "POST", "/v1/files", raw=body, headers=auth,
                              ctype=f"multipart/form-data; boundary={boundary}")
         assert status == 200, f
-        status, b = _request(conn, "POST", "/v1/batches", {"input_file_id": f["id"], "endpoint": "/v1/completions",
-                                                          "completion_window": "24h"}, auth)
+        status, b = _request(conn, "POST", "/v1/batches", {
+            "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}, auth)
         dt = time.perf_counter() - t
         assert b["status"] == "in_progress" and b["request_counts"]["total"] == 50_000, b
         print(f"50,000-line batch accepted in {dt:.2f} s ({10 / dt:.2f}x goal)")

@@ -5,7 +5,6 @@ import json
 from service.openapi import ROUTES
 from workers import cli
 
-from .conftest import Admin
 
 
 def test_no_route_leaks_another_tenants_object(client, admin):
