@@ -1,8 +1,7 @@
-"""Triton kernels against their torch references, on CPU under TRITON_INTERPRET=1 (set in conftest.py)."""
+"""Triton kernels against their torch references: on the GPU when there is one, else on CPU tensors under
+TRITON_INTERPRET=1 (set in conftest.py)."""
 import os
 import random
-
-os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ from kernels.paged_attention import paged_attention_ref, store_kv_ref
 from kernels.triton_kv_store import store_kv_triton
 from kernels.triton_paged_attention import paged_attention_triton
 
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
@@ -38,7 +38,9 @@ def make_batch(rng: random.Random, q_lens, contexts, num_heads, num_kv_heads, he
         cache.view(-1, num_kv_heads, head_dim)[~owned] = float("nan")
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
-    return q, k_cache, v_cache, tables[:, :width], torch.tensor(contexts, dtype=torch.int32), cu
+    tables = tables.to(DEVICE)[:, :width]   # sliced after the copy, which would not keep the row stride
+    batch = (q, k_cache, v_cache, tables, torch.tensor(contexts, dtype=torch.int32), cu)
+    return tuple(t.to(DEVICE) for t in batch)
 
 
 def random_context(rng: random.Random, block_size: int, longest: int) -> int:
@@ -143,11 +145,13 @@ def test_store_kv_matches_reference(dtype, seed):
     rng = random.Random(seed)
     num_kv_heads, head_dim, block_size = rng.choice([(1, 16), (2, 32), (4, 16)]) + (rng.choice([16, 32]),)
     num_blocks, n = 6, rng.randint(1, 40)
-    qkv = torch.randn(n, 3, num_kv_heads, head_dim).to(dtype)   # key/value are strided views, as from a fused qkv
+    # key/value are strided views, as from a fused qkv projection
+    qkv = torch.randn(n, 3, num_kv_heads, head_dim).to(dtype).to(DEVICE)
     key, value = qkv[:, 1], qkv[:, 2]
     slots = torch.tensor(rng.sample(range(num_blocks * block_size), n))
     slots[torch.rand(n) < 0.3] = -1
-    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype) for _ in range(2)]
+    slots = slots.to(DEVICE)
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype).to(DEVICE) for _ in range(2)]
     expected = [c.clone() for c in caches]
     store_kv_triton(key, value, *caches, slots)
     store_kv_ref(key, value, *expected, slots)
@@ -155,10 +159,10 @@ def test_store_kv_matches_reference(dtype, seed):
 
 
 def test_store_kv_casts_to_cache_dtype():
-    key, value = torch.randn(2, 5, 2, 16)
-    slots = torch.tensor([3, -1, 9, 0, 31])
+    key, value = torch.randn(2, 5, 2, 16, device=DEVICE)
+    slots = torch.tensor([3, -1, 9, 0, 31], device=DEVICE)
     for dtype, tol in ((torch.float16, 0.0), (torch.bfloat16, 2 ** -7)):   # interpreter truncates to bf16, GPU rounds
-        caches = [torch.zeros(2, 16, 2, 16, dtype=dtype) for _ in range(2)]
+        caches = [torch.zeros(2, 16, 2, 16, dtype=dtype, device=DEVICE) for _ in range(2)]
         expected = [c.clone() for c in caches]
         store_kv_triton(key, value, *caches, slots)
         store_kv_ref(key, value, *expected, slots)
@@ -167,11 +171,11 @@ def test_store_kv_casts_to_cache_dtype():
 
 
 def test_store_kv_rejects_mismatched_shapes():
-    caches = [torch.zeros(2, 16, 2, 16) for _ in range(2)]
+    caches = [torch.zeros(2, 16, 2, 16, device=DEVICE) for _ in range(2)]
     with pytest.raises(AssertionError, match="cache heads/dim"):
         store_kv_triton(torch.zeros(3, 2, 32), torch.zeros(3, 2, 32), *caches, torch.zeros(3, dtype=torch.long))
     with pytest.raises(AssertionError, match="contiguous within a token"):
-        key = torch.zeros(3, 16, 2).transpose(1, 2)
+        key = torch.zeros(3, 16, 2, device=DEVICE).transpose(1, 2)
         store_kv_triton(key, key, *caches, torch.zeros(3, dtype=torch.long))
 
 
@@ -180,11 +184,11 @@ def test_attention_interface_triton_backend(index_dtype):
     rng = random.Random(11)
     q, k_cache, v_cache, tables, contexts, cu = make_batch(rng, [3, 1], [19, 33], 4, 2, 16, 16, torch.float16)
     tables, contexts, cu = tables.to(index_dtype), contexts.to(index_dtype), cu.to(index_dtype)
-    key, value = torch.randn(2, 4, 2, 16).half()
-    slots = torch.tensor([tables[0, 1].item() * 16 + 0, -1, tables[1, 2].item() * 16 + 0, -1], dtype=index_dtype)
+    key, value = torch.randn(2, 4, 2, 16, device=DEVICE).half()
+    slots = torch.tensor([tables[0, 1] * 16, -1, tables[1, 2] * 16, -1], dtype=index_dtype, device=DEVICE)
     for backend in ("torch", "triton"):
         attention.store_kv(backend, key, value, k_cache, v_cache, slots)
-    decode_cu = torch.arange(3, dtype=index_dtype)   # the same sequences as an all-decode batch
+    decode_cu = torch.arange(3, dtype=index_dtype, device=DEVICE)   # the same sequences as an all-decode batch
     for q_rows, meta in ((q, (tables, contexts, cu, 3)), (q[2:], (tables, contexts, decode_cu, 1))):
         ref = attention.paged_attention("torch", q_rows, k_cache, v_cache, *meta, 0.25)
         check(attention.paged_attention("triton", q_rows, k_cache, v_cache, *meta, 0.25), ref, torch.float16)
