@@ -10,6 +10,7 @@ Both gather cache rows token by token through the block table, so any block size
 grids from host-known shapes (block table width, max_seqlen_q), never from context_lens, so neither syncs.
 Softmax runs in base 2 with fp32 accumulators; a sequence with no keys (context 0, e.g. a padding row) gets zeros.
 """
+import functools
 import math
 
 import torch
@@ -182,11 +183,13 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q):
         "tensors on different devices"
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
 def _num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    else:
-        sms = 8
+    sms = _sm_count(device)
     wanted = math.ceil(2 * sms / (batch * num_kv_heads))
     return max(1, min(wanted, math.ceil(max_context / MIN_SPLIT_TOKENS)))
 
@@ -212,12 +215,12 @@ def kernel_meta(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, blo
     return meta
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, num_splits: int | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float,
+                 num_splits: int | None = None) -> torch.Tensor:
     # q [B, Hq, D], one token per sequence -> out [B, Hq, D]
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty_like(q)
     if batch == 0:
         return out
     max_context = block_tables.shape[1] * block_size

@@ -60,7 +60,7 @@ CASES = [  # (seed, dtype, head_dim, block_size, gqa)
     (0, torch.float32, 16, 16, 1), (1, torch.float32, 32, 32, 2), (2, torch.float32, 64, 16, 4),
     (3, torch.float16, 16, 16, 4), (4, torch.float16, 64, 32, 1), (5, torch.float16, 32, 16, 2),
     (6, torch.bfloat16, 16, 32, 2), (7, torch.bfloat16, 64, 16, 4), (8, torch.bfloat16, 128, 16, 1),
-    (9, torch.float32, 128, 32, 4),
+    (9, torch.float32, 128, 32, 4), (26, torch.float32, 80, 16, 2), (27, torch.bfloat16, 96, 32, 4),
 ]
 _draw = random.Random(2024)
 CASES += [(seed, _draw.choice(list(TOL)), _draw.choice([16, 32, 64]), _draw.choice([16, 32]), _draw.choice([1, 2, 4]))
