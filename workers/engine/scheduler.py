@@ -109,6 +109,8 @@ class Scheduler:
             if seq in batch.preempted:
                 continue   # made room for a higher-ranked sequence in this very step
             waiting = seq.status == SequenceStatus.WAITING
+            if waiting and any(p.rank <= seq.rank for p in batch.preempted):
+                break      # don't admit work that ranks no higher than what this step just evicted
             if waiting and len(self.running) >= self.max_num_seqs:
                 victim = self._victim(seq, scheduled, strictly_lower=True)
                 if victim is None:
