@@ -24,10 +24,10 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]):
         """logits [S, V] (fp32) -> (token ids [S], per-row logprob info or None)."""
-        logits = logits.float()
+        logits = logits.float().clone()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
