@@ -145,3 +145,21 @@ def test_generation_stops_at_max_model_len(tiny_model_dir):
     llm.engine, llm.tokenizer, llm._counter = engine, engine.tokenizer, 0
     out = llm.generate([list(range(3, 33))], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.prompt_token_ids) + len(out.token_ids) == 40
+
+
+def test_repetition_penalty_matches_transformers_greedy(llm):
+    from transformers import AutoModelForCausalLM
+    prompt = [11, 12, 13, 11, 12]
+    out = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                repetition_penalty=1.8))[0]
+    model = AutoModelForCausalLM.from_pretrained(llm.engine.config.model, dtype=torch.float32).eval()
+    ref = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=20, min_new_tokens=20, do_sample=False, repetition_penalty=1.8, pad_token_id=0)
+    assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_min_p_one_keeps_only_the_top_token(llm):
+    greedy = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    out = llm.generate([[7, 8, 9]], SamplingParams(max_tokens=12, temperature=2.0, min_p=1.0, seed=1,
+                                                   ignore_eos=True))[0]
+    assert out.token_ids == greedy.token_ids

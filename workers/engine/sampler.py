@@ -32,7 +32,7 @@ class Sampler:
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         for i, seq in enumerate(seqs):
-            if seq.params.has_penalties and seq.num_output_tokens:
+            if seq.params.has_penalties:
                 self._apply_penalties(logits[i], seq)
         tokens = logits.argmax(dim=-1)
         for i, seq in enumerate(seqs):
@@ -49,6 +49,8 @@ class Sampler:
                 drop = cum - torch.softmax(sorted_logits, dim=-1) >= p.top_p     # keep the token that crosses top_p
                 row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
             probs = torch.softmax(row, dim=-1)
+            if p.min_p > 0.0:
+                probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
             # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, using only this request's generator.
             noise = torch.empty_like(probs).exponential_(generator=self.generator_for(seq))
             tokens[i] = (probs / noise).argmax()
@@ -56,9 +58,15 @@ class Sampler:
         return token_list, self._logprobs(raw_logprobs, seqs, token_list)
 
     def _apply_penalties(self, row: torch.Tensor, seq: Sequence) -> None:
-        out = torch.tensor(seq.output_token_ids, device=row.device)
-        counts = torch.zeros_like(row).scatter_add_(0, out, torch.ones_like(out, dtype=row.dtype))
-        row -= seq.params.frequency_penalty * counts + seq.params.presence_penalty * (counts > 0).to(row.dtype)
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device)
+            picked = row[seen]
+            row[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if seq.num_output_tokens and (p.frequency_penalty or p.presence_penalty):
+            out = torch.tensor(seq.output_token_ids, device=row.device)
+            counts = torch.zeros_like(row).scatter_add_(0, out, torch.ones_like(out, dtype=row.dtype))
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
 
     @staticmethod
     def _logprobs(raw: torch.Tensor | None, seqs: list[Sequence], tokens: list[int]):
