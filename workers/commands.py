@@ -9,6 +9,16 @@ def register(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=make_tiny_model)
 
+    p = sub.add_parser("run-batch", help="run an OpenAI Batch JSONL file through the engine, offline")
+    p.add_argument("-i", "--input", required=True, help="input JSONL (custom_id, method, url, body per line)")
+    p.add_argument("-o", "--output", required=True, help="output JSONL (OpenAI Batch output format)")
+    p.add_argument("--model", default=None, help="model folder (default: $TIDEPOOL_MODEL)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_batch)
+
     models = sub.add_parser("models", help="manage the models folder ($TIDEPOOL_MODELS_DIR, default ./models)")
     models_sub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     p = models_sub.add_parser("pull", help="download a known model once and write it as an HF folder")
@@ -41,4 +51,26 @@ def models_list(args) -> int:
 
     for name in list_models():
         print(models_dir() / name)
+    return 0
+
+
+def run_batch(args) -> int:
+    import json
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from workers.batch_runner import run_batch
+    from workers.engine import EngineConfig, LLMEngine
+
+    model = args.model or os.environ.get("TIDEPOOL_MODEL")
+    if not model:
+        print("no model: pass --model DIR or set TIDEPOOL_MODEL", file=sys.stderr)
+        return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = LLMEngine(EngineConfig(model=model, device=device, max_num_seqs=args.max_num_seqs,
+                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    counts = run_batch(engine, args.input, args.output, Path(model).name, progress=not args.no_progress)
+    print(json.dumps(counts))
     return 0

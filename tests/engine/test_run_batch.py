@@ -1,0 +1,66 @@
+"""`tidepool run-batch` end to end on a tiny model, malformed lines included."""
+import json
+
+from workers.cli import main
+from workers.engine import LLM, SamplingParams
+
+
+def test_run_batch_end_to_end(tiny_model_dir, tmp_path, capsys):
+    model_dir = tiny_model_dir("llama-gqa")
+    chat = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a reef fish."}]
+    good = {
+        "c1": ("/v1/completions", {"prompt": "The tide comes in", "max_tokens": 8, "temperature": 0}),
+        "c2": ("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 5, "temperature": 0, "logprobs": 2}),
+        "chat1": ("/v1/chat/completions", {"messages": chat, "max_tokens": 6, "temperature": 0}),
+    }
+    lines = [json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+             for cid, (url, body) in good.items()]
+    lines[1:1] = [
+        "{not json",
+        json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+        json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}),
+        json.dumps({"custom_id": "bad-temp", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "x", "temperature": 9}}),
+        json.dumps({"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "dup"}}),
+        json.dumps({"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": list(range(3, 2000))}}),
+    ]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+
+    assert main(["run-batch", "-i", str(src), "-o", str(dst), "--model", model_dir, "--no-progress"]) == 0
+    counts = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert counts["total"] == 9 and counts["completed"] == 3 and counts["failed"] == 6
+
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert len(out) == 9
+    errors = [o for o in out if o["error"]]
+    codes = sorted(o["error"]["code"] for o in errors)
+    assert codes == sorted(["invalid_json", "missing_custom_id", "invalid_url", "invalid_value",
+                            "duplicate_custom_id", "invalid_request"])
+    assert all(o["response"] is None and "line " in o["error"]["message"] for o in errors)
+
+    results = {o["custom_id"]: o["response"] for o in out if not o["error"]}
+    llm = LLM(model_dir)
+    tok = llm.tokenizer
+    expected = {
+        "c1": llm.generate([tok.encode("The tide comes in")], SamplingParams(max_tokens=8, temperature=0))[0],
+        "c2": llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=5, temperature=0))[0],
+        "chat1": llm.generate([tok.encode_chat(chat)], SamplingParams(max_tokens=6, temperature=0))[0],
+    }
+    for cid, ref in expected.items():
+        response = results[cid]
+        assert response["status_code"] == 200
+        body = response["body"]
+        usage = body["usage"]
+        assert usage == {"prompt_tokens": len(ref.prompt_token_ids), "completion_tokens": len(ref.token_ids),
+                         "total_tokens": len(ref.prompt_token_ids) + len(ref.token_ids)}
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == ref.finish_reason
+        if cid == "chat1":
+            assert body["object"] == "chat.completion" and choice["message"] == {"role": "assistant",
+                                                                               "content": ref.text}
+        else:
+            assert body["object"] == "text_completion" and choice["text"] == ref.text
+    lp = results["c2"]["body"]["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == 5 and all(len(top) == 2 for top in lp["top_logprobs"])
