@@ -7,7 +7,7 @@ from .config import Config
 def create_app(test_config: dict | Config | None = None) -> Flask:
     import redis as redis_lib
 
-    from . import db, errors
+    from . import db, errors, metrics, panel
     from .api import admin, batches, files, health, jobs
     from .dispatch import Dispatcher, make_celery
     from .quotas import MemoryLimiter, RedisLimiter
@@ -34,4 +34,6 @@ def create_app(test_config: dict | Config | None = None) -> Flask:
                                                        cfg.dispatch_chunk_size)
     for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp):
         app.register_blueprint(bp)
+    metrics.init_app(app)
+    panel.init_app(app)
     return app

@@ -7,6 +7,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from .errors import APIError
+from .metrics import quota_rejected
 from .models import Quota, Tenant, Usage
 
 WINDOW = 60
@@ -64,6 +65,7 @@ def check_rate(limiter, quota: Quota, tokens: int, now: float | None = None) -> 
     if quota.requests_per_minute is None and quota.tokens_per_minute is None:
         return
     if quota.tokens_per_minute is not None and tokens > quota.tokens_per_minute:
+        quota_rejected(quota.tenant_id, "request_too_large")
         raise APIError(400, f"This request needs {tokens} tokens (prompt + max_tokens), more than the "
                             f"{quota.tokens_per_minute} tokens per minute this tenant is allowed.",
                        "request_too_large", "max_tokens")
@@ -71,6 +73,7 @@ def check_rate(limiter, quota: Quota, tokens: int, now: float | None = None) -> 
     verdict = limiter.hit(quota.tenant_id, quota.requests_per_minute, quota.tokens_per_minute, tokens, now)
     if verdict:
         code, what = _REASONS[verdict]
+        quota_rejected(quota.tenant_id, code)
         raise APIError(429, f"Rate limit reached for {what}; retry after the window resets.", code,
                        retry_after=WINDOW - int(now) % WINDOW)
 
@@ -91,6 +94,7 @@ def check_budget(s: Session, quota: Quota, tokens: int) -> None:
     used = s.scalar(select(func.coalesce(Usage.prompt_tokens + Usage.completion_tokens, 0))
                     .where(Usage.tenant_id == quota.tenant_id, Usage.period == period(now))) or 0
     if used + tokens > quota.monthly_token_budget:
+        quota_rejected(quota.tenant_id, "insufficient_quota")
         raise APIError(429, f"Monthly token budget exhausted: {used} of {quota.monthly_token_budget} tokens "
                             f"used, this request needs up to {tokens}.", "insufficient_quota",
                        retry_after=_seconds_to_next_month(now))
@@ -102,11 +106,13 @@ def reserve_queued(s: Session, quota: Quota, n: int) -> None:
     if quota.max_queued is not None:
         stmt = stmt.where(Tenant.queued_count + n <= quota.max_queued)
     if s.execute(stmt).rowcount != 1:
+        quota_rejected(quota.tenant_id, "max_queued")
         raise APIError(429, f"Too many queued jobs: this tenant may have at most {quota.max_queued} "
                             f"queued and this request adds {n}.", "max_queued", retry_after=1)
 
 
 def check_class(quota: Quota, sla_class: str) -> None:
     if sla_class not in (quota.allowed_sla_classes or []):
+        quota_rejected(quota.tenant_id, "sla_class_not_allowed")
         raise APIError(403, f"SLA class '{sla_class}' is not allowed for this tenant.",
                        "sla_class_not_allowed", "sla_class")

@@ -11,6 +11,7 @@ from ..auth import tenant_required
 from ..config import SLA_CLASSES
 from ..db import session
 from ..errors import APIError, bad_request, not_found
+from ..logging import log_job
 from ..models import Job, JobStatus, SlaClass, utcnow
 from . import cfg, ext, json_body, limit_arg, page, ts
 
@@ -101,6 +102,7 @@ def create_job():
         raise
     if ext("dispatcher").publish([(job.id, sla)]):
         job.dispatched_at = utcnow()
+    log_job("job.queued", job)
     return job_json(job), 202
 
 
@@ -142,4 +144,5 @@ def cancel_job(job_id):
         raise APIError(409, f"Job '{job_id}' is already {job.status.value}.", "job_not_cancellable")
     s.commit()
     s.refresh(job)
+    log_job("job.cancelled", job, actor="tenant")
     return job_json(job)

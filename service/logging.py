@@ -1,0 +1,74 @@
+"""Structured logs: one JSON object per line. Lines about a job carry job_id, tenant and sla_class;
+API keys, bearer tokens and the admin token are scrubbed from every line before it is written."""
+import json
+import logging
+import re
+import sys
+import time
+
+# Context fields copied from `extra=` onto the JSON line when present.
+FIELDS = ("job_id", "batch_id", "tenant", "sla_class", "status", "worker", "actor", "method", "route", "path",
+          "http_status", "duration_ms", "attempts", "prompt_tokens", "completion_tokens", "error_code", "event")
+_SECRETS = [
+    (re.compile(r"\b(tp_[a-z0-9]{10})_[A-Za-z0-9_\-]+"), r"\1_[redacted]"),  # full API key → its prefix
+    (re.compile(r"(?i)\b(bearer)\s+[^\s\"',]+"), r"\1 [redacted]"),
+    (re.compile(r"(?i)(admin_token|secret|password|csrf_token)([\"']?\s*[:=]\s*[\"']?)[^\s\"',&]+"),
+     r"\1\2[redacted]"),
+]
+_extra_secrets: set[str] = set()
+
+
+def register_secret(value: str | None) -> None:
+    """A literal value (the admin token, the session key) never to appear in a log line."""
+    if value and len(value) >= 8:
+        _extra_secrets.add(value)
+
+
+def scrub(text: str) -> str:
+    for pattern, repl in _SECRETS:
+        text = pattern.sub(repl, text)
+    for value in _extra_secrets:
+        text = text.replace(value, "[redacted]")
+    return text
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+                "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        for name in FIELDS:
+            value = getattr(record, name, None)
+            if value is not None:
+                line[name] = value
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return scrub(json.dumps(line, default=str))
+
+
+def configure(level: str | int = "INFO", stream=None) -> logging.Handler:
+    """Send the root logger to JSON lines on stream (stderr); idempotent."""
+    root = logging.getLogger()
+    for h in root.handlers:
+        if isinstance(h.formatter, JsonFormatter):
+            return h
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root.handlers = [handler]
+    root.setLevel(level)
+    return handler
+
+
+job_log = logging.getLogger("tidepool.jobs")
+
+
+def log_job(event: str, job=None, *, job_id: str | None = None, tenant: str | None = None,
+            sla_class: str | None = None, level: int = logging.INFO, **fields) -> None:
+    """One line about a job: pass the Job row, or its id, tenant and class."""
+    if job is not None:
+        job_id, tenant = job.id, job.tenant_id
+        sla_class = getattr(job.sla_class, "value", job.sla_class)
+        fields.setdefault("status", getattr(job.status, "value", job.status))
+        if job.batch_id:
+            fields.setdefault("batch_id", job.batch_id)
+    job_log.log(level, event, extra={"event": event, "job_id": job_id, "tenant": tenant,
+                                     "sla_class": sla_class, **fields})

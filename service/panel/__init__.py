@@ -1,0 +1,114 @@
+"""Admin panel (HTML, under /admin): the admin token is exchanged for a signed session cookie, and every
+form carries a per-session CSRF token. The JSON admin API (/v1/admin) stays bearer-only."""
+import hashlib
+import hmac
+import os
+import secrets
+from datetime import timedelta
+from pathlib import Path
+
+from flask import Blueprint, current_app, redirect, render_template, request, session, url_for
+
+from ..logging import register_secret
+
+WEB = Path(__file__).resolve().parents[2] / "web"
+bp = Blueprint("panel", __name__, url_prefix="/admin", template_folder=str(WEB / "templates"),
+               static_folder=str(WEB / "static"), static_url_path="/static")
+PUBLIC = {"panel.login", "panel.static"}
+
+
+def _token() -> str | None:
+    return current_app.config["TIDEPOOL"].admin_token
+
+
+def _fingerprint(token: str) -> str:
+    """Stored in the session instead of the token; rotating the admin token signs every operator out."""
+    return hmac.new(current_app.secret_key.encode(), token.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def signed_in() -> bool:
+    token = _token()
+    return bool(token) and hmac.compare_digest(session.get("admin", ""), _fingerprint(token))
+
+
+def csrf_token() -> str:
+    if "csrf" not in session:
+        session["csrf"] = secrets.token_urlsafe(32)
+    return session["csrf"]
+
+
+def check_token(candidate: str) -> bool:
+    token = _token()
+    return bool(token) and hmac.compare_digest(candidate.encode(), token.encode())
+
+
+def sign_in() -> None:
+    session.clear()  # a fresh session (and CSRF token) on sign-in: no fixation
+    session.permanent = True
+    session["admin"] = _fingerprint(_token())
+    session["csrf"] = secrets.token_urlsafe(32)
+
+
+@bp.before_request
+def _guard():
+    if request.method == "POST":
+        sent = request.form.get("csrf_token", "")
+        if not sent or not hmac.compare_digest(sent, session.get("csrf", "")):
+            return render_template("error.html", title="Form rejected",
+                                   message="This form was missing its security token or it has expired "
+                                           "(CSRF check failed). Reload the page and try again."), 400
+    if request.endpoint not in PUBLIC and not signed_in():
+        if request.endpoint == "panel.dashboard_data":
+            return {"error": {"message": "Sign in to the admin panel.", "code": "signed_out"}}, 401
+        return redirect(url_for("panel.login", next=request.full_path if request.method == "GET" else None))
+
+
+@bp.after_request
+def _headers(resp):
+    resp.headers.setdefault("Cache-Control", "no-store")
+    resp.headers.setdefault("X-Frame-Options", "DENY")
+    resp.headers.setdefault("X-Content-Type-Options", "nosniff")
+    resp.headers.setdefault("Referrer-Policy", "same-origin")
+    resp.headers.setdefault("Content-Security-Policy", "default-src 'self'; img-src 'self' data:; "
+                            "style-src 'self'; script-src 'self'; frame-ancestors 'none'")
+    return resp
+
+
+def init_app(app) -> None:
+    from . import dashboard, views  # noqa: F401  (routes)
+
+    cfg = app.config["TIDEPOOL"]
+    secret = os.environ.get("TIDEPOOL_SECRET_KEY") or cfg.extra.get("secret_key")
+    if not secret and cfg.admin_token:  # every web process derives the same key from the shared admin token
+        secret = hashlib.sha256(b"tidepool-panel-session:" + cfg.admin_token.encode()).hexdigest()
+    app.secret_key = app.secret_key or secret or secrets.token_hex(32)
+    register_secret(cfg.admin_token)
+    register_secret(app.secret_key)
+    insecure = os.environ.get("TIDEPOOL_INSECURE_COOKIES") == "1" or cfg.extra.get("insecure_cookies")
+    app.config.update(SESSION_COOKIE_NAME="tidepool_admin", SESSION_COOKIE_HTTPONLY=True,
+                      SESSION_COOKIE_SAMESITE="Strict", SESSION_COOKIE_SECURE=not insecure,
+                      SESSION_COOKIE_PATH="/admin", PERMANENT_SESSION_LIFETIME=timedelta(hours=12))
+    app.jinja_env.globals["csrf_token"] = csrf_token
+    app.register_blueprint(bp)
+
+
+@bp.app_template_filter("dt")
+def _dt(value) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value else "—"
+
+
+@bp.app_template_filter("num")
+def _num(value) -> str:
+    return "—" if value is None else f"{value:,}"
+
+
+@bp.app_template_filter("secs")
+def _secs(value) -> str:
+    if value is None:
+        return ""
+    return f"+{value * 1000:.0f} ms" if value < 1 else f"+{value:.2f} s" if value < 120 else f"+{value / 60:.1f} min"
+
+
+@bp.context_processor
+def _context() -> dict:
+    return {"signed_in": signed_in()}

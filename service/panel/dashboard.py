@@ -1,0 +1,102 @@
+"""Dashboard: one JSON document computed from the ledger, the broker and the worker snapshots
+(workers.metrics.SnapshotStore); the page polls it and draws the charts."""
+from datetime import timedelta
+
+from flask import current_app, render_template
+from sqlalchemy import func, select
+
+from workers.metrics import SnapshotStore
+
+from ..api import ext
+from ..config import SLA_CLASSES
+from ..db import session as db
+from ..models import Job, JobStatus, utcnow
+from . import bp
+
+LATENCY_WINDOW = timedelta(minutes=15)
+RATE_WINDOW = timedelta(seconds=60)
+MAX_SAMPLES = 5000
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def _latency() -> dict:
+    """TTFT (created → first token) and end-to-end (created → finished) of jobs completed recently."""
+    rows = db().execute(select(Job.sla_class, Job.created_at, Job.first_token_at, Job.finished_at)
+                        .where(Job.status == JobStatus.completed, Job.finished_at >= utcnow() - LATENCY_WINDOW)
+                        .order_by(Job.finished_at.desc()).limit(MAX_SAMPLES)).all()
+    samples = {c: {"ttft": [], "e2e": []} for c in SLA_CLASSES}
+    for sla, created, first, finished in rows:
+        if first is not None:
+            samples[sla.value]["ttft"].append((first - created).total_seconds())
+        samples[sla.value]["e2e"].append((finished - created).total_seconds())
+    return {c: {"n": len(v["e2e"]), "ttft_p50": percentile(v["ttft"], 0.5), "ttft_p99": percentile(v["ttft"], 0.99),
+                "e2e_p50": percentile(v["e2e"], 0.5), "e2e_p99": percentile(v["e2e"], 0.99)}
+            for c, v in samples.items()}
+
+
+def snapshot_store() -> SnapshotStore:
+    return SnapshotStore(current_app.extensions["tidepool.redis"])
+
+
+def dashboard_json() -> dict:
+    s = db()
+    jobs = {c: {"queued": 0, "running": 0} for c in SLA_CLASSES}
+    for sla, status, n in s.execute(select(Job.sla_class, Job.status, func.count())
+                                    .where(Job.status.in_((JobStatus.queued, JobStatus.running)))
+                                    .group_by(Job.sla_class, Job.status)):
+        jobs[sla.value][status.value] = n
+    errors = []
+    try:
+        queues = {c: 0 for c in SLA_CLASSES} | ext("dispatcher").queue_depths()
+    except Exception as exc:
+        queues, errors = None, [f"Broker unreachable: {type(exc).__name__}"]
+    try:
+        workers = snapshot_store().read()
+    except Exception as exc:
+        workers, errors = [], errors + [f"Worker stats unreachable: {type(exc).__name__}"]
+    since = utcnow() - RATE_WINDOW
+    ledger_tokens = s.scalar(select(func.coalesce(func.sum(Job.completion_tokens), 0))
+                             .where(Job.status == JobStatus.completed, Job.finished_at >= since)) or 0
+    finished = s.scalar(select(func.count()).where(Job.finished_at >= since)) or 0
+    queries = sum(w.get("prefix_cache_queries", 0) for w in workers)
+    hits = sum(w.get("prefix_cache_hits", 0) for w in workers)
+    kv = [w.get("kv_cache_usage", 0.0) for w in workers]
+    return {
+        "ts": utcnow().timestamp(),
+        "queues": queues,
+        "jobs": jobs,
+        "workers": [{"worker": w["worker"], "device": w.get("device"), "running": w.get("running", 0),
+                     "waiting": w.get("waiting", 0), "by_class": w.get("by_class", {}),
+                     "kv_cache_usage": w.get("kv_cache_usage", 0.0),
+                     "generation_tokens_per_s": w.get("generation_tokens_per_s", 0.0),
+                     "preemptions": w.get("preemptions", 0), "age_s": round(utcnow().timestamp() - w["ts"], 1)}
+                    for w in workers],
+        "kv_cache_usage": max(kv) if kv else None,
+        "tokens_per_s": (sum(w.get("generation_tokens_per_s", 0.0) for w in workers) if workers
+                         else ledger_tokens / RATE_WINDOW.total_seconds()),
+        "tokens_per_s_source": "workers" if workers else "ledger (last 60 s)",
+        "jobs_finished_per_min": finished,
+        "latency": _latency(),
+        "preemptions": sum(w.get("preemptions", 0) for w in workers),
+        "prefix_cache_hit_rate": hits / queries if queries else None,
+        "errors": errors,
+    }
+
+
+@bp.get("/")
+def dashboard():
+    return render_template("dashboard.html", classes=SLA_CLASSES, refresh_ms=current_app.config.get(
+        "PANEL_REFRESH_MS", 3000))
+
+
+@bp.get("/api/dashboard")
+def dashboard_data():
+    return dashboard_json()

@@ -1,0 +1,428 @@
+"""Panel pages: sign-in, tenants (usage, weight, disable, quota, keys), jobs and batches."""
+import logging
+from datetime import datetime, timezone
+
+from flask import abort, flash, redirect, render_template, request, send_file, session, url_for
+from sqlalchemy import func, select
+from werkzeug.exceptions import HTTPException
+
+from .. import batches as ledger, jobs as transitions, tenants
+from ..api import cfg, ext
+from ..config import SLA_CLASSES
+from ..db import session as db
+from ..errors import APIError
+from ..logging import log_job
+from ..models import ApiKey, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, Usage
+from ..quotas import period
+from . import bp, check_token, sign_in, signed_in
+
+log = logging.getLogger("tidepool.panel")
+ACTOR = "panel"
+INT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued", "monthly_token_budget",
+              "max_tokens_per_request", "max_file_bytes")
+FIELD_HELP = {
+    "requests_per_minute": "Requests accepted per minute.", "tokens_per_minute": "Prompt + max_tokens per minute.",
+    "max_running": "Jobs running at once.", "max_queued": "Jobs waiting at once.",
+    "monthly_token_budget": "Tokens per calendar month (UTC).",
+    "max_tokens_per_request": "Cap on max_tokens of one request.", "max_file_bytes": "Largest batch file upload.",
+}
+
+
+def _safe_next(target: str | None) -> str:
+    if target and target.startswith("/admin") and not target.startswith("//"):
+        return target
+    return url_for("panel.dashboard")
+
+
+@bp.route("/login", methods=["GET", "POST"])
+def login():
+    if request.method == "GET":
+        if signed_in():
+            return redirect(_safe_next(request.args.get("next")))
+        return render_template("login.html", next=request.args.get("next", ""))
+    if not check_token(request.form.get("token", "")):
+        log.warning("panel sign-in refused", extra={"actor": ACTOR, "event": "panel.login_failed"})
+        return render_template("login.html", next=request.form.get("next", ""),
+                               error="That admin token is not right." if cfg().admin_token else
+                               "The panel is off: set TIDEPOOL_ADMIN_TOKEN on the server."), 401
+    sign_in()
+    log.info("panel sign-in", extra={"actor": ACTOR, "event": "panel.login"})
+    flash("Signed in.", "ok")
+    return redirect(_safe_next(request.form.get("next")))
+
+
+@bp.post("/logout")
+def logout():
+    session.clear()
+    flash("Signed out.", "ok")
+    return redirect(url_for("panel.login"))
+
+
+# --- tenants -------------------------------------------------------------------------------------------
+
+def _usage_by_tenant() -> dict[str, dict]:
+    s = db()
+    now = datetime.now(timezone.utc)
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    out: dict[str, dict] = {}
+
+    def row(tid):
+        return out.setdefault(tid, {"today": 0, "month": 0, "requests_month": 0,
+                                    "classes": {c: {"queued": 0, "running": 0} for c in SLA_CLASSES}})
+    for tid, p, c, n in s.execute(select(Usage.tenant_id, Usage.prompt_tokens, Usage.completion_tokens,
+                                         Usage.requests).where(Usage.period == period(now))):
+        row(tid).update(month=(p or 0) + (c or 0), requests_month=n or 0)
+    for tid, tokens in s.execute(select(Job.tenant_id, func.sum(func.coalesce(Job.prompt_tokens, 0)
+                                                                + func.coalesce(Job.completion_tokens, 0)))
+                                 .where(Job.status == JobStatus.completed, Job.finished_at >= midnight)
+                                 .group_by(Job.tenant_id)):
+        row(tid)["today"] = int(tokens or 0)
+    for tid, sla, status, n in s.execute(select(Job.tenant_id, Job.sla_class, Job.status, func.count())
+                                         .where(Job.status.in_((JobStatus.queued, JobStatus.running)))
+                                         .group_by(Job.tenant_id, Job.sla_class, Job.status)):
+        row(tid)["classes"][sla.value][status.value] = n
+    return out
+
+
+@bp.get("/tenants")
+def tenants_page():
+    rows = db().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.name)).all()
+    return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
+                           form={}, errors={})
+
+
+@bp.post("/tenants")
+def create_tenant():
+    name, raw_weight = request.form.get("name", "").strip(), request.form.get("weight", "1").strip()
+    errors = {}
+    weight = _parse_weight(raw_weight, errors)
+    if not name:
+        errors["name"] = "Give the tenant a name."
+    if not errors:
+        s = db()
+        try:
+            tenant, key = tenants.create_tenant(s, name, weight, actor=ACTOR)
+            s.commit()
+        except APIError as exc:
+            s.rollback()
+            errors[exc.param or "name"] = exc.message
+        else:
+            flash(f"Tenant '{tenant.name}' created.", "ok")
+            return _tenant_page(tenant.id, new_key=key, status=201)
+    rows = db().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.name)).all()
+    return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
+                           form={"name": name, "weight": raw_weight}, errors=errors), 400
+
+
+def _parse_weight(raw: str, errors: dict) -> float | None:
+    try:
+        weight = float(raw)
+        if not weight > 0 or weight > 1e6:
+            raise ValueError
+        return weight
+    except ValueError:
+        errors["weight"] = "Weight must be a number greater than 0 (1 is the default share)."
+        return None
+
+
+def _tenant_or_404(tenant_id: str) -> Tenant:
+    t = db().get(Tenant, tenant_id)
+    if t is None:
+        abort(404, f"No tenant with id {tenant_id}.")
+    return t
+
+
+def _tenant_page(tenant_id: str, *, new_key: str | None = None, quota_form: dict | None = None,
+                 errors: dict | None = None, status: int = 200):
+    s = db()
+    t = _tenant_or_404(tenant_id)
+    s.refresh(t)
+    quota = s.get(Quota, tenant_id)
+    keys = s.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id.desc())).all()
+    if quota_form is None:
+        quota_form = {f: "" if getattr(quota, f) is None else str(getattr(quota, f)) for f in INT_FIELDS}
+        quota_form["allowed_sla_classes"] = list(quota.allowed_sla_classes or [])
+    recent = s.scalars(select(Job).where(Job.tenant_id == tenant_id).order_by(Job.id.desc()).limit(10)).all()
+    return render_template("tenant.html", t=t, quota=quota, keys=keys, new_key=new_key, qf=quota_form,
+                           errors=errors or {}, fields=INT_FIELDS, help=FIELD_HELP, classes=SLA_CLASSES,
+                           usage=_usage_by_tenant().get(tenant_id), recent=recent), status
+
+
+@bp.get("/tenants/<tenant_id>")
+def tenant_page(tenant_id):
+    return _tenant_page(tenant_id)
+
+
+@bp.post("/tenants/<tenant_id>/weight")
+def set_weight(tenant_id):
+    t = _tenant_or_404(tenant_id)
+    errors: dict = {}
+    weight = _parse_weight(request.form.get("weight", "").strip(), errors)
+    if errors:
+        return _tenant_page(tenant_id, errors=errors, status=400)
+    s = db()
+    old, t.weight = t.weight, weight
+    tenants.audit(s, ACTOR, "tenant.weight", tenant_id, {"from": old, "to": weight})
+    s.commit()
+    flash(f"Weight set to {weight:g}.", "ok")
+    return redirect(url_for("panel.tenant_page", tenant_id=tenant_id))
+
+
+@bp.post("/tenants/<tenant_id>/disable")
+def disable_tenant(tenant_id):
+    return _set_disabled(tenant_id, True)
+
+
+@bp.post("/tenants/<tenant_id>/enable")
+def enable_tenant(tenant_id):
+    return _set_disabled(tenant_id, False)
+
+
+def _set_disabled(tenant_id: str, disabled: bool):
+    t = _tenant_or_404(tenant_id)
+    s = db()
+    tenants.set_disabled(s, tenant_id, disabled, actor=ACTOR)
+    s.commit()
+    flash(f"Tenant '{t.name}' {'disabled: its keys are refused' if disabled else 'enabled'}.", "ok")
+    return redirect(url_for("panel.tenant_page", tenant_id=tenant_id))
+
+
+@bp.post("/tenants/<tenant_id>/quota")
+def set_quota(tenant_id):
+    _tenant_or_404(tenant_id)
+    form = {f: request.form.get(f, "").strip() for f in INT_FIELDS}
+    form["allowed_sla_classes"] = request.form.getlist("allowed_sla_classes")
+    values, errors = {}, {}
+    for f in INT_FIELDS:
+        raw = form[f].replace("_", "").replace(",", "")
+        if raw == "":
+            values[f] = None
+        elif raw.isdigit() and int(raw) < 2**63:
+            values[f] = int(raw)
+        else:
+            errors[f] = "Enter a whole number of 0 or more, or leave empty for no limit."
+    bad = [c for c in form["allowed_sla_classes"] if c not in SLA_CLASSES]
+    if bad:
+        errors["allowed_sla_classes"] = f"Unknown class {bad[0]!r}."
+    elif not form["allowed_sla_classes"]:
+        errors["allowed_sla_classes"] = "Allow at least one class (disable the tenant to stop all work)."
+    values["allowed_sla_classes"] = form["allowed_sla_classes"]
+    if errors:
+        flash("The quota was not saved: fix the fields marked below.", "error")
+        return _tenant_page(tenant_id, quota_form=form, errors=errors, status=400)
+    s = db()
+    tenants.set_quota(s, tenant_id, values, actor=ACTOR)
+    s.commit()
+    flash("Quota saved.", "ok")
+    return redirect(url_for("panel.tenant_page", tenant_id=tenant_id) + "#quota")
+
+
+@bp.post("/tenants/<tenant_id>/keys")
+def issue_key(tenant_id):
+    _tenant_or_404(tenant_id)
+    s = db()
+    row, key = tenants.issue_key(s, tenant_id, actor=ACTOR)
+    s.commit()
+    flash(f"Key {row.prefix} issued. Copy it now: it is shown only once.", "ok")
+    return _tenant_page(tenant_id, new_key=key, status=201)
+
+
+@bp.post("/keys/<prefix>/revoke")
+def revoke_key(prefix):
+    s = db()
+    key = s.scalar(select(ApiKey).where(ApiKey.prefix == prefix))
+    if key is None:
+        abort(404, f"No key with prefix {prefix}.")
+    if tenants.revoke_key(s, prefix, actor=ACTOR):
+        s.commit()
+        flash(f"Key {prefix} revoked.", "ok")
+    else:
+        flash(f"Key {prefix} was already revoked.", "error")
+    return redirect(url_for("panel.tenant_page", tenant_id=key.tenant_id) + "#keys")
+
+
+# --- jobs and batches ------------------------------------------------------------------------------------
+
+def _parse_time(name: str, errors: dict) -> datetime | None:
+    raw = request.args.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = datetime.fromisoformat(raw)
+    except ValueError:
+        errors[name] = "Use a date and time like 2026-01-31T14:00."
+        return None
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+def _tenant_names() -> dict[str, str]:
+    return dict(db().execute(select(Tenant.id, Tenant.name).order_by(Tenant.name)).all())
+
+
+@bp.get("/jobs")
+def jobs_page():
+    args, errors = request.args, {}
+    stmt = select(Job)
+    if args.get("tenant"):
+        stmt = stmt.where(Job.tenant_id == args["tenant"])
+    if args.get("status"):
+        if args["status"] not in JobStatus.__members__:
+            errors["status"] = "Unknown status."
+        else:
+            stmt = stmt.where(Job.status == JobStatus(args["status"]))
+    if args.get("sla_class"):
+        if args["sla_class"] not in SLA_CLASSES:
+            errors["sla_class"] = "Unknown class."
+        else:
+            stmt = stmt.where(Job.sla_class == args["sla_class"])
+    if args.get("batch"):
+        stmt = stmt.where(Job.batch_id == args["batch"])
+    since, until = _parse_time("since", errors), _parse_time("until", errors)
+    if since:
+        stmt = stmt.where(Job.created_at >= since)
+    if until:
+        stmt = stmt.where(Job.created_at < until)
+    if args.get("cursor"):
+        stmt = stmt.where(Job.id < args["cursor"])
+    limit = cfg().page_size * 2
+    rows = db().scalars(stmt.order_by(Job.id.desc()).limit(limit + 1)).all() if not errors else []
+    more = rows[limit - 1].id if len(rows) > limit else None
+    query = {k: v for k, v in args.items() if k != "cursor" and v}
+    return render_template("jobs.html", jobs=rows[:limit], names=_tenant_names(), errors=errors, args=args,
+                           statuses=list(JobStatus.__members__), classes=SLA_CLASSES, next_cursor=more,
+                           query=query), 400 if errors else 200
+
+
+def _job_or_404(job_id: str) -> Job:
+    job = db().get(Job, job_id)
+    if job is None:
+        abort(404, f"No job with id {job_id}.")
+    return job
+
+
+def timeline(job: Job) -> list[dict]:
+    """The job's milestones in order, each with the time since the previous one."""
+    steps = [("queued", job.created_at), ("dispatched", job.dispatched_at), ("started", job.started_at),
+             ("first token", job.first_token_at), (job.status.value if job.status in
+                                                   (JobStatus.completed, JobStatus.failed, JobStatus.cancelled,
+                                                    JobStatus.expired) else "finished", job.finished_at)]
+    out, prev = [], None
+    for label, at in steps:
+        delta = (at - prev).total_seconds() if at and prev else None
+        out.append({"label": label, "at": at, "delta": delta})
+        prev = at or prev
+    return out
+
+
+@bp.get("/jobs/<job_id>")
+def job_page(job_id):
+    job = _job_or_404(job_id)
+    return render_template("job.html", job=job, steps=timeline(job), tenant=db().get(Tenant, job.tenant_id),
+                           cancellable=job.status in (JobStatus.queued, JobStatus.running))
+
+
+@bp.post("/jobs/<job_id>/cancel")
+def cancel_job(job_id):
+    job = _job_or_404(job_id)
+    s = db()
+    if transitions.cancel(s, job_id):
+        s.commit()
+        s.refresh(job)
+        log_job("job.cancelled", job, actor=ACTOR)
+        flash("Job cancelled.", "ok")
+    else:
+        s.rollback()
+        flash(f"The job is already {job.status.value}; nothing to cancel.", "error")
+    return redirect(url_for("panel.job_page", job_id=job_id))
+
+
+@bp.get("/batches")
+def batches_page():
+    args = request.args
+    stmt = select(Batch)
+    if args.get("tenant"):
+        stmt = stmt.where(Batch.tenant_id == args["tenant"])
+    if args.get("status") in BatchStatus.__members__:
+        stmt = stmt.where(Batch.status == BatchStatus(args["status"]))
+    if args.get("cursor"):
+        stmt = stmt.where(Batch.id < args["cursor"])
+    limit = cfg().page_size * 2
+    rows = db().scalars(stmt.order_by(Batch.id.desc()).limit(limit + 1)).all()
+    s = db()
+    counts = {b.id: ledger.request_counts(s, b) for b in rows[:limit]}
+    query = {k: v for k, v in args.items() if k != "cursor" and v}
+    return render_template("batches.html", batches=rows[:limit], counts=counts, names=_tenant_names(), args=args,
+                           statuses=list(BatchStatus.__members__), query=query,
+                           next_cursor=rows[limit - 1].id if len(rows) > limit else None)
+
+
+def _batch_or_404(batch_id: str) -> Batch:
+    b = db().get(Batch, batch_id)
+    if b is None:
+        abort(404, f"No batch with id {batch_id}.")
+    return b
+
+
+@bp.get("/batches/<batch_id>")
+def batch_page(batch_id):
+    b = _batch_or_404(batch_id)
+    s = db()
+    counts = ledger.request_counts(s, b)
+    by_status = dict(s.execute(select(Job.status, func.count()).where(Job.batch_id == b.id)
+                               .group_by(Job.status)).all())
+    files = {f.id: f for f in s.scalars(select(File).where(File.id.in_(
+        [x for x in (b.input_file_id, b.output_file_id, b.error_file_id) if x])))}
+    return render_template("batch.html", b=b, counts=counts, by_status={k.value: v for k, v in by_status.items()},
+                           files=files, tenant=s.get(Tenant, b.tenant_id),
+                           cancellable=b.status in (BatchStatus.validating, BatchStatus.in_progress))
+
+
+@bp.post("/batches/<batch_id>/cancel")
+def cancel_batch(batch_id):
+    b = _batch_or_404(batch_id)
+    if b.status not in (BatchStatus.validating, BatchStatus.in_progress):
+        flash(f"The batch is {b.status.value} and cannot be cancelled.", "error")
+        return redirect(url_for("panel.batch_page", batch_id=batch_id))
+    s = db()
+    ledger.cancel(s, b)
+    ledger.finalize(s, ext("storage"), b, cfg().served_model_name)
+    s.commit()
+    log.info("batch cancelled", extra={"event": "batch.cancelled", "batch_id": b.id, "tenant": b.tenant_id,
+                                       "sla_class": b.sla_class.value, "actor": ACTOR})
+    flash("Batch cancelled: queued requests were dropped; running ones finish or are aborted."
+          if b.status == BatchStatus.cancelling else "Batch cancelled.", "ok")
+    return redirect(url_for("panel.batch_page", batch_id=batch_id))
+
+
+@bp.get("/files/<file_id>")
+def download_file(file_id):
+    f = db().get(File, file_id)
+    if f is None:
+        abort(404, f"No file with id {file_id}.")
+    try:
+        path = ext("storage").path(file_id)
+    except ValueError:
+        abort(404, f"No file with id {file_id}.")
+    if not path.exists():
+        abort(404, f"The bytes of file {file_id} are missing from storage.")
+    return send_file(path, mimetype="application/jsonl", as_attachment=True, download_name=f.filename)
+
+
+@bp.errorhandler(404)
+def _not_found(exc):
+    return render_template("error.html", title="Not found", message=exc.description), 404
+
+
+@bp.errorhandler(APIError)
+def _api_error(exc: APIError):
+    return render_template("error.html", title="That did not work", message=exc.message), exc.status
+
+
+@bp.errorhandler(Exception)
+def _unexpected(exc: Exception):
+    if isinstance(exc, HTTPException):
+        return render_template("error.html", title=exc.name, message=exc.description), exc.code
+    log.exception("panel error", extra={"path": request.path})
+    return render_template("error.html", title="Something went wrong",
+                           message=f"The server failed on this page ({type(exc).__name__}); "
+                                   "the error is in the server log."), 500

@@ -1,0 +1,75 @@
+// Polls the dashboard JSON, fills the tiles and tables, and pushes a point onto each chart.
+(function () {
+  var root = document.getElementById("dashboard");
+  if (!root) return;
+  var src = root.getAttribute("data-src"), every = parseInt(root.getAttribute("data-refresh-ms"), 10) || 3000;
+  var CLASSES = ["realtime", "interactive", "batch", "deferrable"];
+  var COLORS = {realtime: "#d9480f", interactive: "#1971c2", batch: "#2f9e44", deferrable: "#868e96"};
+  var classSeries = CLASSES.map(function (c) { return {name: c, color: COLORS[c]}; });
+  var charts = {
+    queue: new TinyChart(document.getElementById("c-queue"), classSeries, {label: "queue depth"}),
+    tps: new TinyChart(document.getElementById("c-tps"), [{name: "generation", color: "#5f3dc4"}], {label: "tokens per second"}),
+    kv: new TinyChart(document.getElementById("c-kv"), [{name: "busiest worker", color: "#e8590c"}], {label: "KV cache use"}),
+    ttft: new TinyChart(document.getElementById("c-ttft"), classSeries, {label: "TTFT p99"})
+  };
+  function $(id) { return document.getElementById(id); }
+  function secs(v) { return v === null || v === undefined ? "—" : v < 1 ? Math.round(v * 1000) + " ms" : v.toFixed(2) + " s"; }
+  function pct(v) { return v === null || v === undefined ? "—" : (v * 100).toFixed(1) + "%"; }
+  function num(v) { return v === null || v === undefined ? "—" : Math.round(v).toLocaleString(); }
+  function cell(text, cls) { var td = document.createElement("td"); td.textContent = text; if (cls) td.className = cls; return td; }
+
+  function render(d) {
+    $("t-tps").textContent = d.tokens_per_s.toFixed(1);
+    $("t-tps-src").textContent = "from " + d.tokens_per_s_source;
+    $("t-kv").textContent = pct(d.kv_cache_usage);
+    $("t-prefix").textContent = pct(d.prefix_cache_hit_rate);
+    $("t-preempt").textContent = num(d.preemptions);
+    $("t-finished").textContent = num(d.jobs_finished_per_min);
+    CLASSES.forEach(function (c) {
+      var row = document.querySelector('#class-table tr[data-class="' + c + '"]'), lat = d.latency[c];
+      var vals = {queue: d.queues ? num(d.queues[c]) : "?", queued: num(d.jobs[c].queued), running: num(d.jobs[c].running),
+                  ttft_p50: secs(lat.ttft_p50), ttft_p99: secs(lat.ttft_p99), e2e_p50: secs(lat.e2e_p50),
+                  e2e_p99: secs(lat.e2e_p99), n: num(lat.n)};
+      row.querySelectorAll("td[data-k]").forEach(function (td) { td.textContent = vals[td.getAttribute("data-k")]; });
+    });
+    var body = document.querySelector("#worker-table tbody");
+    body.replaceChildren();
+    if (!d.workers.length) {
+      var td = cell("No worker has reported in the last 30 s.", "muted"); td.colSpan = 7;
+      var tr = document.createElement("tr"); tr.appendChild(td); body.appendChild(tr);
+    }
+    d.workers.forEach(function (w) {
+      var tr = document.createElement("tr");
+      [[w.worker + (w.device ? " (" + w.device + ")" : ""), ""], [num(w.running), "num"], [num(w.waiting), "num"],
+       [pct(w.kv_cache_usage), "num"], [w.generation_tokens_per_s.toFixed(1), "num"], [num(w.preemptions), "num"],
+       [w.age_s + " s ago", "num"]].forEach(function (c) { tr.appendChild(cell(c[0], c[1])); });
+      body.appendChild(tr);
+    });
+    charts.queue.push(d.ts, CLASSES.map(function (c) { return d.queues ? d.queues[c] : null; }));
+    charts.tps.push(d.ts, [d.tokens_per_s]);
+    charts.kv.push(d.ts, [d.kv_cache_usage === null ? null : d.kv_cache_usage * 100]);
+    charts.ttft.push(d.ts, CLASSES.map(function (c) { return d.latency[c].ttft_p99; }));
+    var err = $("dash-error");
+    if (d.errors.length) { err.textContent = d.errors.join(" · "); err.classList.remove("hidden"); }
+    else { err.classList.add("hidden"); }
+    $("updated").textContent = "updated " + new Date(d.ts * 1000).toLocaleTimeString();
+    root.setAttribute("data-loaded", "1");
+  }
+
+  function tick() {
+    fetch(src, {credentials: "same-origin", headers: {Accept: "application/json"}})
+      .then(function (r) {
+        if (r.status === 401) { window.location.reload(); throw new Error("signed out"); }
+        if (!r.ok) throw new Error("HTTP " + r.status);
+        return r.json();
+      })
+      .then(render)
+      .catch(function (e) {
+        var err = $("dash-error");
+        err.textContent = "Could not refresh the dashboard: " + e.message + ". Retrying…";
+        err.classList.remove("hidden");
+      })
+      .finally(function () { setTimeout(tick, every); });
+  }
+  tick();
+})();

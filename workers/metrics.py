@@ -1,0 +1,189 @@
+"""Worker-side metrics: Prometheus series under `tidepool:` (modelled on vLLM's) and the stats snapshot
+the admin dashboard reads. Imports neither torch nor the engine, so the service may import it too.
+
+A worker process does, around its engine loop:
+
+    metrics = EngineMetrics(worker="gpu0", store=SnapshotStore(redis_client))   # redis_client None: in-process
+    start_metrics_server(9101, metrics.registry)                                # its own /metrics
+    ...
+    outputs = engine.step()
+    metrics.update_from_stats(engine.stats())            # every step (cheap) or at least every second
+    for out in outputs:
+        if out.finished:
+            metrics.observe_request(out, sla_class, tenant, queue_time=started - queued)
+
+Snapshot contract: Redis hash SNAPSHOT_KEY, one field per worker name, value the JSON of
+snapshot() (keys listed there, `ts` in Unix seconds). Readers ignore snapshots older than SNAPSHOT_TTL.
+"""
+import json
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+
+SLA_CLASSES = ("realtime", "interactive", "batch", "deferrable")
+SNAPSHOT_KEY = "tidepool:worker_stats"
+SNAPSHOT_TTL = 30.0
+PUBLISH_INTERVAL = 1.0
+MAX_TENANT_LABELS = 100  # beyond this many distinct tenants, the rest share the label "other"
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+QUEUE_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+_COUNTERS = {"preemptions": "num_preemptions", "prefix_cache_queries": "prefix_cache_queries",
+             "prefix_cache_hits": "prefix_cache_hits"}
+
+
+class SnapshotStore:
+    """Where workers publish their latest stats: a Redis hash, or a process-local dict (embedded mode)."""
+
+    _local: dict[str, str] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, redis_client=None):
+        self.redis = redis_client
+
+    def put(self, snapshot: dict) -> None:
+        data = json.dumps(snapshot)
+        if self.redis is not None:
+            self.redis.hset(SNAPSHOT_KEY, snapshot["worker"], data)
+        else:
+            with self._lock:
+                self._local[snapshot["worker"]] = data
+
+    def read(self, max_age: float = SNAPSHOT_TTL, now: float | None = None) -> list[dict]:
+        if self.redis is not None:
+            raw = list(self.redis.hgetall(SNAPSHOT_KEY).values())
+        else:
+            with self._lock:
+                raw = list(self._local.values())
+        now = time.time() if now is None else now
+        snaps = [json.loads(r) for r in raw]
+        return sorted((s for s in snaps if now - s.get("ts", 0) <= max_age), key=lambda s: s["worker"])
+
+    def clear(self) -> None:
+        if self.redis is not None:
+            self.redis.delete(SNAPSHOT_KEY)
+        else:
+            with self._lock:
+                self._local.clear()
+
+
+class EngineMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None, worker: str = "worker",
+                 store: SnapshotStore | None = None, device: str | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.worker, self.store, self.device = worker, store, device
+        r = self.registry
+        self.ttft = Histogram("tidepool:time_to_first_token_seconds", "Time to first token (engine arrival to "
+                              "first token).", ["sla_class"], buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("tidepool:e2e_request_latency_seconds", "End-to-end request latency in the "
+                             "engine (arrival to finish).", ["sla_class"], buckets=E2E_BUCKETS, registry=r)
+        self.itl = Histogram("tidepool:inter_token_latency_seconds", "Mean gap between output tokens, one "
+                             "observation per request.", ["sla_class"], buckets=ITL_BUCKETS, registry=r)
+        self.queue = Histogram("tidepool:request_queue_time_seconds", "Time a job waited in the ledger and "
+                               "broker before a worker started it.", ["sla_class"], buckets=QUEUE_BUCKETS,
+                               registry=r)
+        self.prompt_tokens = Counter("tidepool:prompt_tokens", "Prompt tokens processed.",
+                                     ["sla_class", "tenant"], registry=r)
+        self.generation_tokens = Counter("tidepool:generation_tokens", "Generation tokens produced.",
+                                         ["sla_class", "tenant"], registry=r)
+        self.success = Counter("tidepool:request_success", "Finished requests by finish reason.",
+                               ["sla_class", "finish_reason"], registry=r)
+        self.running = Gauge("tidepool:num_requests_running", "Sequences in the running batch.",
+                             ["worker", "sla_class"], registry=r)
+        self.waiting = Gauge("tidepool:num_requests_waiting", "Sequences waiting to be scheduled.",
+                             ["worker", "sla_class"], registry=r)
+        self.kv_usage = Gauge("tidepool:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
+                              ["worker"], registry=r)
+        self.counters = {key: Counter(f"tidepool:{name}", f"Engine {name.replace('_', ' ')}.", ["worker"],
+                                      registry=r) for key, name in _COUNTERS.items()}
+        self.iteration_tokens = Histogram("tidepool:iteration_tokens", "Tokens per engine step.", ["worker"],
+                                          buckets=ITERATION_BUCKETS, registry=r)
+        self._last: dict[tuple[str, str], float] = {}     # (worker, stat) → last cumulative value seen
+        self._tenants: set[str] = set()
+        self._rate: tuple[float, int, int] | None = None  # (ts, prompt, generation) at the last publish
+        self._published = 0.0
+        self._lock = threading.Lock()
+
+    def _tenant(self, tenant: str) -> str:
+        with self._lock:
+            if tenant in self._tenants or len(self._tenants) < MAX_TENANT_LABELS:
+                self._tenants.add(tenant)
+                return tenant
+        return "other"
+
+    def observe_request(self, output, sla_class: str, tenant: str, queue_time: float | None = None) -> None:
+        """Record one finished RequestOutput (arrival_time, first_token_time, finished_time, token ids)."""
+        tenant = self._tenant(tenant)
+        n_out = len(output.token_ids)
+        self.prompt_tokens.labels(sla_class, tenant).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(sla_class, tenant).inc(n_out)
+        self.success.labels(sla_class, output.finish_reason or "unknown").inc()
+        if output.first_token_time is not None:
+            self.ttft.labels(sla_class).observe(max(0.0, output.first_token_time - output.arrival_time))
+            if output.finished_time is not None and n_out > 1:
+                self.itl.labels(sla_class).observe(max(0.0, output.finished_time - output.first_token_time)
+                                                   / (n_out - 1))
+        if output.finished_time is not None:
+            self.e2e.labels(sla_class).observe(max(0.0, output.finished_time - output.arrival_time))
+        if queue_time is not None:
+            self.queue.labels(sla_class).observe(max(0.0, queue_time))
+
+    def update_from_stats(self, stats: dict, worker: str | None = None, now: float | None = None) -> None:
+        """Set gauges and advance counters from LLMEngine.stats(); publish a snapshot at most once a second."""
+        worker = worker or self.worker
+        by_class = stats.get("by_class", {})
+        for cls in SLA_CLASSES:
+            counts = by_class.get(cls, {})
+            self.running.labels(worker, cls).set(counts.get("running", 0))
+            self.waiting.labels(worker, cls).set(counts.get("waiting", 0))
+        self.kv_usage.labels(worker).set(stats.get("kv_cache_usage", 0.0))
+        for key, counter in self.counters.items():
+            delta = self._advance(worker, key, stats.get(key, 0))
+            if delta:
+                counter.labels(worker).inc(delta)
+        if self._advance(worker, "total_steps", stats.get("total_steps", 0)):
+            self.iteration_tokens.labels(worker).observe(stats.get("last_step", {}).get("tokens", 0))
+        now = time.time() if now is None else now
+        if self.store is not None and now - self._published >= PUBLISH_INTERVAL:
+            self.store.put(self.snapshot(stats, worker, now))
+            self._published = now
+
+    def _advance(self, worker: str, key: str, value: float) -> float:
+        """Delta of a cumulative engine counter since the last call; an engine restart starts from zero."""
+        last = self._last.get((worker, key), 0)
+        self._last[(worker, key)] = value
+        return value - last if value >= last else value
+
+    def snapshot(self, stats: dict, worker: str | None = None, now: float | None = None) -> dict:
+        now = time.time() if now is None else now
+        prompt, gen = stats.get("total_prompt_tokens", 0), stats.get("total_generation_tokens", 0)
+        prompt_rate = gen_rate = 0.0
+        if self._rate is not None and now > self._rate[0]:
+            dt = now - self._rate[0]
+            prompt_rate = max(0, prompt - self._rate[1]) / dt
+            gen_rate = max(0, gen - self._rate[2]) / dt
+        self._rate = (now, prompt, gen)
+        return {"worker": worker or self.worker, "device": self.device, "ts": now,
+                "running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
+                "by_class": stats.get("by_class", {}), "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+                "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0),
+                "preemptions": stats.get("preemptions", 0),
+                "prefix_cache_queries": stats.get("prefix_cache_queries", 0),
+                "prefix_cache_hits": stats.get("prefix_cache_hits", 0),
+                "total_prompt_tokens": prompt, "total_generation_tokens": gen,
+                "prompt_tokens_per_s": prompt_rate, "generation_tokens_per_s": gen_rate,
+                "total_steps": stats.get("total_steps", 0)}
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0"):
+    """Serve `registry` on http://addr:port/metrics from a daemon thread; returns (server, thread)."""
+    return start_http_server(port, addr=addr, registry=registry)
+
+
+def metrics_wsgi_app(registry: CollectorRegistry):
+    return make_wsgi_app(registry)
