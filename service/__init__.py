@@ -8,7 +8,7 @@ def create_app(test_config: dict | Config | None = None) -> Flask:
     import redis as redis_lib
 
     from . import db, errors, metrics, panel
-    from .api import admin, batches, files, health, jobs
+    from .api import admin, batches, files, health, jobs, openai_compat
     from .dispatch import Dispatcher, make_celery
     from .quotas import MemoryLimiter, RedisLimiter
     from .storage import Storage
@@ -32,7 +32,7 @@ def create_app(test_config: dict | Config | None = None) -> Flask:
     app.extensions["tidepool.celery"] = celery
     app.extensions["tidepool.dispatcher"] = Dispatcher(celery, app.extensions["tidepool.engine"],
                                                        cfg.dispatch_chunk_size)
-    for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp):
+    for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp):
         app.register_blueprint(bp)
     metrics.init_app(app)
     panel.init_app(app)

@@ -57,10 +57,10 @@ def renew_lease(s: Session, job_id: str, lease_token: str, lease_seconds: float 
                      .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))).rowcount == 1
 
 
-def first_token(s: Session, job_id: str, lease_token: str) -> bool:
+def first_token(s: Session, job_id: str, lease_token: str, at: datetime | None = None) -> bool:
     return s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token,
                                        Job.first_token_at.is_(None))
-                     .values(first_token_at=utcnow())).rowcount == 1
+                     .values(first_token_at=at or utcnow())).rowcount == 1
 
 
 def _add_usage(s: Session, tenant_id: str, prompt_tokens: int, completion_tokens: int) -> None:
@@ -101,6 +101,19 @@ def fail(s: Session, job_id: str, lease_token: str, error: dict, *, retry: bool 
     if tenant_id is None:
         return False
     _counters(s, tenant_id, queued=1 if retry else 0, running=-1)
+    return True
+
+
+def release(s: Session, job_id: str, lease_token: str) -> bool:
+    """running → queued by a worker shutting down: its message goes back to the broker, so the job stays
+    dispatched, and the interrupted attempt is not counted."""
+    tenant_id = s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
+                          .values(status=Q, lease_token=None, lease_expires_at=None, worker=None,
+                                  attempts=Job.attempts - 1, started_at=None, first_token_at=None)
+                          .returning(Job.tenant_id)).scalar()
+    if tenant_id is None:
+        return False
+    _counters(s, tenant_id, queued=1, running=-1)
     return True
 
 

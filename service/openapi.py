@@ -36,6 +36,12 @@ ROUTES = [
     ("get", "/v1/admin/batches", "List batches across tenants", "adminToken", None, 200, "List"),
     ("get", "/v1/admin/queues", "Broker queue depths per SLA class", "adminToken", None, 200, None),
     ("get", "/v1/admin/audit", "Admin audit log", "adminToken", None, 200, "List"),
+    ("post", "/v1/completions", "OpenAI completion (stream: true for server-sent events)", "apiKey",
+     "OnlineCreate", 200, "Completion"),
+    ("post", "/v1/chat/completions", "OpenAI chat completion (stream: true for server-sent events)", "apiKey",
+     "OnlineCreate", 200, "Completion"),
+    ("get", "/v1/models", "The served model", "apiKey", None, 200, "List"),
+    ("get", "/v1/models/{model_id}", "Get the served model", "apiKey", None, 200, "Model"),
 ]
 
 _ERROR_CODES = {"400": "Bad input", "401": "Bad or revoked key", "403": "Not allowed", "404": "Not found",
@@ -96,6 +102,16 @@ SCHEMAS = {
         "requests_per_minute": _INT, "tokens_per_minute": _INT, "max_running": _INT, "max_queued": _INT,
         "monthly_token_budget": _INT, "max_tokens_per_request": _INT, "max_file_bytes": _INT,
         "allowed_sla_classes": {"type": "array", "items": {"enum": list(SLA_CLASSES)}}}},
+    "OnlineCreate": {"type": "object", "properties": {
+        **_SAMPLING, "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "sla_class": {"enum": ["realtime", "interactive"], "default": "interactive"}}},
+    "Completion": {"type": "object", "description": "text_completion or chat.completion; with stream: true, "
+                   "text/event-stream chunks ending in 'data: [DONE]'", "properties": {
+                       "id": _STR, "object": _STR, "created": _INT, "model": _STR, "choices": {"type": "array"},
+                       "usage": {"type": "object", "properties": {
+                           "prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}}},
+    "Model": {"type": "object", "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT,
+                                               "owned_by": _STR}},
     "ApiKey": {"type": "object", "properties": {"prefix": _STR, "api_key": _STR, "tenant_id": _STR}},
 }
 

@@ -27,6 +27,29 @@ def register(sub) -> None:
     p = models_sub.add_parser("list", help="list the model folders present")
     p.set_defaults(func=models_list)
 
+    register_processes(sub)
+
+
+def register_processes(sub) -> None:
+    """The long-running processes of the Procfile, and the embedded all-in-one."""
+    p = sub.add_parser("worker", help="a gpu or cpu inference worker consuming the SLA queues")
+    p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
+                   help="gpu: all four queues, offline ones only with spare capacity; cpu: deferrable only")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.set_defaults(func=lambda args: _run("workers.worker", "main", args))
+    p = sub.add_parser("beat", help="Celery beat + upkeep: sweeper and batch finaliser (needs Redis)")
+    p.set_defaults(func=lambda args: _run("workers.celery_app", "main_beat", args))
+    p = sub.add_parser("serve", help="all in one process: web, workers, upkeep (SQLite + in-process queue)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.set_defaults(func=lambda args: _run("workers.embedded", "main", args))
+
+
+def _run(module: str, func: str, args) -> int:
+    import importlib
+    return getattr(importlib.import_module(module), func)(args)
+
 
 def make_tiny_model(args) -> int:
     from workers.engine.tiny_model import make_tiny_model

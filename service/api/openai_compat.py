@@ -1,0 +1,235 @@
+"""OpenAI-compatible online endpoints. Each request is a ledger job (class interactive, or realtime
+with `sla_class`), dispatched like any other and answered from the worker's token stream; the ledger
+stays the source of truth for the final text, finish reason and usage."""
+import json
+import time
+
+from flask import Blueprint, Response, g
+
+from workers import token_stream
+
+from .. import bodies, jobs as transitions, quotas
+from ..auth import tenant_required
+from ..db import session
+from ..errors import APIError, bad_request
+from ..models import TERMINAL, Job, JobStatus, SlaClass, utcnow
+from . import cfg, ext, json_body
+
+bp = Blueprint("openai", __name__)
+ONLINE = ("realtime", "interactive")
+QUIET = 1.0   # seconds without an event before the ledger is consulted (and an SSE keep-alive is sent)
+
+
+def _hub():
+    return token_stream.for_redis(ext("redis"))
+
+
+def _model_json() -> dict:
+    name = cfg().served_model_name
+    return {"id": name, "object": "model", "created": 0, "owned_by": "tidepool"}
+
+
+@bp.get("/v1/models")
+@tenant_required
+def list_models():
+    return {"object": "list", "data": [_model_json()] if cfg().served_model_name else []}
+
+
+@bp.get("/v1/models/<model_id>")
+@tenant_required
+def get_model(model_id):
+    if model_id != cfg().served_model_name:
+        raise APIError(404, f"The model '{model_id}' does not exist.", "model_not_found", "model")
+    return _model_json()
+
+
+@bp.post("/v1/completions")
+@tenant_required
+def completions():
+    return _serve(bodies.COMPLETIONS)
+
+
+@bp.post("/v1/chat/completions")
+@tenant_required
+def chat_completions():
+    return _serve(bodies.CHAT)
+
+
+def _serve(endpoint: str):
+    body = json_body()
+    stream, options = body.pop("stream", None), body.pop("stream_options", None)
+    if stream not in (None, True, False):
+        raise bad_request("'stream' must be a boolean.", "stream")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object.", "stream_options")
+    sla = body.pop("sla_class", None) or "interactive"
+    if sla not in ONLINE:
+        raise bad_request(f"'sla_class' must be one of {list(ONLINE)} here; queue other classes with "
+                          "/v1/jobs or /v1/batches.", "sla_class")
+    quota, conf = g.quota, cfg()
+    checked = bodies.check(body, endpoint, served_model=conf.served_model_name,
+                           max_tokens_cap=quota.max_tokens_per_request)
+    quotas.check_class(quota, sla)
+    s = session()
+    quotas.check_budget(s, quota, checked.estimated_tokens)
+    quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
+    now = utcnow()
+    job = Job(tenant_id=g.tenant.id, sla_class=SlaClass(sla), status=JobStatus.queued, endpoint=endpoint,
+              request=checked.body, estimated_tokens=checked.estimated_tokens, attempts=0, created_at=now,
+              queued_at=now)
+    s.add(job)
+    s.flush()
+    quotas.reserve_queued(s, quota, 1)
+    s.commit()
+    sub = _hub().subscribe(job.id)       # before dispatch, so no event can be missed
+    ext("dispatcher").publish([(job.id, sla)])
+    waiter = _Waiter(ext("sessions"), sub, job.id, conf.extra.get("online_timeout", 600.0))
+    fmt = _Format(endpoint, job.id, int(now.timestamp()), body.get("model") or conf.served_model_name,
+                  bool((options or {}).get("include_usage")))
+    try:
+        first = waiter.next_event(keepalive=False)
+    except BaseException:
+        waiter.close(cancel=True)
+        raise
+    if not stream or first["t"] == "end":
+        final = waiter.finish()
+        if final.status != JobStatus.completed:
+            raise _job_error(final)
+        if not stream:
+            return fmt.whole(final)
+    return Response(_sse(waiter, fmt, first), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _Waiter:
+    """Events for one job from the token stream, with the ledger as fallback when it goes quiet."""
+
+    def __init__(self, sessions, sub, job_id: str, timeout: float):
+        self.sessions, self.sub, self.job_id = sessions, sub, job_id
+        self.deadline = time.monotonic() + timeout
+        self.closed = False
+
+    def _load(self) -> Job:
+        with self.sessions() as s:
+            return s.get(Job, self.job_id)
+
+    def next_event(self, keepalive: bool) -> dict | None:
+        """The next event; None (keepalive=True) after a quiet second, so the caller can write a ping."""
+        while True:
+            ev = self.sub.get(QUIET)
+            if ev is not None:
+                return ev
+            job = self._load()
+            if job.status in TERMINAL:
+                return {"t": "end", "status": job.status.value}
+            if time.monotonic() > self.deadline:
+                self.close(cancel=True)
+                raise APIError(504, "The request timed out waiting for a worker.", "timeout")
+            if keepalive:
+                return None
+
+    def finish(self) -> Job:
+        """The terminal ledger row; the end event can race the commit only by a worker crash."""
+        job = self._load()
+        while job.status not in TERMINAL:
+            self.next_event(keepalive=False)
+            job = self._load()
+        self.close()
+        return job
+
+    def close(self, cancel: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.sub.close()
+        if cancel:   # the client went away (or we gave up): free the engine slot
+            with self.sessions() as s:
+                if transitions.cancel(s, self.job_id):
+                    s.commit()
+
+
+def _job_error(job: Job) -> APIError:
+    err = job.error or {}
+    if job.status == JobStatus.failed and err.get("code") in ("context_length_exceeded", "invalid_prompt"):
+        return APIError(400, err.get("message", "Invalid request."), err["code"], "messages"
+                        if job.endpoint == bodies.CHAT else "prompt")
+    if job.status == JobStatus.cancelled:
+        return APIError(409, "The request was cancelled.", "cancelled")
+    if job.status == JobStatus.expired:
+        return APIError(504, "The request expired before it ran.", "expired")
+    return APIError(500, err.get("message", "The request failed."), err.get("code") or "internal_error")
+
+
+def _usage(job: Job) -> dict:
+    p, c = job.prompt_tokens or 0, job.completion_tokens or 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+class _Format:
+    def __init__(self, endpoint, job_id, created, model, include_usage):
+        self.chat = endpoint == bodies.CHAT
+        self.id, self.created, self.model, self.include_usage = job_id, created, model, include_usage
+
+    def _head(self, chunk: bool) -> dict:
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, job: Job) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": job.output},
+                      "logprobs": None, "finish_reason": job.finish_reason}
+        else:
+            choice = {"index": 0, "text": job.output, "logprobs": None, "finish_reason": job.finish_reason}
+        return {**self._head(False), "choices": [choice], "usage": _usage(job)}
+
+    def chunk(self, text: str | None = None, finish_reason=None, role=False, usage=None) -> str:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        out = {**self._head(True), "choices": [choice]}
+        if usage is not None:
+            out["usage"] = usage
+        return _data(out)
+
+    def usage_chunk(self, usage: dict) -> str:
+        return _data({**self._head(True), "choices": [], "usage": usage})
+
+
+def _data(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _sse(waiter: _Waiter, fmt: _Format, first: dict):
+    sent, done = 0, False
+    try:
+        if fmt.chat:
+            yield fmt.chunk(role=True)
+        ev = first
+        while ev is None or ev["t"] != "end":
+            if ev is None:
+                yield ": keep-alive\n\n"      # also how a closed connection is noticed
+            elif ev["t"] == "tok" and ev["p"] <= sent < ev["p"] + len(ev["d"]):
+                # A redelivered job replays from the start; only what the client lacks is sent.
+                piece = ev["d"][sent - ev["p"]:]
+                sent += len(piece)
+                yield fmt.chunk(piece)
+            ev = waiter.next_event(keepalive=True)
+        job = waiter.finish()
+        if job.status != JobStatus.completed:
+            err = _job_error(job)
+            yield _data({"error": {"message": err.message, "type": "api_error", "param": err.param,
+                                   "code": err.code}})
+        else:
+            rest = (job.output or "")[sent:]
+            if rest:
+                yield fmt.chunk(rest)
+            usage = _usage(job)
+            yield fmt.chunk(finish_reason=job.finish_reason, usage=None if fmt.include_usage else usage)
+            if fmt.include_usage:
+                yield fmt.usage_chunk(usage)
+        yield "data: [DONE]\n\n"
+        done = True
+    finally:
+        waiter.close(cancel=not done)

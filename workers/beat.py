@@ -1,0 +1,93 @@
+"""Periodic upkeep that keeps the ledger and the broker consistent: the sweeper and the batch finaliser.
+Plain functions over a service app (ledger engine, dispatcher, storage, redis); `tidepool beat` runs
+them as Celery beat tasks, embedded mode runs them on a thread."""
+import logging
+import time
+
+from kombu import Connection
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service import batches, jobs
+from service.models import Batch, BatchStatus, Job, JobStatus, utcnow
+
+log = logging.getLogger(__name__)
+EPOCH_KEY = "tidepool:broker_epoch"
+
+
+def _ext(app, name):
+    return app.extensions[f"tidepool.{name}"]
+
+
+def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_timeout: float | None = None) -> dict:
+    """Requeue (or fail) running jobs whose lease lapsed, expire overdue jobs and batches, return
+    unacked messages of dead consumers to their queues, and republish what never reached the broker."""
+    done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "restored_broker": 0, "republished": 0}
+    with Session(_ext(app, "engine")) as s:
+        done["reclaimed"] = jobs.reclaim_lapsed(s, max_attempts=max_attempts)
+        done["expired"] = jobs.expire_overdue(s)
+        for batch in s.scalars(select(Batch).where(Batch.status == BatchStatus.in_progress,
+                                                   Batch.expired_at.is_(None), Batch.expires_at <= utcnow())):
+            batches.expire(s, batch)
+            done["batches_expired"] += 1
+        s.commit()
+    if visibility_timeout is not None:
+        _restore_visible(app, visibility_timeout)
+    done["restored_broker"] = _check_broker_epoch(app)
+    done["republished"] = _ext(app, "dispatcher").republish_undispatched(older_than=republish_after)
+    if any(done.values()):
+        log.info("sweep: %s", done)
+    return done
+
+
+def _restore_visible(app, visibility_timeout: float) -> None:
+    from workers.worker import transport_options
+    url = app.config["TIDEPOOL"].broker_url
+    if not url.startswith("redis"):
+        return
+    with Connection(url, transport_options=transport_options(visibility_timeout)) as conn:
+        conn.default_channel.qos.restore_visible(num=1000, interval=1)
+
+
+def _check_broker_epoch(app) -> int:
+    """A Redis without persistence that restarted has lost its queues: the epoch key is gone with them.
+    Then every queued job is republished (duplicates of messages that survived are dropped at claim)."""
+    client = _ext(app, "redis")
+    if client is None or not client.set(EPOCH_KEY, str(time.time()), nx=True):
+        return 0
+    with _ext(app, "engine").begin() as conn:
+        n = conn.execute(update(Job).where(Job.status == JobStatus.queued, Job.dispatched_at.is_not(None))
+                         .values(dispatched_at=None)).rowcount
+    if n:
+        log.warning("broker epoch missing (new or restarted broker): republishing %d queued jobs", n)
+        _ext(app, "dispatcher").republish_undispatched(older_than=0)
+    return n
+
+
+def finalize_batches(app) -> int:
+    """Write output and error files for every batch whose jobs are all terminal."""
+    storage, model = _ext(app, "storage"), app.config["TIDEPOOL"].served_model_name
+    closed = 0
+    with Session(_ext(app, "engine")) as s:
+        ids = s.scalars(select(Batch.id).where(Batch.status.in_((BatchStatus.in_progress,
+                                                                  BatchStatus.cancelling)))).all()
+        for batch_id in ids:
+            batch = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+            if batch is not None and batches.finalize(s, storage, batch, model):
+                closed += 1
+            s.commit()
+    return closed
+
+
+def run_forever(app, interval: float = 5.0, stop=None, **sweep_kwargs) -> None:
+    """Embedded mode: the same upkeep on a thread."""
+    while stop is None or not stop.is_set():
+        try:
+            sweep(app, **sweep_kwargs)
+            finalize_batches(app)
+        except Exception:
+            log.exception("upkeep failed; retrying")
+        if stop is not None:
+            stop.wait(interval)
+        else:
+            time.sleep(interval)

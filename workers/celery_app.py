@@ -1,0 +1,70 @@
+"""The Celery app: reliability settings shared with the workers' consumers, and the beat schedule
+(sweeper, batch finaliser) whose tasks run on the `maintenance` queue of `tidepool beat`.
+
+Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|deferrable) are consumed
+by the gpu/cpu workers (workers/worker.py), not by a Celery worker pool: they pull offline queues only
+when their engine has room, which a prefetching Celery consumer cannot express."""
+import os
+
+from celery import Celery
+from kombu import Queue
+
+from service.config import Config
+
+SWEEP_INTERVAL = float(os.environ.get("TIDEPOOL_SWEEP_INTERVAL", "5"))
+_flask_app = None
+
+
+def _app():
+    global _flask_app
+    if _flask_app is None:
+        from service import create_app
+        _flask_app = create_app()
+    return _flask_app
+
+
+def make_celery(cfg: Config | None = None) -> Celery:
+    from workers.worker import transport_options
+    cfg = cfg or Config.from_env()
+    visibility = float(os.environ.get("TIDEPOOL_VISIBILITY_TIMEOUT", 6 * 3600))
+    app = Celery("tidepool", broker=cfg.broker_url, set_as_current=False)
+    app.conf.update(
+        task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
+        broker_transport_options=transport_options(visibility), broker_connection_retry_on_startup=True,
+        task_serializer="json", accept_content=["json"], result_backend=None, task_ignore_result=True,
+        task_default_queue="maintenance", task_queues=[Queue("maintenance")],
+        worker_hijack_root_logger=False, beat_schedule_filename=os.environ.get(
+            "TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule"),
+        beat_schedule={
+            "sweep": {"task": "tidepool.sweep", "schedule": SWEEP_INTERVAL,
+                      "options": {"expires": SWEEP_INTERVAL * 2}},
+            "finalize-batches": {"task": "tidepool.finalize_batches", "schedule": SWEEP_INTERVAL,
+                                 "options": {"expires": SWEEP_INTERVAL * 2}},
+        })
+
+    @app.task(name="tidepool.sweep")
+    def sweep_task():
+        from workers import beat
+        return beat.sweep(_app(), republish_after=float(os.environ.get("TIDEPOOL_REPUBLISH_AFTER", "30")),
+                          max_attempts=int(os.environ.get("TIDEPOOL_MAX_ATTEMPTS", "3")),
+                          visibility_timeout=visibility)
+
+    @app.task(name="tidepool.finalize_batches")
+    def finalize_task():
+        from workers import beat
+        return beat.finalize_batches(_app())
+
+    return app
+
+
+def main_beat(args) -> int:
+    """`tidepool beat`: Celery beat embedded in a one-thread worker that runs the upkeep tasks."""
+    from pathlib import Path
+    Path(os.environ.get("TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule")).parent.mkdir(parents=True, exist_ok=True)
+    app = make_celery()
+    if app.conf.broker_url.startswith("memory"):
+        raise SystemExit("tidepool beat needs TIDEPOOL_REDIS_URL; embedded mode (tidepool serve) runs upkeep itself")
+    worker = app.Worker(beat=True, pool="solo", concurrency=1, queues=["maintenance"],
+                        loglevel=os.environ.get("TIDEPOOL_LOG_LEVEL", "INFO"), quiet=True)
+    worker.start()
+    return worker.exitcode or 0

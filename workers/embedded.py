@@ -1,0 +1,122 @@
+"""`tidepool serve`: the whole service in one process. The web app, a gpu-kind worker (and a cpu worker
+when the gpu one really has a GPU) and the upkeep loop run on threads, over SQLite and kombu's in-process
+`memory://` transport unless TIDEPOOL_DATABASE_URL / TIDEPOOL_REDIS_URL say otherwise. Same code
+paths as the Procfile processes; only the transport and the database URL differ."""
+import json
+import logging
+import os
+import secrets
+import signal
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _ensure_model() -> str:
+    model = os.environ.get("TIDEPOOL_MODEL")
+    if model:
+        return model
+    from workers.engine.model_pull import models_dir, pull_model
+    path = models_dir() / DEFAULT_MODEL
+    if not (path / "config.json").is_file():
+        print(f"No TIDEPOOL_MODEL set: fetching {DEFAULT_MODEL} once into {models_dir()}/ ...", flush=True)
+        path = pull_model(DEFAULT_MODEL)
+    os.environ["TIDEPOOL_MODEL"] = str(path)
+    return str(path)
+
+
+def _secret_file(path: Path, make) -> str:
+    if path.is_file():
+        return path.read_text().strip()
+    value = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(value + "\n")
+    path.chmod(0o600)
+    return value
+
+
+def _default_key(app, var: Path) -> str:
+    """The `default` tenant and an API key for it, created on first run and kept in var/."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from service import tenants
+    from service.models import Tenant
+    key_file = var / "default_api_key"
+    with Session(app.extensions["tidepool.engine"]) as s:
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "default"))
+        if tenant_id is None:
+            _, key = tenants.create_tenant(s, "default", actor="serve")
+        elif key_file.is_file():
+            return key_file.read_text().strip()
+        else:
+            _, key = tenants.issue_key(s, tenant_id, actor="serve")
+        s.commit()
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    return key
+
+
+def main(args) -> int:
+    logging.basicConfig(level=os.environ.get("TIDEPOOL_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from werkzeug.serving import make_server
+
+    from service import create_app, migrate
+    from service.config import Config
+    from workers import beat
+    from workers.worker import Worker, WorkerConfig, default_device
+
+    var = Path("var")
+    var.mkdir(exist_ok=True)
+    model = _ensure_model()
+    os.environ.setdefault("TIDEPOOL_ADMIN_TOKEN", _secret_file(var / "admin_token", lambda: secrets.token_urlsafe(24)))
+    cfg = Config.from_env()
+    migrate.upgrade(cfg.database_url)
+    app = create_app(cfg)
+    key = _default_key(app, var)
+
+    device = args.device or default_device()
+    kinds = [("gpu", device)] + ([("cpu", "cpu")] if device != "cpu" else [])
+    workers = [Worker(WorkerConfig.from_env(kind=kind, device=dev, name=f"embedded-{kind}")) for kind, dev in kinds]
+    stop = threading.Event()
+    threads = [threading.Thread(target=w.run, name=w.cfg.name, daemon=True) for w in workers]
+    threads.append(threading.Thread(target=beat.run_forever, args=(app,), daemon=True,
+                                    kwargs={"interval": 2.0, "stop": stop, "republish_after": 5.0}))
+    for t in threads:
+        t.start()
+
+    server = make_server(args.host, args.port, app, threaded=True)
+    base = f"http://{args.host}:{server.server_port}"
+    name = cfg.served_model_name
+    print(f"""
+Tidepool is serving {name} ({model}) on {device}.
+  API        {base}/v1
+  Admin      {base}/admin   (token: {cfg.admin_token})
+  API key:   {key}
+
+  curl {base}/v1/chat/completions -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
+    -d '{json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})}'
+
+  python -c 'from openai import OpenAI; c = OpenAI(base_url="{base}/v1", api_key="{key}"); \\
+print(c.chat.completions.create(model="{name}", messages=[{{"role": "user", "content": "Hello!"}}], \\
+max_tokens=32).choices[0].message.content)'
+""", flush=True)
+
+    def _shutdown(*_):
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, _shutdown)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        for w in workers:
+            w.stop()
+        for t in threads:
+            t.join(15)
+    return 0

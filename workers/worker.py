@@ -1,0 +1,471 @@
+"""The gpu and cpu workers: one long-lived process (or, embedded, one thread) that owns one LLMEngine.
+
+Two threads. The engine thread only steps the engine and hands finished requests over. The intake
+thread owns the broker channel and the ledger writes:
+
+    pull message -> claim job (queued -> running, fresh lease) -> engine.add_request
+    engine finishes -> complete/fail in one transaction guarded by the lease -> ack
+
+Online queues are pulled eagerly; offline queues (batch, then deferrable) only while the engine's
+waiting queue is below a low-water mark, one message at a time, so unstarted offline work stays in
+the broker where any worker can take it. Messages are the Celery protocol-2 `tidepool.run_job(job_id)`
+messages that service/dispatch.py publishes; they are fetched with basic_get and acked late, so an
+unacked message of a dead worker returns to its queue after the visibility timeout.
+"""
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from functools import partial
+
+from kombu import Connection, Queue
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from service import bodies, jobs
+from service.db import make_engine
+from service.models import Job, JobStatus, Tenant, utcnow
+from workers import token_stream
+
+log = logging.getLogger(__name__)
+ONLINE = ("realtime", "interactive")
+QUEUES = {"gpu": ("realtime", "interactive", "batch", "deferrable"), "cpu": ("deferrable",)}
+HEARTBEAT_KEY = "tidepool:worker:{}"
+RUNNING: dict[str, "Worker"] = {}   # workers of this process, by name (embedded mode, admin panel)
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+def default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def transport_options(visibility_timeout: float) -> dict:
+    # priority: a consumer of several queues drains them in the listed order (strict class order).
+    return {"visibility_timeout": visibility_timeout, "queue_order_strategy": "priority"}
+
+
+@dataclass
+class WorkerConfig:
+    model: str
+    database_url: str
+    broker_url: str = "memory://"
+    redis_url: str | None = None
+    kind: str = "gpu"
+    device: str = "cpu"
+    name: str = ""
+    lease_seconds: float = 60.0          # renewed every lease_seconds / 4 while running
+    visibility_timeout: float = 6 * 3600  # longer than the longest job
+    low_water: int = 4                   # offline work is pulled while fewer than this wait in the engine
+    max_inflight: int = 512
+    poll_interval: float = 0.02
+    check_interval: float = 0.5          # cancellations reach the engine within this (plus one step)
+    heartbeat_interval: float = 2.0
+    engine: dict = field(default_factory=dict)   # EngineConfig overrides
+
+    def __post_init__(self):
+        if self.kind not in QUEUES:
+            raise ValueError(f"kind must be one of {sorted(QUEUES)}, got {self.kind!r}")
+        if not self.model:
+            raise ValueError("no model: set TIDEPOOL_MODEL to a model folder")
+        if self.lease_seconds <= 0 or self.low_water < 1:
+            raise ValueError("lease_seconds must be positive and low_water at least 1")
+        self.name = self.name or f"{self.kind}-{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def queues(self) -> tuple[str, ...]:
+        return QUEUES[self.kind]
+
+    @classmethod
+    def from_env(cls, kind: str = "gpu", device: str | None = None, **overrides) -> "WorkerConfig":
+        from service.config import Config
+        svc = Config.from_env()
+        engine = {k: v for k, v in {
+            "num_kv_blocks": _env_int("TIDEPOOL_KV_BLOCKS", None),
+            "max_num_seqs": _env_int("TIDEPOOL_MAX_NUM_SEQS", None),
+            "max_num_batched_tokens": _env_int("TIDEPOOL_MAX_BATCHED_TOKENS", None),
+            "max_model_len": _env_int("TIDEPOOL_MAX_MODEL_LEN", None)}.items() if v is not None}
+        values = dict(model=svc.model or "", database_url=svc.database_url, broker_url=svc.broker_url,
+                      redis_url=svc.redis_url, kind=kind, device=device or default_device(),
+                      lease_seconds=_env_float("TIDEPOOL_LEASE_SECONDS", 60.0),
+                      visibility_timeout=_env_float("TIDEPOOL_VISIBILITY_TIMEOUT", 6 * 3600),
+                      low_water=_env_int("TIDEPOOL_LOW_WATER", 4), engine=engine)
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass
+class Inflight:
+    job_id: str
+    lease_token: str
+    sla_class: str
+    message: object
+    online: bool
+    pos: int = 0                      # characters streamed so far
+    first_token_at: float | None = None
+    first_recorded: bool = False
+    aborted: bool = False
+
+
+def build_request(tokenizer, endpoint: str, body: dict):
+    """A ledger job's normalised request body -> (prompt, SamplingParams). Raises ValueError."""
+    from workers.engine import SamplingParams
+    if endpoint == bodies.CHAT:
+        messages = [{**m, "content": m["content"] if isinstance(m["content"], str)
+                     else "".join(p["text"] for p in m["content"])} for m in body["messages"]]
+        try:
+            prompt = tokenizer.encode_chat(messages)
+        except Exception as exc:  # template errors (jinja raise_exception) are the caller's input
+            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+        logprobs = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    else:
+        prompt = body["prompt"]
+        logprobs = body.get("logprobs")
+    params = SamplingParams(
+        max_tokens=body["max_tokens"], temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
+        top_k=body.get("top_k", 0), min_p=body.get("min_p", 0.0), seed=body.get("seed"), stop=body.get("stop"),
+        stop_token_ids=body.get("stop_token_ids"), ignore_eos=body.get("ignore_eos", False),
+        presence_penalty=body.get("presence_penalty", 0.0), frequency_penalty=body.get("frequency_penalty", 0.0),
+        repetition_penalty=body.get("repetition_penalty", 1.0), logprobs=logprobs)
+    return prompt, params
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig, engine=None, redis_client=None):
+        from workers.engine import EngineConfig, LLMEngine
+        self.cfg = cfg
+        self.engine = engine or LLMEngine(EngineConfig(model=cfg.model, device=cfg.device, **cfg.engine))
+        self.db = make_engine(cfg.database_url)
+        if redis_client is None and cfg.redis_url:
+            import redis
+            redis_client = redis.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        self.redis = redis_client
+        self.stream = token_stream.for_redis(redis_client)
+        self.inflight: dict[str, Inflight] = {}
+        self.counters = {"claimed": 0, "completed": 0, "failed": 0, "aborted": 0, "dropped": 0, "throttled": 0}
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._firsts: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._error: BaseException | None = None
+        self._conn = self._channel = None
+        self._broker_errors: tuple = (OSError,)
+        self._queues: dict[str, Queue] = {}
+        self._next_check = self._next_renew = self._next_beat = 0.0
+        self.started_at = time.time()
+
+    # -- public -----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Engine stats plus this worker's own counters (also written to the heartbeat)."""
+        try:
+            engine = self.engine.stats()
+        except Exception:  # read racing the engine thread; the next heartbeat gets it
+            engine = {}
+        return {"name": self.cfg.name, "kind": self.cfg.kind, "device": self.cfg.device, "model": self.cfg.model,
+                "queues": list(self.cfg.queues), "inflight": len(self.inflight), "started_at": self.started_at,
+                "at": time.time(), **self.counters, "engine": engine}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        """Serve until stop(); in-flight jobs are then released back to the queue."""
+        RUNNING[self.cfg.name] = self
+        engine_thread = threading.Thread(target=self._engine_loop, name=f"{self.cfg.name}-engine", daemon=True)
+        engine_thread.start()
+        log.info("worker %s: %s on %s, queues %s", self.cfg.name, self.cfg.model, self.cfg.device, self.cfg.queues)
+        try:
+            self._connect()
+            while not self._stop.is_set():
+                busy = self._finish_done()
+                self._record_first_tokens()
+                self._housekeeping()
+                try:
+                    busy = self._pull() or busy
+                except self._broker_errors as exc:  # broker gone (restart, network): reconnect, carry on
+                    log.warning("worker %s: broker error %s; reconnecting", self.cfg.name, exc)
+                    time.sleep(1.0)
+                    self._connect()
+                except Exception:  # a claimed job's lease lapses and the sweeper requeues it
+                    log.exception("worker %s: intake failed", self.cfg.name)
+                    time.sleep(self.cfg.poll_interval)
+                if not busy:
+                    time.sleep(self.cfg.poll_interval)
+        finally:
+            self._stop.set()
+            self._wake.set()
+            engine_thread.join(10)
+            self._release_all()
+            RUNNING.pop(self.cfg.name, None)
+            if self.redis is not None:
+                try:
+                    self.redis.delete(HEARTBEAT_KEY.format(self.cfg.name))
+                except Exception:
+                    pass
+            if self._conn is not None:
+                self._conn.release()    # closing the channel restores its unacked messages to their queues
+            self.db.dispose()
+        if self._error is not None:
+            raise RuntimeError(f"engine loop failed: {self._error!r}") from self._error
+
+    # -- engine thread ----------------------------------------------------------------------------
+    def _engine_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    if out.finished:
+                        self._done.put(out)
+        except BaseException as exc:  # a broken engine ends the worker; leases lapse, jobs are requeued
+            log.exception("worker %s: engine loop failed", self.cfg.name)
+            self._error = exc
+            self._stop.set()
+
+    def _on_token(self, job_id: str, out) -> None:
+        inf = self.inflight.get(job_id)
+        if inf is None:
+            return
+        if inf.first_token_at is None and out.token_ids:
+            inf.first_token_at = out.first_token_time or time.time()
+            self._firsts.put(job_id)
+        if inf.online and out.delta_text:
+            try:
+                self.stream.publish(job_id, {"t": "tok", "d": out.delta_text, "p": inf.pos})
+            except Exception:  # the waiter falls back to the ledger
+                pass
+            inf.pos += len(out.delta_text)
+
+    # -- broker -----------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.release()
+            except Exception:
+                pass
+        self._conn = Connection(self.cfg.broker_url,
+                                transport_options=transport_options(self.cfg.visibility_timeout))
+        self._broker_errors = (OSError, *self._conn.connection_errors, *self._conn.channel_errors)
+        self._conn.ensure_connection(max_retries=3)
+        self._channel = self._conn.channel()
+        self._queues = {name: Queue(name, routing_key=name).bind(self._channel) for name in self.cfg.queues}
+
+    def _engine_waiting(self) -> int:
+        try:
+            return int(self.engine.stats()["waiting"])
+        except Exception:
+            return self.cfg.low_water
+
+    def _pull(self) -> bool:
+        got = False
+        for name in self.cfg.queues:
+            online = name in ONLINE
+            while len(self.inflight) < self.cfg.max_inflight:
+                if not online and self._engine_waiting() >= self.cfg.low_water:
+                    return got       # no spare capacity: leave offline work in the broker
+                message = self._queues[name].get(no_ack=False, accept=["json"])
+                if message is None:
+                    break
+                got = True
+                self._accept(name, message)
+                if not online:
+                    break            # one offline message per pass, then look at the online queues again
+        return got
+
+    def _accept(self, queue_name: str, message) -> None:
+        try:
+            job_id = message.decode()[0][0]
+        except Exception:
+            log.warning("worker %s: dropping malformed message on %s", self.cfg.name, queue_name)
+            message.ack()
+            return
+        with Session(self.db, expire_on_commit=False) as s:
+            started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds)
+            job = weight = None
+            if started.lease_token is not None:
+                job = s.get(Job, job_id)
+                weight = s.scalar(select(Tenant.weight).where(Tenant.id == job.tenant_id))
+            elif started.reason == "throttled":
+                # Over the tenant's max_running: hand the job back to the sweeper, which republishes it.
+                s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.queued)
+                          .values(dispatched_at=None))
+            s.commit()
+        if started.lease_token is None:
+            self.counters["throttled" if started.reason == "throttled" else "dropped"] += 1
+            message.ack()        # duplicate, cancelled, expired or throttled: nothing to run
+            return
+        self.counters["claimed"] += 1
+        sla = job.sla_class.value
+        inf = Inflight(job_id, started.lease_token, sla, message, online=sla in ONLINE)
+        try:
+            prompt, params = build_request(self.engine.tokenizer, job.endpoint, job.request)
+            self.inflight[job_id] = inf
+            self.engine.add_request(job_id, prompt, params, sla_class=sla, tenant=job.tenant_id,
+                                    weight=weight or 1.0, on_token=partial(self._on_token, job_id))
+        except ValueError as exc:
+            self.inflight.pop(job_id, None)
+            code = "context_length_exceeded" if "at most" in str(exc) else "invalid_prompt"
+            self._finish_failed(inf, {"code": code, "message": f"This request cannot run: {exc}."})
+            return
+        self._wake.set()
+
+    # -- ledger -----------------------------------------------------------------------------------
+    def _finish_failed(self, inf: Inflight, error: dict) -> None:
+        with Session(self.db) as s:
+            jobs.fail(s, inf.job_id, inf.lease_token, error)
+            s.commit()
+        self.counters["failed"] += 1
+        self._ack(inf)
+        self._publish_end(inf, "failed")
+
+    def _finish_done(self) -> bool:
+        busy = False
+        while True:
+            try:
+                out = self._done.get_nowait()
+            except queue.Empty:
+                return busy
+            busy = True
+            inf = self.inflight.pop(out.request_id, None)
+            if inf is None:
+                continue
+            status = "cancelled"
+            if out.finish_reason != "abort":
+                with Session(self.db) as s:
+                    if inf.first_token_at is not None and not inf.first_recorded:
+                        jobs.first_token(s, inf.job_id, inf.lease_token, _dt(inf.first_token_at))
+                    ok = jobs.complete(s, inf.job_id, inf.lease_token, output=out.text,
+                                       output_token_ids=list(out.token_ids),
+                                       prompt_tokens=len(out.prompt_token_ids),
+                                       completion_tokens=len(out.token_ids), finish_reason=out.finish_reason)
+                    s.commit()
+                status = "completed" if ok else "lost"
+                self.counters["completed" if ok else "dropped"] += 1
+            else:
+                self.counters["aborted"] += 1
+            self._ack(inf)        # only now: the result (or the cancellation) is in the ledger
+            self._publish_end(inf, status)
+
+    def _record_first_tokens(self) -> None:
+        ids = []
+        while True:
+            try:
+                ids.append(self._firsts.get_nowait())
+            except queue.Empty:
+                break
+        pending = [self.inflight[i] for i in ids if i in self.inflight]
+        if not pending:
+            return
+        with Session(self.db) as s:
+            for inf in pending:
+                jobs.first_token(s, inf.job_id, inf.lease_token, _dt(inf.first_token_at))
+                inf.first_recorded = True
+            s.commit()
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_check and self.inflight:
+            self._next_check = now + self.cfg.check_interval
+            self._check_leases(renew=now >= self._next_renew)
+            if now >= self._next_renew:
+                self._next_renew = now + self.cfg.lease_seconds / 4
+        if now >= self._next_beat:
+            self._next_beat = now + self.cfg.heartbeat_interval
+            self._heartbeat()
+
+    def _check_leases(self, renew: bool) -> None:
+        """Abort what was cancelled (or lost its lease) in the ledger; renew the other leases."""
+        current = list(self.inflight.values())
+        with Session(self.db) as s:
+            rows = dict(s.execute(select(Job.id, Job.lease_token).where(
+                Job.id.in_([i.job_id for i in current]), Job.status == JobStatus.running)).all())
+            live = [i for i in current if rows.get(i.job_id) == i.lease_token]
+            if renew and live:
+                s.execute(update(Job).where(Job.id.in_([i.job_id for i in live]),
+                                            Job.lease_token.in_([i.lease_token for i in live]),
+                                            Job.status == JobStatus.running)
+                          .values(lease_expires_at=utcnow() + timedelta(seconds=self.cfg.lease_seconds)))
+            s.commit()
+        for inf in current:
+            if rows.get(inf.job_id) != inf.lease_token and not inf.aborted:
+                inf.aborted = True
+                self.engine.abort(inf.job_id)
+                self._wake.set()
+
+    def _heartbeat(self) -> None:
+        if self.redis is None:
+            return
+        try:
+            self.redis.set(HEARTBEAT_KEY.format(self.cfg.name), json.dumps(self.stats()),
+                           ex=int(self.cfg.heartbeat_interval * 5) + 1)
+        except Exception as exc:
+            log.warning("worker %s: heartbeat failed: %s", self.cfg.name, exc)
+
+    def _ack(self, inf: Inflight) -> None:
+        try:
+            inf.message.ack()
+        except Exception as exc:  # the broker restarted: the message is gone, the ledger holds the result
+            log.warning("worker %s: ack of %s failed: %s", self.cfg.name, inf.job_id, exc)
+
+    def _publish_end(self, inf: Inflight, status: str) -> None:
+        if inf.online:
+            try:
+                self.stream.publish(inf.job_id, {"t": "end", "status": status})
+            except Exception:
+                pass
+
+    def _release_all(self) -> None:
+        """Shutdown: what is still running goes back to queued (its message back to the broker)."""
+        self._finish_done()
+        if not self.inflight:
+            return
+        with Session(self.db) as s:
+            for inf in self.inflight.values():
+                jobs.release(s, inf.job_id, inf.lease_token)
+            s.commit()
+        self.inflight.clear()
+
+
+def _dt(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, timezone.utc)
+
+
+def workers_from_redis(client) -> list[dict]:
+    """Heartbeats of live workers (for the admin panel and tests)."""
+    out = []
+    for key in client.scan_iter(HEARTBEAT_KEY.format("*")):
+        raw = client.get(key)
+        if raw:
+            out.append(json.loads(raw))
+    return out
+
+
+def main(args) -> int:
+    logging.basicConfig(level=os.environ.get("TIDEPOOL_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = WorkerConfig.from_env(kind=args.kind, device=args.device)
+    worker = Worker(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: worker.stop())
+    print(json.dumps({"worker": cfg.name, "kind": cfg.kind, "device": cfg.device, "model": cfg.model,
+                      "queues": list(cfg.queues)}), flush=True)
+    worker.run()
+    return 0
