@@ -104,7 +104,8 @@ class WorkerConfig:
                       redis_url=svc.redis_url, kind=kind, device=device or default_device(),
                       lease_seconds=_env_float("TIDEPOOL_LEASE_SECONDS", 60.0),
                       visibility_timeout=_env_float("TIDEPOOL_VISIBILITY_TIMEOUT", 6 * 3600),
-                      low_water=_env_int("TIDEPOOL_LOW_WATER", 4), engine=engine)
+                      low_water=_env_int("TIDEPOOL_LOW_WATER", 4), engine=engine,
+                      name=os.environ.get("TIDEPOOL_WORKER_NAME", ""))
         values.update(overrides)
         return cls(**values)
 
@@ -158,6 +159,7 @@ class Worker:
         self.stream = token_stream.for_redis(redis_client)
         self.inflight: dict[str, Inflight] = {}
         self.counters = {"claimed": 0, "completed": 0, "failed": 0, "aborted": 0, "dropped": 0, "throttled": 0}
+        self.preempted = {c: 0 for c in QUEUES["gpu"]}   # engine preemptions suffered, by SLA class
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._firsts: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -178,7 +180,7 @@ class Worker:
             engine = {}
         return {"name": self.cfg.name, "kind": self.cfg.kind, "device": self.cfg.device, "model": self.cfg.model,
                 "queues": list(self.cfg.queues), "inflight": len(self.inflight), "started_at": self.started_at,
-                "at": time.time(), **self.counters, "engine": engine}
+                "at": time.time(), **self.counters, "preempted_by_class": dict(self.preempted), "engine": engine}
 
     def stop(self) -> None:
         self._stop.set()
@@ -347,6 +349,7 @@ class Worker:
             inf = self.inflight.pop(out.request_id, None)
             if inf is None:
                 continue
+            self.preempted[inf.sla_class] += out.num_preemptions
             status = "cancelled"
             if out.finish_reason != "abort":
                 with Session(self.db) as s:

@@ -1,0 +1,159 @@
+"""Real backends and real worker processes: Postgres databases cloned from a migrated template, a
+dedicated Redis db (12) that is flushed, `tidepool worker` / `tidepool beat` subprocesses over a tiny
+random-weight model."""
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+from werkzeug.serving import make_server
+
+from service import create_app, migrate, tenants
+from service.models import Job
+
+PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
+REDIS = os.environ.get("TIDEPOOL_TEST_WORKERS_REDIS", "redis://127.0.0.1:6379/12")
+ROOT = Path(__file__).resolve().parents[2]
+_counter = itertools.count()
+
+
+def _pg_exec(sql: str) -> None:
+    with psycopg.connect(PG.replace("postgresql+psycopg://", "postgresql://") + "/postgres", autocommit=True) as c:
+        c.execute(sql)
+
+
+@pytest.fixture(scope="session")
+def pg_template():
+    name = f"tidepool_wtest_tmpl_{os.getpid()}"
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    _pg_exec(f"CREATE DATABASE {name}")
+    migrate.upgrade(f"{PG}/{name}")
+    yield name
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def clone_db(template: str):
+    name = f"tidepool_wtest_{os.getpid()}_{next(_counter)}"
+    _pg_exec(f"CREATE DATABASE {name} TEMPLATE {template}")
+    return name, f"{PG}/{name}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from workers.engine.tiny_model import make_tiny_model
+    return str(make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), seed=1))
+
+
+def flush_redis(url: str = REDIS) -> None:
+    redis.Redis.from_url(url).flushdb()
+
+
+class Stack:
+    """One ledger + broker + web app, and the worker/beat processes started against it."""
+
+    def __init__(self, db_url: str, model: str, tmp: Path):
+        self.db_url, self.model, self.tmp = db_url, model, tmp
+        self.redis_url = REDIS
+        self.redis = redis.Redis.from_url(REDIS)
+        self.storage = str(tmp / "storage")
+        self.app = create_app({"database_url": db_url, "redis_url": REDIS, "storage_dir": self.storage,
+                               "model": model, "admin_token": "admin"})
+        self.engine = self.app.extensions["tidepool.engine"]
+        self.procs: list[subprocess.Popen] = []
+        self.server = None
+        self.url = None
+
+    # -- processes ---------------------------------------------------------------------------------
+    def env(self, **extra) -> dict:
+        env = dict(os.environ, TIDEPOOL_DATABASE_URL=self.db_url, TIDEPOOL_REDIS_URL=self.redis_url,
+                   TIDEPOOL_MODEL=self.model, TIDEPOOL_STORAGE_DIR=self.storage, TIDEPOOL_LOG_LEVEL="WARNING",
+                   PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+        env.update({k: str(v) for k, v in extra.items()})
+        return env
+
+    def start(self, *args, wait_for: str | None = None, **env) -> subprocess.Popen:
+        log = open(self.tmp / f"{args[0]}-{next(_counter)}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], cwd=self.tmp, env=self.env(**env),
+                                stdout=log, stderr=subprocess.STDOUT)
+        proc.log_path = log.name
+        self.procs.append(proc)
+        if wait_for:
+            self.wait(lambda: self.redis.exists(f"tidepool:worker:{wait_for}") or proc.poll() is not None, 60,
+                      f"worker {wait_for} to start")
+            assert proc.poll() is None, Path(proc.log_path).read_text()
+        return proc
+
+    def worker(self, name: str, kind: str = "gpu", **env) -> subprocess.Popen:
+        env.setdefault("TIDEPOOL_LEASE_SECONDS", 4)
+        return self.start("worker", "--kind", kind, "--device", "cpu", wait_for=name, TIDEPOOL_WORKER_NAME=name,
+                          **env)
+
+    def heartbeat(self, name: str) -> dict:
+        raw = self.redis.get(f"tidepool:worker:{name}")
+        return json.loads(raw) if raw else {}
+
+    def serve(self) -> str:
+        self.server = make_server("127.0.0.1", 0, self.app, threaded=True)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        return self.url
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.server is not None:
+            self.server.shutdown()
+        self.engine.dispose()
+
+    # -- ledger --------------------------------------------------------------------------------------
+    def tenant(self, name: str | None = None, weight: float = 1.0) -> tuple[str, str]:
+        with Session(self.engine) as s:
+            t, key = tenants.create_tenant(s, name or f"t{next(_counter)}", weight)
+            s.commit()
+            return t.id, key
+
+    def jobs(self, *where) -> list[Job]:
+        with Session(self.engine) as s:
+            return s.scalars(select(Job).where(*where).order_by(Job.id)).all()
+
+    def count(self, *where) -> int:
+        with Session(self.engine) as s:
+            return s.scalar(select(func.count()).select_from(Job).where(*where))
+
+    @staticmethod
+    def wait(cond, timeout: float = 60, what: str = "condition", every: float = 0.1):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            value = cond()
+            if value:
+                return value
+            time.sleep(every)
+        raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def stack(pg_template, tiny_model, tmp_path):
+    flush_redis()
+    name, url = clone_db(pg_template)
+    st = Stack(url, tiny_model, tmp_path)
+    yield st
+    st.close()
+    flush_redis()
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

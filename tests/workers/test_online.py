@@ -1,0 +1,191 @@
+"""End to end through the official openai client: the web app on a socket, one `tidepool worker`
+process and `tidepool beat`, over Postgres and Redis. Results must equal the engine's offline output."""
+import io
+import json
+import time
+
+import openai
+import pytest
+import requests
+from sqlalchemy.orm import Session
+
+from service.dispatch import _publish_task
+from service.models import Job, Usage
+from workers.engine import LLM, SamplingParams
+
+from .conftest import Stack, _pg_exec, clone_db, flush_redis
+
+WORKER = "e2e-gpu"
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def st(pg_template, tiny_model, tmp_path_factory):
+    flush_redis()
+    name, url = clone_db(pg_template)
+    tmp = tmp_path_factory.mktemp("e2e")
+    stack = Stack(url, tiny_model, tmp)
+    stack.serve()
+    stack.worker(WORKER)
+    stack.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_BEAT_SCHEDULE=tmp / "beat-schedule")
+    yield stack
+    stack.close()
+    flush_redis()
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    return LLM(tiny_model)
+
+
+def _client(st) -> tuple[openai.OpenAI, str]:
+    _, key = st.tenant()
+    return openai.OpenAI(base_url=f"{st.url}/v1", api_key=key, max_retries=0, timeout=60), key
+
+
+def test_completion_chat_and_models_match_the_engine(st, reference):
+    oa, _ = _client(st)
+    assert [m.id for m in oa.models.list()] == ["tiny"]
+    assert oa.models.retrieve("tiny").id == "tiny"
+
+    r = oa.completions.create(model="tiny", prompt="Hello there", max_tokens=8, temperature=0)
+    ref = reference.generate(["Hello there"], GREEDY)[0]
+    assert r.object == "text_completion" and r.model == "tiny"
+    assert r.choices[0].text == ref.text and r.choices[0].finish_reason == ref.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    c = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    ref = reference.chat([messages], GREEDY)[0]
+    assert c.object == "chat.completion" and c.choices[0].message.role == "assistant"
+    assert c.choices[0].message.content == ref.text
+    assert (c.usage.prompt_tokens, c.usage.completion_tokens) == (len(ref.prompt_token_ids), len(ref.token_ids))
+
+    job = st.jobs(Job.id == c.id)[0]     # the response id is the ledger job
+    assert job.status.value == "completed" and job.sla_class.value == "interactive" and job.worker == WORKER
+    assert job.started_at <= job.first_token_at <= job.finished_at
+
+
+def test_streaming_chunks_add_up_to_the_engine_output(st, reference):
+    oa, _ = _client(st)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    ref = reference.chat([messages], params)[0]
+    chunks = list(oa.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}))
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == ref.text
+    finals = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+
+    ref = reference.generate(["Once upon"], params)[0]
+    chunks = list(oa.completions.create(model="tiny", prompt="Once upon", max_tokens=12, temperature=0,
+                                        stream=True, extra_body={"sla_class": "realtime"}))
+    assert "".join(ch.choices[0].text for ch in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert st.jobs(Job.id == chunks[0].id)[0].sla_class.value == "realtime"
+
+    # the raw wire format ends with data: [DONE]
+    _, key = _client(st)
+    with requests.post(f"{st.url}/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"prompt": "Hi", "max_tokens": 3, "stream": True}, timeout=60, stream=True) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines(decode_unicode=True) if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["usage"]["completion_tokens"] == 3
+
+
+def test_bad_input_is_an_openai_error(st):
+    oa, _ = _client(st)
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert e.value.code == "model_not_found"
+    for stream in (False, True):   # too long for the model: the worker refuses it, the API answers 400
+        with pytest.raises(openai.BadRequestError) as e:
+            oa.completions.create(model="tiny", prompt=[5] * 1100, max_tokens=2, stream=stream)
+        assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=2)
+    assert e.value.code == "unsupported_value"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    assert e.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        oa.completions.create(model="tiny", prompt="x", extra_body={"sla_class": "batch"})
+    assert e.value.param == "sla_class"
+    bad = openai.OpenAI(base_url=f"{st.url}/v1", api_key="tp_nope_nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="tiny", prompt="x")
+
+
+def test_batch_file_to_output_matches_offline_generate(st, reference):
+    oa, _ = _client(st)
+    prompts = [f"Item {i}:" for i in range(6)]
+    lines = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0}})
+             for i, p in enumerate(prompts)]
+    f = oa.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    batch = oa.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    batch = st.wait(lambda: (b := oa.batches.retrieve(batch.id)).status == "completed" and b, 90, "batch done")
+    assert batch.request_counts.completed == 6 and batch.request_counts.failed == 0
+    out = [json.loads(ln) for ln in oa.files.content(batch.output_file_id).read().decode().splitlines()]
+    refs = reference.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))
+    assert sorted(o["custom_id"] for o in out) == [f"r{i}" for i in range(6)]
+    for o in out:
+        ref = refs[int(o["custom_id"][1:])]
+        body = o["response"]["body"]
+        assert o["response"]["status_code"] == 200 and o["error"] is None
+        assert body["choices"][0]["text"] == ref.text
+        assert body["usage"]["completion_tokens"] == len(ref.token_ids)
+
+
+def test_cancel_reaches_the_running_engine(st):
+    _, key = _client(st)
+    headers = {"Authorization": f"Bearer {key}"}
+    job = requests.post(f"{st.url}/v1/jobs", headers=headers, json={
+        "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}).json()
+    st.wait(lambda: st.jobs(Job.id == job["id"])[0].first_token_at, 30, "first token")
+    aborted = st.heartbeat(WORKER).get("aborted", 0)
+    t0 = time.monotonic()
+    r = requests.post(f"{st.url}/v1/jobs/{job['id']}/cancel", headers=headers)
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    # the worker's own counter (published each heartbeat) shows the engine sequence was aborted
+    st.wait(lambda: st.heartbeat(WORKER).get("aborted", 0) > aborted, 10, "abort", every=0.05)
+    print(f"cancel -> abort seen via heartbeat in {time.monotonic() - t0:.2f}s (heartbeat every 2s)")
+    row = st.jobs(Job.id == job["id"])[0]
+    assert row.status.value == "cancelled" and row.output is None and row.completion_tokens is None
+
+
+def test_client_disconnect_cancels_the_job(st):
+    _, key = _client(st)
+    with requests.post(f"{st.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 1000,
+                             "ignore_eos": True, "stream": True}, timeout=60, stream=True) as r:
+        lines = r.iter_lines(decode_unicode=True)
+        first = next(ln for ln in lines if ln.startswith("data: "))
+        next(lines)
+    job_id = json.loads(first[6:])["id"]
+    row = st.wait(lambda: (j := st.jobs(Job.id == job_id)[0]).status.value != "running" and j, 15, "cancel")
+    assert row.status.value == "cancelled" and row.output is None
+
+
+def test_a_message_delivered_twice_completes_once(st):
+    tenant_id, key = st.tenant()
+    job = requests.post(f"{st.url}/v1/jobs", headers={"Authorization": f"Bearer {key}"},
+                     json={"prompt": "twice", "max_tokens": 4, "sla_class": "interactive"}).json()
+    with st.app.extensions["tidepool.celery"].producer_or_acquire() as producer:
+        for _ in range(2):
+            _publish_task(producer, job["id"], "interactive")
+    st.wait(lambda: st.jobs(Job.id == job["id"])[0].status.value == "completed", 30, "completion")
+    st.wait(lambda: st.redis.llen("interactive") == 0, 10, "duplicates consumed")
+    time.sleep(0.3)
+    row = st.jobs(Job.id == job["id"])[0]
+    assert row.attempts == 1 and row.completion_tokens == 4
+    with Session(st.engine) as s:
+        usage = s.query(Usage).filter_by(tenant_id=tenant_id).one()
+    assert usage.requests == 1 and usage.completion_tokens == 4
