@@ -60,7 +60,7 @@ def _guard():
     if request.endpoint not in PUBLIC and not signed_in():
         if request.endpoint == "panel.dashboard_data":
             return {"error": {"message": "Sign in to the admin panel.", "code": "signed_out"}}, 401
-        return redirect(url_for("panel.login", next=request.full_path if request.method == "GET" else None))
+        return redirect(url_for("panel.login", next=request.full_path.rstrip("?") if request.method == "GET" else None))
 
 
 @bp.after_request

@@ -72,7 +72,7 @@
         var x = pts.length > 1 ? p.l + (pt.t - t0) / tspan * w : p.l + w;
         coords.push(x.toFixed(1) + "," + (p.t + h - v / top * h).toFixed(1));
       });
-      if (coords.length === 1) coords.push(coords[0].replace(/^[^,]+/, (p.l + w).toFixed(1)));
+      if (coords.length === 1) coords.unshift(coords[0].replace(/^[^,]+/, p.l.toFixed(1)));  // one point: a level line
       line.setAttribute("points", coords.join(" "));
     });
   };

@@ -16,7 +16,13 @@
   function secs(v) { return v === null || v === undefined ? "—" : v < 1 ? Math.round(v * 1000) + " ms" : v.toFixed(2) + " s"; }
   function pct(v) { return v === null || v === undefined ? "—" : (v * 100).toFixed(1) + "%"; }
   function num(v) { return v === null || v === undefined ? "—" : Math.round(v).toLocaleString(); }
-  function cell(text, cls) { var td = document.createElement("td"); td.textContent = text; if (cls) td.className = cls; return td; }
+  function cell(text, cls, label) {
+    var td = document.createElement("td"); td.textContent = text;
+    if (cls) td.className = cls;
+    if (label) td.setAttribute("data-label", label);
+    return td;
+  }
+  var WORKER_COLS = ["Worker", "Running", "Waiting", "KV cache", "Tokens/s", "Preemptions", "Updated"];
 
   function render(d) {
     $("t-tps").textContent = d.tokens_per_s.toFixed(1);
@@ -42,7 +48,7 @@
       var tr = document.createElement("tr");
       [[w.worker + (w.device ? " (" + w.device + ")" : ""), ""], [num(w.running), "num"], [num(w.waiting), "num"],
        [pct(w.kv_cache_usage), "num"], [w.generation_tokens_per_s.toFixed(1), "num"], [num(w.preemptions), "num"],
-       [w.age_s + " s ago", "num"]].forEach(function (c) { tr.appendChild(cell(c[0], c[1])); });
+       [w.age_s + " s ago", "num"]].forEach(function (c, i) { tr.appendChild(cell(c[0], c[1], WORKER_COLS[i])); });
       body.appendChild(tr);
     });
     charts.queue.push(d.ts, CLASSES.map(function (c) { return d.queues ? d.queues[c] : null; }));

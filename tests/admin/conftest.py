@@ -1,0 +1,167 @@
+"""Admin panel and metrics tests: the same real backends as tests/service (Postgres cloned from a migrated
+template, a flushed Redis db), plus a live server on a socket and headless Chromium for the browser tests."""
+import itertools
+import json
+import os
+import re
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+from werkzeug.serving import make_server
+
+from service import create_app, migrate
+
+PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
+REDIS = os.environ.get("TIDEPOOL_TEST_REDIS_ADMIN", "redis://127.0.0.1:6379/11")
+ADMIN = "test-admin-token-0123456789"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "admin"
+CHROMIUM = os.environ.get("TIDEPOOL_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+_counter = itertools.count()
+
+
+def _pg_exec(sql: str) -> None:
+    dsn = PG.replace("postgresql+psycopg://", "postgresql://") + "/postgres"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(sql)
+
+
+@pytest.fixture(scope="session")
+def admin_pg_template():
+    name = f"tidepool_admin_tmpl_{os.getpid()}"
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    _pg_exec(f"CREATE DATABASE {name}")
+    migrate.upgrade(f"{PG}/{name}")
+    yield name
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def _clone(template: str):
+    name = f"tidepool_admin_{os.getpid()}_{next(_counter)}"
+    _pg_exec(f"CREATE DATABASE {name} TEMPLATE {template}")
+    return name
+
+
+def make_app(pg_url: str, tmp_path, **extra):
+    return create_app({"database_url": pg_url, "redis_url": REDIS, "storage_dir": str(tmp_path / "storage"),
+                       "admin_token": ADMIN, "extra": extra})
+
+
+@pytest.fixture
+def app(admin_pg_template, tmp_path):
+    redis.Redis.from_url(REDIS).flushdb()
+    name = _clone(admin_pg_template)
+    app = make_app(f"{PG}/{name}", tmp_path)
+    yield app
+    app.extensions["tidepool.engine"].dispose()
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+def csrf_from(html: str) -> str:
+    return re.search(r'name="csrf_token" value="([^"]+)"', html).group(1)
+
+
+def sign_in(client) -> str:
+    """Sign the test client in over HTTPS (the cookie is Secure); returns the session's CSRF token."""
+    page = client.get("/admin/login", base_url="https://localhost")
+    r = client.post("/admin/login", data={"token": ADMIN, "csrf_token": csrf_from(page.text)},
+                    base_url="https://localhost")
+    assert r.status_code == 302, r.text
+    return csrf_from(client.get("/admin/tenants", base_url="https://localhost").text)
+
+
+class Api:
+    """The JSON API over a real socket (urllib), bearer-authenticated."""
+
+    def __init__(self, base: str):
+        self.base = base
+
+    def call(self, method: str, path: str, body=None, token: str = ADMIN, raw: bytes | None = None,
+             content_type: str = "application/json", headers: dict | None = None):
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        req = urllib.request.Request(self.base + path, data=data, method=method,
+                                     headers={"Content-Type": content_type, **(headers or {}),
+                                              **({"Authorization": f"Bearer {token}"} if token else {})})
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+    def tenant(self, name: str, **quota) -> tuple[str, str]:
+        status, body = self.call("POST", "/v1/admin/tenants", {"name": name, "quota": quota})
+        assert status == 201, body
+        return body["id"], body["api_key"]
+
+    def upload(self, key: str, lines: list[dict]) -> str:
+        boundary = "tidepoolboundary"
+        payload = "\n".join(json.dumps(x) for x in lines).encode()
+        raw = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+               f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
+               f"Content-Type: application/jsonl\r\n\r\n").encode() + payload + f"\r\n--{boundary}--\r\n".encode()
+        status, body = self.call("POST", "/v1/files", token=key, raw=raw,
+                                 content_type=f"multipart/form-data; boundary={boundary}")
+        assert status == 200, body
+        return body["id"]
+
+
+@pytest.fixture(scope="module")
+def live(admin_pg_template, tmp_path_factory):
+    """One app on a real socket for a whole browser module (Postgres + Redis, production shape)."""
+    redis.Redis.from_url(REDIS).flushdb()
+    name = _clone(admin_pg_template)
+    app = make_app(f"{PG}/{name}", tmp_path_factory.mktemp("live"))
+    app.config["PANEL_REFRESH_MS"] = 400
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{server.server_port}"
+    yield app, base, Api(base)
+    server.shutdown()
+    thread.join(5)
+    app.extensions["tidepool.engine"].dispose()
+    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"Chromium not found at {CHROMIUM}: apt-get install -y chromium")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser, live):
+    """A signed-in laptop-sized page; every JS error on it fails the test that caused it."""
+    _, base, _ = live
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, base_url=base)
+    pg = context.new_page()
+    pg.js_errors = []
+    pg.on("pageerror", lambda exc: pg.js_errors.append(str(exc)))
+    # Console errors count too, except the browser's note on every 4xx page (validation errors are 400s).
+    pg.on("console", lambda msg: msg.type == "error" and not msg.text.startswith("Failed to load resource")
+          and pg.js_errors.append(msg.text))
+    pg.on("dialog", lambda d: d.accept())
+    pg.set_default_timeout(10_000)
+    yield pg
+    context.close()
+
+
+def shot(page, name: str, full_page: bool = True) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=full_page)

@@ -1,0 +1,210 @@
+"""/metrics on the web app and on a worker: the tidepool: names are there and their values move."""
+import json
+import urllib.request
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service import jobs as transitions
+from service.logging import JsonFormatter, configure, log_job, scrub
+from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
+
+from .conftest import ADMIN
+
+BEARER = {"Authorization": f"Bearer {ADMIN}"}
+ENGINE_NAMES = ["tidepool:time_to_first_token_seconds", "tidepool:inter_token_latency_seconds",
+                "tidepool:e2e_request_latency_seconds", "tidepool:request_queue_time_seconds",
+                "tidepool:num_requests_running", "tidepool:num_requests_waiting", "tidepool:kv_cache_usage_perc",
+                "tidepool:num_preemptions_total", "tidepool:prefix_cache_queries_total",
+                "tidepool:prefix_cache_hits_total", "tidepool:prompt_tokens_total",
+                "tidepool:generation_tokens_total", "tidepool:iteration_tokens"]
+
+
+def samples(text: str) -> dict:
+    """{(name, frozenset(labels)): value} for every sample of a Prometheus text page."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(page: dict, name: str, **labels) -> float:
+    return sum(v for (n, ls), v in page.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def test_service_metrics_move_when_jobs_run(client, app):
+    r = client.post("/v1/admin/tenants", json={"name": "m", "quota": {"max_queued": 1}}, headers=BEARER)
+    tenant_id, key = r.get_json()["id"], r.get_json()["api_key"]
+    auth = {"Authorization": f"Bearer {key}"}
+    before = samples(client.get("/metrics").text)
+    assert value(before, "tidepool:jobs", state="queued") == 0
+    job = client.post("/v1/jobs", json={"prompt": "hi", "sla_class": "batch"}, headers=auth).get_json()
+    assert client.post("/v1/jobs", json={"prompt": "hi"}, headers=auth).status_code == 429  # max_queued
+    page = samples(client.get("/metrics").text)
+    assert value(page, "tidepool:jobs", state="queued", sla_class="batch") == 1
+    assert value(page, "tidepool:queue_depth", sla_class="batch") == 1
+    assert value(page, "tidepool:quota_rejections_total", tenant=tenant_id, reason="max_queued") == \
+        value(before, "tidepool:quota_rejections_total", tenant=tenant_id, reason="max_queued") + 1
+    assert value(page, "tidepool:http_requests_total", route="/v1/jobs", method="POST", status="202") >= \
+        value(before, "tidepool:http_requests_total", route="/v1/jobs", method="POST", status="202") + 1
+    assert value(page, "tidepool:http_request_duration_seconds_count", route="/v1/jobs") >= 2
+
+    with app.extensions["tidepool.sessions"]() as s:
+        token = transitions.start(s, job["id"], "gpu0").lease_token
+        s.commit()
+        page = samples(client.get("/metrics").text)
+        assert value(page, "tidepool:jobs", state="running", sla_class="batch") == 1
+        assert value(page, "tidepool:jobs", state="queued") == 0
+        transitions.complete(s, job["id"], token, output="x", output_token_ids=[1], prompt_tokens=1,
+                             completion_tokens=1, finish_reason="stop")
+        s.commit()
+    page = samples(client.get("/metrics").text)
+    assert value(page, "tidepool:jobs", state="completed", sla_class="batch") == 1
+    assert value(page, "tidepool:jobs", state="running") == 0
+
+
+def test_multiprocess_mode_sums_counters_across_processes(client, tmp_path, monkeypatch):
+    """Under gunicorn each worker writes its counters to PROMETHEUS_MULTIPROC_DIR; /metrics reads them all."""
+    from prometheus_client import Counter, values
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue(lambda: 4242))
+    c = Counter("tidepool:http_requests", "x", ["route", "method", "status"], registry=None)
+    c.labels("/v1/jobs", "POST", "202").inc(7)
+    page = samples(client.get("/metrics").text)
+    assert value(page, "tidepool:http_requests_total", route="/v1/jobs", status="202") == 7
+    assert ("tidepool:queue_depth", frozenset({("sla_class", "batch")})) in page  # ledger gauges still served
+
+
+def test_engine_metrics_from_a_real_tiny_engine(tmp_path):
+    from workers.engine import EngineConfig, LLMEngine, SamplingParams
+    from workers.engine.tiny_model import make_tiny_model
+
+    engine = LLMEngine(EngineConfig(model=str(make_tiny_model(tmp_path / "m", seed=1)), device="cpu"))
+    registry = CollectorRegistry()
+    store = SnapshotStore()
+    store.clear()
+    metrics = EngineMetrics(registry=registry, worker="cpu0", store=store, device="cpu")
+    prefix = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]  # a full block to share
+    classes = {"r0": ("batch", "a"), "r1": ("realtime", "b"), "r2": ("batch", "a"), "r3": ("interactive", "b")}
+    for i, (rid, (cls, tenant)) in enumerate(classes.items()):
+        engine.add_request(rid, prefix + [30 + i], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           sla_class=cls, tenant=tenant)
+    engine.step()
+    metrics.update_from_stats(engine.stats())
+    mid = samples(generate_latest(registry).decode())
+    assert value(mid, "tidepool:num_requests_running", worker="cpu0") == 4
+    assert value(mid, "tidepool:kv_cache_usage_perc", worker="cpu0") > 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                cls, tenant = classes[out.request_id]
+                metrics.observe_request(out, cls, tenant, queue_time=0.25)
+        metrics.update_from_stats(engine.stats())
+    stats = engine.stats()
+    text = generate_latest(registry).decode()
+    page = samples(text)
+    for name in ENGINE_NAMES:
+        assert name in text, name
+    assert value(page, "tidepool:generation_tokens_total") == 32 == stats["total_generation_tokens"]
+    assert value(page, "tidepool:generation_tokens_total", sla_class="batch", tenant="a") == 16
+    assert value(page, "tidepool:prompt_tokens_total") == 4 * 18
+    assert value(page, "tidepool:time_to_first_token_seconds_count") == 4
+    assert value(page, "tidepool:time_to_first_token_seconds_count", sla_class="batch") == 2
+    assert value(page, "tidepool:e2e_request_latency_seconds_sum") > value(
+        page, "tidepool:time_to_first_token_seconds_sum") > 0
+    assert value(page, "tidepool:inter_token_latency_seconds_count") == 4
+    assert value(page, "tidepool:request_queue_time_seconds_sum") == 1.0
+    assert value(page, "tidepool:request_success_total", finish_reason="length") == 4
+    assert value(page, "tidepool:prefix_cache_queries_total", worker="cpu0") == stats["prefix_cache_queries"] > 0
+    assert value(page, "tidepool:prefix_cache_hits_total", worker="cpu0") == stats["prefix_cache_hits"]
+    assert value(page, "tidepool:iteration_tokens_count", worker="cpu0") == stats["total_steps"]
+    assert value(page, "tidepool:iteration_tokens_sum", worker="cpu0") == \
+        stats["total_prompt_tokens"] + stats["total_generation_tokens"] - 4  # the first token comes with prefill
+    assert value(page, "tidepool:num_requests_running", worker="cpu0") == 0
+    # the snapshot the dashboard reads
+    [snap] = store.read()
+    assert snap["worker"] == "cpu0" and snap["device"] == "cpu" and snap["running"] == 4
+    metrics.update_from_stats(stats, now=snap["ts"] + 2)
+    [snap] = store.read(now=snap["ts"] + 2)
+    assert snap["running"] == 0 and snap["total_generation_tokens"] == 32 and snap["generation_tokens_per_s"] > 0
+    assert store.read(now=snap["ts"] + 60) == []  # a silent worker drops off the dashboard
+    # and its own /metrics endpoint
+    server, thread = start_metrics_server(0, registry, addr="127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5) as resp:
+            served = resp.read().decode()
+        assert "tidepool:generation_tokens_total" in served
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_engine_counters_survive_an_engine_restart():
+    registry = CollectorRegistry()
+    m = EngineMetrics(registry=registry, worker="w")
+    m.update_from_stats({"preemptions": 5, "total_steps": 1, "last_step": {"tokens": 3}})
+    m.update_from_stats({"preemptions": 2, "total_steps": 1, "last_step": {"tokens": 3}})  # restarted engine
+    assert value(samples(generate_latest(registry).decode()), "tidepool:num_preemptions_total") == 7
+
+
+def test_tenant_label_cardinality_is_bounded():
+    from types import SimpleNamespace
+
+    from workers import metrics as wm
+    registry = CollectorRegistry()
+    m = EngineMetrics(registry=registry)
+    out = SimpleNamespace(prompt_token_ids=[1], token_ids=[2], finish_reason="stop", arrival_time=0.0,
+                          first_token_time=None, finished_time=None)
+    for i in range(wm.MAX_TENANT_LABELS + 20):
+        m.observe_request(out, "batch", f"t{i}")
+    page = samples(generate_latest(registry).decode())
+    tenants = {dict(ls)["tenant"] for (n, ls) in page if n == "tidepool:prompt_tokens_total"}
+    assert len(tenants) == wm.MAX_TENANT_LABELS + 1 and "other" in tenants
+
+
+def test_job_log_lines_are_json_with_context_and_no_secrets(client, capsys):
+    import io
+    import logging
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    try:
+        r = client.post("/v1/admin/tenants", json={"name": "logs"}, headers=BEARER)
+        key = r.get_json()["api_key"]
+        job = client.post("/v1/jobs", json={"prompt": "hi", "sla_class": "realtime"},
+                          headers={"Authorization": f"Bearer {key}"}).get_json()
+        logging.getLogger("tidepool.test").warning("client sent Authorization: Bearer %s and key %s", key, key)
+        logging.getLogger("tidepool.test").warning("admin token is %s", ADMIN)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(old_level)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    queued = next(x for x in lines if x.get("event") == "job.queued")
+    assert queued["job_id"] == job["id"] and queued["tenant"] == r.get_json()["id"]
+    assert queued["sla_class"] == "realtime" and queued["status"] == "queued" and queued["level"] == "info"
+    text = stream.getvalue()
+    assert key not in text and ADMIN not in text and key.rsplit("_", 1)[0][:13] in text  # prefix kept
+    assert "Bearer [redacted]" in text
+
+
+def test_scrub_and_configure():
+    import io
+    import logging
+    assert scrub("password=hunter2 secret: abc") == "password=[redacted] secret: [redacted]"
+    assert scrub("tp_abcdefghij_SECRETsecret") == "tp_abcdefghij_[redacted]"
+    root = logging.getLogger()
+    saved, level = list(root.handlers), root.level
+    stream = io.StringIO()
+    try:
+        handler = configure("INFO", stream)
+        assert configure() is handler and root.handlers == [handler]  # idempotent
+        log_job("job.started", job_id="job_1", tenant="ten_1", sla_class="batch", worker="gpu0")
+    finally:
+        root.handlers, root.level = saved, level
+    line = json.loads(stream.getvalue())
+    assert line["msg"] == "job.started" and line["job_id"] == "job_1" and line["worker"] == "gpu0"
