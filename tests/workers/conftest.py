@@ -61,12 +61,12 @@ def flush_redis(url: str = REDIS) -> None:
 class Stack:
     """One ledger + broker + web app, and the worker/beat processes started against it."""
 
-    def __init__(self, db_url: str, model: str, tmp: Path):
+    def __init__(self, db_url: str, model: str, tmp: Path, redis_url: str = REDIS):
         self.db_url, self.model, self.tmp = db_url, model, tmp
-        self.redis_url = REDIS
-        self.redis = redis.Redis.from_url(REDIS)
+        self.redis_url = redis_url
+        self.redis = redis.Redis.from_url(redis_url)
         self.storage = str(tmp / "storage")
-        self.app = create_app({"database_url": db_url, "redis_url": REDIS, "storage_dir": self.storage,
+        self.app = create_app({"database_url": db_url, "redis_url": redis_url, "storage_dir": self.storage,
                                "model": model, "admin_token": "admin"})
         self.engine = self.app.extensions["tidepool.engine"]
         self.procs: list[subprocess.Popen] = []
@@ -128,6 +128,15 @@ class Stack:
             t, key = tenants.create_tenant(s, name or f"t{next(_counter)}", weight)
             s.commit()
             return t.id, key
+
+    def submit(self, key: str, n: int = 1, **body) -> list[str]:
+        client = self.app.test_client()
+        ids = []
+        for i in range(n):
+            r = client.post("/v1/jobs", json={"prompt": f"job {i}", **body}, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 202, r.get_json()
+            ids.append(r.get_json()["id"])
+        return ids
 
     def jobs(self, *where) -> list[Job]:
         with Session(self.engine) as s:

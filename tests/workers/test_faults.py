@@ -1,0 +1,162 @@
+"""Nothing lost: kill -9 mid-job, graceful shutdown, a lost publish, a Redis restart; every job still
+completes exactly once (usage counts each completion, so it catches a second one)."""
+import signal
+import socket
+import subprocess
+
+import pytest
+import redis
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from service.models import Job, JobStatus, Tenant, Usage
+from workers import beat
+
+from .conftest import Stack, _pg_exec, clone_db
+
+LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
+
+
+def _usage(st: Stack, tenant_id: str) -> Usage:
+    with Session(st.engine) as s:
+        return s.query(Usage).filter_by(tenant_id=tenant_id).one()
+
+
+def _counters(st: Stack, tenant_id: str) -> tuple[int, int]:
+    with Session(st.engine) as s:
+        t = s.get(Tenant, tenant_id)
+        return t.queued_count, t.running_count
+
+
+def _sweep_until(st: Stack, cond, timeout=60, **kwargs):
+    def step():
+        beat.sweep(st.app, republish_after=0, **kwargs)
+        return cond()
+    return st.wait(step, timeout, "sweeper recovery", every=0.5)
+
+
+def _all_completed(st: Stack, ids):
+    return st.count(Job.id.in_(ids), Job.status == JobStatus.completed) == len(ids)
+
+
+def test_kill_9_with_jobs_in_flight_then_restart_completes_each_once(stack):
+    st = stack
+    tenant_id, key = st.tenant()
+    beat.sweep(st.app)                               # first sweep: broker epoch recorded
+    worker = st.worker("crash-1", TIDEPOOL_LEASE_SECONDS=2, TIDEPOOL_MAX_NUM_SEQS=32)
+    ids = st.submit(key, 24, **LONG)
+    st.wait(lambda: st.count(Job.status == JobStatus.running) >= 20, 60, ">= 20 jobs in flight", every=0.02)
+    worker.send_signal(signal.SIGKILL)
+    worker.wait()
+    in_flight = {j.id for j in st.jobs(Job.status == JobStatus.running)}
+    assert len(in_flight) >= 20 and st.count(Job.status == JobStatus.completed) < 24
+
+    # leases lapse -> the sweeper requeues and republishes (and returns the dead consumer's unacked
+    # messages to the queue); a new worker finishes everything
+    _sweep_until(st, lambda: st.count(Job.status == JobStatus.running) == 0, visibility_timeout=1)
+    st.worker("crash-2")
+    st.wait(lambda: _all_completed(st, ids), 90, "all jobs completed")
+    for job in st.jobs(Job.id.in_(ids)):
+        assert job.completion_tokens == 120 and job.worker in ("crash-1", "crash-2")
+        assert job.attempts == (2 if job.id in in_flight else 1)
+    usage = _usage(st, tenant_id)
+    assert usage.requests == 24 and usage.completion_tokens == 24 * 120
+    assert _counters(st, tenant_id) == (0, 0)
+
+
+def test_sigterm_releases_running_jobs_back_to_the_queue(stack):
+    st = stack
+    tenant_id, key = st.tenant()
+    worker = st.worker("term-1")
+    ids = st.submit(key, 4, **{**LONG, "max_tokens": 600})
+    st.wait(lambda: st.count(Job.status == JobStatus.running) == 4, 30, "running")
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    rows = st.jobs(Job.id.in_(ids))
+    assert all(j.status == JobStatus.queued and j.attempts == 0 and j.dispatched_at for j in rows)
+    assert st.redis.llen("interactive") == 4          # the messages went back to the broker, unacked
+    st.worker("term-2")
+    st.wait(lambda: _all_completed(st, ids), 90, "completed by the next worker")
+    assert {j.attempts for j in st.jobs(Job.id.in_(ids))} == {1}
+    assert _usage(st, tenant_id).requests == 4
+
+
+def test_lost_publish_is_recovered_by_the_beat_process(stack):
+    st = stack
+    _, key = stack.tenant()
+    ids = st.submit(key, 3, prompt="lost", max_tokens=4)
+    st.redis.delete("interactive")                    # the publish "never happened"
+    with st.engine.begin() as conn:
+        conn.execute(update(Job).where(Job.id.in_(ids)).values(dispatched_at=None))
+    st.worker("lost-1")
+    st.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_REPUBLISH_AFTER=0,
+             TIDEPOOL_BEAT_SCHEDULE=st.tmp / "beat-schedule")
+    st.wait(lambda: _all_completed(st, ids), 60, "republished and completed")
+    assert all(j.attempts == 1 for j in st.jobs(Job.id.in_(ids)))
+
+
+def test_cpu_worker_takes_deferrable_only(stack):
+    st = stack
+    _, key = stack.tenant()
+    deferrable = st.submit(key, 3, sla_class="deferrable", max_tokens=4)
+    interactive = st.submit(key, 1, max_tokens=4)
+    st.worker("cpu-1", kind="cpu")
+    st.wait(lambda: _all_completed(st, deferrable), 60, "deferrable done")
+    assert {j.worker for j in st.jobs(Job.id.in_(deferrable))} == {"cpu-1"}
+    assert st.jobs(Job.id.in_(interactive))[0].status == JobStatus.queued
+    assert st.app.extensions["tidepool.dispatcher"].queue_depths()["interactive"] == 1
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+
+    class Server:
+        url = f"redis://127.0.0.1:{port}/0"
+
+        def start(self):
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=tmp_path)
+            client = redis.Redis.from_url(self.url)
+            Stack.wait(lambda: _ping(client), 10, "redis up")
+
+        def restart(self):
+            self.proc.kill()
+            self.proc.wait()
+            self.start()
+
+    server = Server()
+    server.start()
+    yield server
+    server.proc.kill()
+    server.proc.wait()
+
+
+def _ping(client) -> bool:
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+
+
+def test_redis_restart_mid_run_loses_no_accepted_job(pg_template, tiny_model, tmp_path, private_redis):
+    name, url = clone_db(pg_template)
+    st = Stack(url, tiny_model, tmp_path, redis_url=private_redis.url)
+    try:
+        tenant_id, key = st.tenant()
+        beat.sweep(st.app)                            # broker epoch recorded
+        st.worker("restart-1", TIDEPOOL_MAX_NUM_SEQS=4, TIDEPOOL_LOW_WATER=1)
+        ids = st.submit(key, 12, sla_class="batch", **{**LONG, "max_tokens": 40})
+        st.wait(lambda: st.count(Job.status == JobStatus.completed) >= 1, 60, "first completion")
+        assert st.redis.llen("batch") > 0             # offline work still waits in the broker
+        private_redis.restart()                       # no persistence: every queued message is gone
+        assert st.redis.llen("batch") == 0
+        _sweep_until(st, lambda: _all_completed(st, ids), 120)
+        assert all(j.attempts == 1 for j in st.jobs(Job.id.in_(ids)))
+        assert _usage(st, tenant_id).requests == 12
+    finally:
+        st.close()
+        _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
