@@ -208,3 +208,19 @@ def test_scrub_and_configure():
         root.handlers, root.level = saved, level
     line = json.loads(stream.getvalue())
     assert line["msg"] == "job.started" and line["job_id"] == "job_1" and line["worker"] == "gpu0"
+
+
+def test_grafana_dashboard_plots_only_metrics_that_exist(client):
+    import re
+    from pathlib import Path
+    dash = json.loads((Path(__file__).resolve().parents[2] / "web/grafana/tidepool-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {m for e in exprs for m in re.findall(r"tidepool:[a-z_]+", e)}
+    registry = CollectorRegistry()
+    EngineMetrics(registry=registry).update_from_stats({"by_class": {}, "total_steps": 1, "last_step": {}})
+    exposed = generate_latest(registry).decode() + client.get("/metrics").text
+    exposed_names = set(re.findall(r"^# TYPE (tidepool:[a-z_]+)", exposed, re.M))
+    for name in used:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in exposed_names or base in exposed_names or name.removesuffix("_total") in exposed_names, name
+    assert len(dash["panels"]) >= 15 and {p["gridPos"]["w"] for p in dash["panels"]} <= {12, 24}
