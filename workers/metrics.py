@@ -105,8 +105,8 @@ class EngineMetrics:
                                           buckets=ITERATION_BUCKETS, registry=r)
         self._last: dict[tuple[str, str], float] = {}     # (worker, stat) → last cumulative value seen
         self._tenants: set[str] = set()
-        self._rate: tuple[float, int, int] | None = None  # (ts, prompt, generation) at the last publish
-        self._published = 0.0
+        self._rate: dict[str, tuple[float, int, int]] = {}  # worker → (ts, prompt, generation) at last publish
+        self._published: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def _tenant(self, tenant: str) -> str:
@@ -149,9 +149,9 @@ class EngineMetrics:
         if self._advance(worker, "total_steps", stats.get("total_steps", 0)):
             self.iteration_tokens.labels(worker).observe(stats.get("last_step", {}).get("tokens", 0))
         now = time.time() if now is None else now
-        if self.store is not None and now - self._published >= PUBLISH_INTERVAL:
+        if self.store is not None and now - self._published.get(worker, 0.0) >= PUBLISH_INTERVAL:
             self.store.put(self.snapshot(stats, worker, now))
-            self._published = now
+            self._published[worker] = now
 
     def _advance(self, worker: str, key: str, value: float) -> float:
         """Delta of a cumulative engine counter since the last call; an engine restart starts from zero."""
@@ -160,15 +160,18 @@ class EngineMetrics:
         return value - last if value >= last else value
 
     def snapshot(self, stats: dict, worker: str | None = None, now: float | None = None) -> dict:
+        """The JSON a worker publishes for the dashboard; token rates are since the previous snapshot."""
+        worker = worker or self.worker
         now = time.time() if now is None else now
         prompt, gen = stats.get("total_prompt_tokens", 0), stats.get("total_generation_tokens", 0)
         prompt_rate = gen_rate = 0.0
-        if self._rate is not None and now > self._rate[0]:
-            dt = now - self._rate[0]
-            prompt_rate = max(0, prompt - self._rate[1]) / dt
-            gen_rate = max(0, gen - self._rate[2]) / dt
-        self._rate = (now, prompt, gen)
-        return {"worker": worker or self.worker, "device": self.device, "ts": now,
+        last = self._rate.get(worker)
+        if last is not None and now > last[0]:
+            dt = now - last[0]
+            prompt_rate = max(0, prompt - last[1]) / dt
+            gen_rate = max(0, gen - last[2]) / dt
+        self._rate[worker] = (now, prompt, gen)
+        return {"worker": worker, "device": self.device, "ts": now,
                 "running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
                 "by_class": stats.get("by_class", {}), "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
                 "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0),

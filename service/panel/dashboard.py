@@ -1,11 +1,13 @@
 """Dashboard: one JSON document computed from the ledger, the broker and the worker snapshots
 (workers.metrics.SnapshotStore); the page polls it and draws the charts."""
+import json
+import sys
 from datetime import timedelta
 
 from flask import current_app, render_template
 from sqlalchemy import func, select
 
-from workers.metrics import SnapshotStore
+from workers.metrics import SNAPSHOT_TTL, SnapshotStore
 
 from ..api import ext
 from ..config import SLA_CLASSES
@@ -42,8 +44,45 @@ def _latency() -> dict:
             for c, v in samples.items()}
 
 
+HEARTBEAT_PATTERN = "tidepool:worker:*"  # workers/worker.py heartbeats: {"name", "device", "at", "engine": stats}
+_last_totals: dict[str, tuple[float, int]] = {}  # worker → (at, total generation tokens) seen in a heartbeat
+
+
 def snapshot_store() -> SnapshotStore:
     return SnapshotStore(current_app.extensions["tidepool.redis"])
+
+
+def _from_heartbeat(hb: dict) -> dict | None:
+    """A worker heartbeat in the snapshot shape, with tokens/s from the previous heartbeat seen."""
+    engine, name, at = hb.get("engine") or {}, hb.get("name"), hb.get("at")
+    if not name or at is None:
+        return None
+    total = engine.get("total_generation_tokens", 0)
+    rate = 0.0
+    prev = _last_totals.get(name)
+    if prev is not None and at > prev[0]:
+        rate = max(0, total - prev[1]) / (at - prev[0])
+    if prev is None or at > prev[0]:
+        _last_totals[name] = (at, total)
+    return {**engine, "worker": name, "device": hb.get("device"), "ts": at, "generation_tokens_per_s": rate}
+
+
+def worker_snapshots() -> list[dict]:
+    """Snapshots published through workers.metrics, plus the heartbeats of workers that publish none."""
+    snaps = {s["worker"]: s for s in snapshot_store().read()}
+    client = current_app.extensions["tidepool.redis"]
+    beats = []
+    if client is not None:
+        beats = [json.loads(raw) for key in client.scan_iter(HEARTBEAT_PATTERN, count=100)
+                 if (raw := client.get(key))]
+    elif "workers.worker" in sys.modules:  # embedded: the workers run in this process
+        beats = [w.stats() for w in list(sys.modules["workers.worker"].RUNNING.values())]
+    now = utcnow().timestamp()
+    for hb in beats:
+        snap = _from_heartbeat(hb)
+        if snap is not None and snap["worker"] not in snaps and now - snap["ts"] <= SNAPSHOT_TTL:
+            snaps[snap["worker"]] = snap
+    return sorted(snaps.values(), key=lambda s: s["worker"])
 
 
 def dashboard_json() -> dict:
@@ -59,7 +98,7 @@ def dashboard_json() -> dict:
     except Exception as exc:
         queues, errors = None, [f"Broker unreachable: {type(exc).__name__}"]
     try:
-        workers = snapshot_store().read()
+        workers = worker_snapshots()
     except Exception as exc:
         workers, errors = [], errors + [f"Worker stats unreachable: {type(exc).__name__}"]
     since = utcnow() - RATE_WINDOW

@@ -1,5 +1,6 @@
 """/metrics on the web app and on a worker: the tidepool: names are there and their values move."""
 import json
+import time
 import urllib.request
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -90,8 +91,9 @@ def test_engine_metrics_from_a_real_tiny_engine(tmp_path):
     for i, (rid, (cls, tenant)) in enumerate(classes.items()):
         engine.add_request(rid, prefix + [30 + i], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                            sla_class=cls, tenant=tenant)
+    t0 = time.time()  # every update below is stamped t0, so only the first publishes a snapshot
     engine.step()
-    metrics.update_from_stats(engine.stats())
+    metrics.update_from_stats(engine.stats(), now=t0)
     mid = samples(generate_latest(registry).decode())
     assert value(mid, "tidepool:num_requests_running", worker="cpu0") == 4
     assert value(mid, "tidepool:kv_cache_usage_perc", worker="cpu0") > 0
@@ -100,7 +102,7 @@ def test_engine_metrics_from_a_real_tiny_engine(tmp_path):
             if out.finished:
                 cls, tenant = classes[out.request_id]
                 metrics.observe_request(out, cls, tenant, queue_time=0.25)
-        metrics.update_from_stats(engine.stats())
+        metrics.update_from_stats(engine.stats(), now=t0)
     stats = engine.stats()
     text = generate_latest(registry).decode()
     page = samples(text)
@@ -123,7 +125,7 @@ def test_engine_metrics_from_a_real_tiny_engine(tmp_path):
         stats["total_prompt_tokens"] + stats["total_generation_tokens"] - 4  # the first token comes with prefill
     assert value(page, "tidepool:num_requests_running", worker="cpu0") == 0
     # the snapshot the dashboard reads
-    [snap] = store.read()
+    [snap] = store.read(now=t0)
     assert snap["worker"] == "cpu0" and snap["device"] == "cpu" and snap["running"] == 4
     metrics.update_from_stats(stats, now=snap["ts"] + 2)
     [snap] = store.read(now=snap["ts"] + 2)

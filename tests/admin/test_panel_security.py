@@ -83,3 +83,24 @@ def test_not_found_and_bad_filters_are_shown(client):
     assert r.status_code == 404 and "No tenant with id ten_missing." in r.text
     r = client.get("/admin/jobs?status=bogus&since=yesterday", base_url=HTTPS)
     assert r.status_code == 400 and "Unknown status." in r.text and "Use a date and time" in r.text
+
+
+def test_dashboard_reads_worker_heartbeats(client, app):
+    """Workers that only write their heartbeat (workers/worker.py) still show on the dashboard."""
+    import json
+    import time
+    sign_in(client)
+    r = app.extensions["tidepool.redis"]
+    beat = {"name": "gpu-7", "device": "cuda", "at": time.time() - 1,
+            "engine": {"running": 5, "waiting": 1, "kv_cache_usage": 0.5, "preemptions": 2,
+                       "prefix_cache_queries": 10, "prefix_cache_hits": 5, "total_generation_tokens": 100}}
+    r.set("tidepool:worker:gpu-7", json.dumps(beat))
+    first = client.get("/admin/api/dashboard", base_url=HTTPS).get_json()
+    beat["at"] += 1
+    beat["engine"]["total_generation_tokens"] = 150
+    r.set("tidepool:worker:gpu-7", json.dumps(beat))
+    d = client.get("/admin/api/dashboard", base_url=HTTPS).get_json()
+    [w] = d["workers"]
+    assert (w["worker"], w["running"], w["waiting"], w["kv_cache_usage"]) == ("gpu-7", 5, 1, 0.5)
+    assert w["generation_tokens_per_s"] == 50 and d["tokens_per_s"] == 50
+    assert d["prefix_cache_hit_rate"] == 0.5 and d["preemptions"] == 2 and first["errors"] == []
