@@ -22,21 +22,47 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
 
 
-def _gather_slots(block_tables: torch.Tensor, lengths: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
-    # [B, max_len] slot index of every cache position; positions past a sequence's length point at slot 0
-    pos = torch.arange(max_len, device=block_tables.device)
-    blocks = block_tables[:, pos // block_size].long()
-    slots = blocks * block_size + (pos % block_size)
-    return torch.where(pos[None, :] < lengths[:, None], slots, torch.zeros_like(slots))
+DECODE_GROUP = 8     # decode sequences of similar length attended together; bounds padding
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    # whole blocks [B, num_blocks * block_size, Hkv, D]; padded (-1) table entries read block 0
+    blocks = tables[:, :num_blocks].long().clamp_min(0)
+    gathered = cache[blocks]                                                # [B, nb, bs, Hkv, D]
+    return gathered.view(blocks.shape[0], -1, *cache.shape[2:])
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence: q [B, Hq, D] -> [B, Hq, D]."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads
+    lens = context_lens.tolist()
+    out = torch.empty_like(q)
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    for start in range(0, len(order), DECODE_GROUP):
+        members = order[start:start + DECODE_GROUP]
+        idx = torch.tensor(members, device=q.device)
+        num_blocks = -(-max(lens[b] for b in members) // block_size)
+        k = _gather_blocks(k_cache, block_tables[idx], num_blocks)           # [b, L, Hkv, D]
+        v = _gather_blocks(v_cache, block_tables[idx], num_blocks)
+        valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[idx, None]   # [b, L]
+        v.masked_fill_(~valid[:, :, None, None], 0.0)      # slots past the end may hold anything, even NaN
+        qg = q[idx].view(len(members), num_kv_heads, group, head_dim).to(k.dtype)
+        o = torch.empty(len(members), num_kv_heads, group, head_dim, dtype=k.dtype, device=q.device)
+        for h in range(num_kv_heads):
+            scores = torch.bmm(qg[:, h], k[:, :, h].transpose(1, 2)).float()   # [b, G, L]
+            scores.mul_(scale).masked_fill_(~valid[:, None, :], float("-inf"))
+            o[:, h] = torch.bmm(scores.softmax(-1).to(v.dtype), v[:, :, h])
+        out[idx] = o.view(len(members), -1, head_dim).to(q.dtype)
+    return out
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         scale: float) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; see the module docstring for the layout."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    block_size = k_cache.shape[1]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     ctx = context_lens.tolist()
     starts = cu_seqlens_q[:-1].tolist()
@@ -45,24 +71,16 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     decode = [b for b, n in enumerate(q_lens) if n == 1]
     if decode:
         idx = torch.tensor(decode, device=q.device)
-        lens = context_lens[idx]
-        max_len = max(ctx[b] for b in decode)
-        slots = _gather_slots(block_tables[idx], lens, block_size, max_len)
-        k = flat_k[slots].transpose(1, 2)                                   # [B, Hkv, L, D]
-        v = flat_v[slots].transpose(1, 2)
-        rows = cu_seqlens_q[:-1][idx]
-        qd = q[rows].unsqueeze(2)                                           # [B, Hq, 1, D]
-        mask = (torch.arange(max_len, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-        o = F.scaled_dot_product_attention(qd.to(k.dtype), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = o.squeeze(2).to(q.dtype)
+        rows = cu_seqlens_q[:-1][idx].long()
+        out[rows] = _decode(q[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
 
     for b, n in enumerate(q_lens):
         if n == 1:
             continue
         length = ctx[b]
-        slots = _gather_slots(block_tables[b:b + 1], context_lens[b:b + 1], block_size, length)[0]
-        k = flat_k[slots].transpose(0, 1)                                   # [Hkv, L, D]
-        v = flat_v[slots].transpose(0, 1)
+        num_blocks = -(-length // block_size)
+        k = _gather_blocks(k_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)   # [Hkv, L, D]
+        v = _gather_blocks(v_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)
         qb = q[starts[b]:starts[b] + n].transpose(0, 1)                     # [Hq, n, D]
         q_pos = torch.arange(length - n, length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
