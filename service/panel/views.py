@@ -1,5 +1,6 @@
 """Panel pages: sign-in, tenants (usage, weight, disable, quota, keys), jobs and batches."""
 import logging
+import time
 from datetime import datetime, timezone
 
 from flask import abort, flash, redirect, render_template, request, send_file, session, url_for
@@ -18,6 +19,7 @@ from . import bp, check_token, sign_in, signed_in
 
 log = logging.getLogger("tidepool.panel")
 ACTOR = "panel"
+LOGIN_ATTEMPTS_PER_MINUTE = 10
 INT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued", "monthly_token_budget",
               "max_tokens_per_request", "max_file_bytes")
 FIELD_HELP = {
@@ -40,6 +42,10 @@ def login():
         if signed_in():
             return redirect(_safe_next(request.args.get("next")))
         return render_template("login.html", next=request.args.get("next", ""))
+    if ext("limiter").hit(f"panel-login:{request.remote_addr}", LOGIN_ATTEMPTS_PER_MINUTE, None, 0, time.time()):
+        log.warning("panel sign-in throttled", extra={"actor": ACTOR, "event": "panel.login_throttled"})
+        return render_template("login.html", next=request.form.get("next", ""),
+                               error="Too many sign-in attempts from this address; wait a minute."), 429
     if not check_token(request.form.get("token", "")):
         log.warning("panel sign-in refused", extra={"actor": ACTOR, "event": "panel.login_failed"})
         return render_template("login.html", next=request.form.get("next", ""),

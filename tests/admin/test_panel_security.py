@@ -104,3 +104,12 @@ def test_dashboard_reads_worker_heartbeats(client, app):
     assert (w["worker"], w["running"], w["waiting"], w["kv_cache_usage"]) == ("gpu-7", 5, 1, 0.5)
     assert w["generation_tokens_per_s"] == 50 and d["tokens_per_s"] == 50
     assert d["prefix_cache_hit_rate"] == 0.5 and d["preemptions"] == 2 and first["errors"] == []
+
+
+def test_sign_in_attempts_are_throttled(client):
+    csrf = csrf_from(client.get("/admin/login", base_url=HTTPS).text)
+    codes = [client.post("/admin/login", data={"token": f"guess-{i}", "csrf_token": csrf}, base_url=HTTPS).status_code
+             for i in range(11)]
+    assert codes == [401] * 10 + [429]
+    r = client.post("/admin/login", data={"token": ADMIN, "csrf_token": csrf}, base_url=HTTPS)
+    assert r.status_code == 429 and "Too many sign-in attempts" in r.text
