@@ -7,7 +7,7 @@ from .config import Config
 def create_app(test_config: dict | Config | None = None) -> Flask:
     import redis as redis_lib
 
-    from . import db, errors, metrics, panel
+    from . import db, errors, logging, metrics, panel
     from .api import admin, batches, files, health, jobs, openai_compat
     from .dispatch import Dispatcher, make_celery
     from .quotas import MemoryLimiter, RedisLimiter
@@ -35,5 +35,6 @@ def create_app(test_config: dict | Config | None = None) -> Flask:
     for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp):
         app.register_blueprint(bp)
     metrics.init_app(app)
+    logging.init_app(app)
     panel.init_app(app)
     return app

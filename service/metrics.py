@@ -1,6 +1,7 @@
 """Service metrics on /metrics: HTTP requests, quota rejections, and, read from the ledger and the broker at
 scrape time, jobs by state and queue depth by class. Under gunicorn set PROMETHEUS_MULTIPROC_DIR (an empty
 folder) and use `child_exit` below as the gunicorn hook; the counters are then summed over all workers."""
+import hmac
 import os
 import time
 
@@ -62,6 +63,10 @@ def _registry_for_scrape() -> CollectorRegistry:
 
 @bp.get("/metrics")
 def metrics():
+    token = os.environ.get("TIDEPOOL_METRICS_TOKEN")  # optional: scrapers then send it as a bearer token
+    if token and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
+                                         f"Bearer {token}".encode()):
+        return Response("metrics token required\n", status=401, content_type="text/plain")
     ledger = CollectorRegistry()
     ledger.register(LedgerCollector(current_app._get_current_object()))
     body = generate_latest(_registry_for_scrape()) + generate_latest(ledger)

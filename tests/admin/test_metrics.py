@@ -226,3 +226,29 @@ def test_grafana_dashboard_plots_only_metrics_that_exist(client):
         base = re.sub(r"_(bucket|sum|count)$", "", name)
         assert name in exposed_names or base in exposed_names or name.removesuffix("_total") in exposed_names, name
     assert len(dash["panels"]) >= 15 and {p["gridPos"]["w"] for p in dash["panels"]} <= {12, 24}
+
+
+def test_metrics_token_when_configured(client, monkeypatch):
+    monkeypatch.setenv("TIDEPOOL_METRICS_TOKEN", "scrape-secret")
+    assert client.get("/metrics").status_code == 401
+    r = client.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
+    assert r.status_code == 200 and "tidepool:http_requests_total" in r.text
+
+
+def test_http_requests_are_logged_as_json(client):
+    import io
+    import logging
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    log = logging.getLogger("tidepool.http")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        client.get("/v1/admin/tenants/ten_x", headers=BEARER)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(logging.NOTSET)
+    line = json.loads(stream.getvalue().splitlines()[-1])
+    assert line["route"] == "/v1/admin/tenants/<tenant_id>" and line["http_status"] == 404
+    assert line["method"] == "GET" and line["duration_ms"] >= 0 and ADMIN not in stream.getvalue()
