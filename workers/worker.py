@@ -71,7 +71,7 @@ class WorkerConfig:
     name: str = ""
     lease_seconds: float = 60.0          # renewed every lease_seconds / 4 while running
     visibility_timeout: float = 6 * 3600  # longer than the longest job
-    low_water: int = 4                   # offline work is pulled while fewer than this wait in the engine
+    low_water: int = 4                   # offline work is pulled while fewer than this (+ free slots) wait
     max_inflight: int = 512
     poll_interval: float = 0.02
     check_interval: float = 0.5          # cancellations reach the engine within this (plus one step)
@@ -270,18 +270,22 @@ class Worker:
         self._channel = self._conn.channel()
         self._queues = {name: Queue(name, routing_key=name).bind(self._channel) for name in self.cfg.queues}
 
-    def _engine_waiting(self) -> int:
+    def _has_room(self) -> bool:
+        """Spare capacity for offline work: free sequence slots, plus a low-water reserve of waiting
+        requests so a finishing sequence is replaced in the very next step."""
         try:
-            return int(self.engine.stats()["waiting"])
-        except Exception:
-            return self.cfg.low_water
+            stats = self.engine.stats()
+        except Exception:  # read racing the engine thread: try again next pass
+            return False
+        free_slots = max(0, self.engine.config.max_num_seqs - stats["running"])
+        return stats["waiting"] < self.cfg.low_water + free_slots
 
     def _pull(self) -> bool:
         got = False
         for name in self.cfg.queues:
             online = name in ONLINE
             while len(self.inflight) < self.cfg.max_inflight:
-                if not online and self._engine_waiting() >= self.cfg.low_water:
+                if not online and not self._has_room():
                     return got       # no spare capacity: leave offline work in the broker
                 message = self._queues[name].get(no_ack=False, accept=["json"])
                 if message is None:

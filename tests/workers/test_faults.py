@@ -68,7 +68,7 @@ def test_sigterm_releases_running_jobs_back_to_the_queue(stack):
     st = stack
     tenant_id, key = st.tenant()
     worker = st.worker("term-1")
-    ids = st.submit(key, 4, **{**LONG, "max_tokens": 600})
+    ids = st.submit(key, 4, **{**LONG, "max_tokens": 300})
     st.wait(lambda: st.count(Job.status == JobStatus.running) == 4, 30, "running")
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(20) == 0
