@@ -136,7 +136,10 @@ def live(admin_pg_template, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    playwright = pytest.importorskip("playwright.sync_api")
+    try:
+        from playwright import sync_api as playwright
+    except ImportError:
+        pytest.fail("playwright is missing: pip install -e '.[dev]'")
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"Chromium not found at {CHROMIUM}: apt-get install -y chromium")
     with playwright.sync_playwright() as p:

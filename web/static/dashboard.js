@@ -10,7 +10,10 @@
     queue: new TinyChart(document.getElementById("c-queue"), classSeries, {label: "queue depth"}),
     tps: new TinyChart(document.getElementById("c-tps"), [{name: "generation", color: "#5f3dc4"}], {label: "tokens per second"}),
     kv: new TinyChart(document.getElementById("c-kv"), [{name: "busiest worker", color: "#e8590c"}], {label: "KV cache use"}),
-    ttft: new TinyChart(document.getElementById("c-ttft"), classSeries, {label: "TTFT p99"})
+    ttft: new TinyChart(document.getElementById("c-ttft"), classSeries, {label: "TTFT p99"}),
+    seqs: new TinyChart(document.getElementById("c-seqs"), [{name: "running", color: "#1971c2"},
+                                                          {name: "waiting", color: "#e8590c"}], {label: "sequences"}),
+    e2e: new TinyChart(document.getElementById("c-e2e"), classSeries, {label: "end-to-end p99"})
   };
   function $(id) { return document.getElementById(id); }
   function secs(v) { return v === null || v === undefined ? "—" : v < 1 ? Math.round(v * 1000) + " ms" : v.toFixed(2) + " s"; }
@@ -22,7 +25,7 @@
     if (label) td.setAttribute("data-label", label);
     return td;
   }
-  var WORKER_COLS = ["Worker", "Running", "Waiting", "KV cache", "Tokens/s", "Preemptions", "Updated"];
+  var WORKER_COLS = ["Worker", "By class", "Running", "Waiting", "KV cache", "Tokens/s", "Preemptions", "Updated"];
 
   function render(d) {
     $("t-tps").textContent = d.tokens_per_s.toFixed(1);
@@ -41,12 +44,15 @@
     var body = document.querySelector("#worker-table tbody");
     body.replaceChildren();
     if (!d.workers.length) {
-      var td = cell("No worker has reported in the last 30 s.", "muted"); td.colSpan = 7;
+      var td = cell("No worker has reported in the last 30 s.", "muted"); td.colSpan = 8;
       var tr = document.createElement("tr"); tr.appendChild(td); body.appendChild(tr);
     }
     d.workers.forEach(function (w) {
       var tr = document.createElement("tr");
-      [[w.worker + (w.device ? " (" + w.device + ")" : ""), ""], [num(w.running), "num"], [num(w.waiting), "num"],
+      var byClass = CLASSES.filter(function (c) { return w.by_class[c]; }).map(function (c) {
+        return c + " " + w.by_class[c].running + "/" + w.by_class[c].waiting;
+      }).join(" · ") || "idle";
+      [[w.worker + (w.device ? " (" + w.device + ")" : ""), ""], [byClass, "small"], [num(w.running), "num"], [num(w.waiting), "num"],
        [pct(w.kv_cache_usage), "num"], [w.generation_tokens_per_s.toFixed(1), "num"], [num(w.preemptions), "num"],
        [w.age_s + " s ago", "num"]].forEach(function (c, i) { tr.appendChild(cell(c[0], c[1], WORKER_COLS[i])); });
       body.appendChild(tr);
@@ -55,6 +61,9 @@
     charts.tps.push(d.ts, [d.tokens_per_s]);
     charts.kv.push(d.ts, [d.kv_cache_usage === null ? null : d.kv_cache_usage * 100]);
     charts.ttft.push(d.ts, CLASSES.map(function (c) { return d.latency[c].ttft_p99; }));
+    charts.e2e.push(d.ts, CLASSES.map(function (c) { return d.latency[c].e2e_p99; }));
+    var sum = function (k) { return d.workers.reduce(function (a, w) { return a + w[k]; }, 0); };
+    charts.seqs.push(d.ts, d.workers.length ? [sum("running"), sum("waiting")] : [null, null]);
     var err = $("dash-error");
     if (d.errors.length) { err.textContent = d.errors.join(" · "); err.classList.remove("hidden"); }
     else { err.classList.add("hidden"); }
