@@ -195,11 +195,9 @@ class Worker:
         try:
             self._connect()
             while not self._stop.is_set():
-                busy = self._finish_done()
-                self._record_first_tokens()
-                self._housekeeping()
+                busy = False
                 try:
-                    busy = self._pull() or busy
+                    busy = self._pull()       # online first: bookkeeping of offline work can wait
                 except self._broker_errors as exc:  # broker gone (restart, network): reconnect, carry on
                     log.warning("worker %s: broker error %s; reconnecting", self.cfg.name, exc)
                     time.sleep(1.0)
@@ -207,6 +205,13 @@ class Worker:
                 except Exception:  # a claimed job's lease lapses and the sweeper requeues it
                     log.exception("worker %s: intake failed", self.cfg.name)
                     time.sleep(self.cfg.poll_interval)
+                try:
+                    busy = self._finish_done() or busy
+                    self._record_first_tokens()
+                    self._housekeeping()
+                except Exception:  # ledger unreachable: unacked messages and lapsing leases cover it
+                    log.exception("worker %s: ledger update failed", self.cfg.name)
+                    time.sleep(1.0)
                 if not busy:
                     time.sleep(self.cfg.poll_interval)
         finally:
@@ -343,33 +348,45 @@ class Worker:
         self._publish_end(inf, "failed")
 
     def _finish_done(self) -> bool:
-        busy = False
+        """Write every finished request to the ledger (one transaction for all of them), then ack."""
+        done = []
         while True:
             try:
                 out = self._done.get_nowait()
             except queue.Empty:
-                return busy
-            busy = True
+                break
             inf = self.inflight.pop(out.request_id, None)
-            if inf is None:
-                continue
-            self.preempted[inf.sla_class] += out.num_preemptions
-            status = "cancelled"
-            if out.finish_reason != "abort":
-                with Session(self.db) as s:
-                    if inf.first_token_at is not None and not inf.first_recorded:
-                        jobs.first_token(s, inf.job_id, inf.lease_token, _dt(inf.first_token_at))
-                    ok = jobs.complete(s, inf.job_id, inf.lease_token, output=out.text,
-                                       output_token_ids=list(out.token_ids),
-                                       prompt_tokens=len(out.prompt_token_ids),
-                                       completion_tokens=len(out.token_ids), finish_reason=out.finish_reason)
-                    s.commit()
-                status = "completed" if ok else "lost"
-                self.counters["completed" if ok else "dropped"] += 1
-            else:
-                self.counters["aborted"] += 1
+            if inf is not None:
+                self.preempted[inf.sla_class] += out.num_preemptions
+                done.append((inf, out))
+        if not done:
+            return False
+        try:
+            statuses = self._write_results(done)
+        except Exception:  # one bad row must not sink the others: retry one transaction each
+            log.exception("worker %s: writing %d results failed; retrying one by one", self.cfg.name, len(done))
+            statuses = [self._write_results([item])[0] for item in done]
+        for (inf, _), status in zip(done, statuses):
+            self.counters[{"completed": "completed", "lost": "dropped"}.get(status, "aborted")] += 1
             self._ack(inf)        # only now: the result (or the cancellation) is in the ledger
             self._publish_end(inf, status)
+        return True
+
+    def _write_results(self, done: list) -> list[str]:
+        statuses = []
+        with Session(self.db) as s:
+            for inf, out in done:
+                if out.finish_reason == "abort":    # cancelled in the ledger already
+                    statuses.append("cancelled")
+                    continue
+                if inf.first_token_at is not None and not inf.first_recorded:
+                    jobs.first_token(s, inf.job_id, inf.lease_token, _dt(inf.first_token_at))
+                ok = jobs.complete(s, inf.job_id, inf.lease_token, output=out.text,
+                                   output_token_ids=list(out.token_ids), prompt_tokens=len(out.prompt_token_ids),
+                                   completion_tokens=len(out.token_ids), finish_reason=out.finish_reason)
+                statuses.append("completed" if ok else "lost")
+            s.commit()
+        return statuses
 
     def _record_first_tokens(self) -> None:
         ids = []
