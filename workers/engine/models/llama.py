@@ -80,10 +80,14 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((-x2, x1), dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)              # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + self._rotate_half(q) * sin, k * cos + self._rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for a step's positions, looked up once and shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    @classmethod
+    def apply(cls, rope: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        cos, sin = rope
+        return q * cos + cls._rotate_half(q) * sin, k * cos + cls._rotate_half(k) * sin
 
 
 class Attention(nn.Module):
@@ -96,12 +100,12 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, ctx: AttentionContext):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)                     # [T, H, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         store_kv(ctx.backend, k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = paged_attention(ctx.backend, q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
                               ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale)
@@ -127,8 +131,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
+    def forward(self, x, rope, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -150,8 +154,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
+        rope = self.rotary(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary, ctx)
+            x = layer(x, rope, ctx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
