@@ -102,13 +102,15 @@ def request_counts(s: Session, batch: Batch) -> dict:
 
 
 def cancel(s: Session, batch: Batch) -> None:
-    """in_progress → cancelling: queued jobs are cancelled now, running ones finish or are aborted."""
+    """in_progress → cancelling: queued and running jobs are cancelled now; a worker running one finds
+    its lease gone and aborts the sequence."""
     now = utcnow()
-    n = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == JobStatus.queued)
-                  .values(status=JobStatus.cancelled, finished_at=now)).rowcount
-    if n:
-        s.execute(update(Tenant).where(Tenant.id == batch.tenant_id)
-                  .values(queued_count=Tenant.queued_count - n))
+    for status, counter in ((JobStatus.queued, Tenant.queued_count), (JobStatus.running, Tenant.running_count)):
+        n = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == status)
+                      .values(status=JobStatus.cancelled, finished_at=now, lease_token=None,
+                              lease_expires_at=None)).rowcount
+        if n:
+            s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values({counter: counter - n}))
     batch.status, batch.cancelling_at = BatchStatus.cancelling, now
 
 

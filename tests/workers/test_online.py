@@ -189,3 +189,17 @@ def test_a_message_delivered_twice_completes_once(st):
     with Session(st.engine) as s:
         usage = s.query(Usage).filter_by(tenant_id=tenant_id).one()
     assert usage.requests == 1 and usage.completion_tokens == 4
+
+
+def test_batch_cancel_aborts_its_running_jobs(st):
+    oa, _ = _client(st)
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": f"long {i}", "max_tokens": 1000, "ignore_eos": True}}) for i in range(2)]
+    f = oa.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    batch = oa.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    st.wait(lambda: st.count(Job.batch_id == batch.id, Job.first_token_at.is_not(None)) == 2, 30, "both running")
+    aborted = st.heartbeat(WORKER).get("aborted", 0)
+    cancelled = oa.batches.cancel(batch.id)
+    assert cancelled.status == "cancelled" and cancelled.request_counts.completed == 0
+    st.wait(lambda: st.heartbeat(WORKER).get("aborted", 0) >= aborted + 2, 10, "both aborted", every=0.05)
+    assert all(j.status.value == "cancelled" and j.output is None for j in st.jobs(Job.batch_id == batch.id))
