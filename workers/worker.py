@@ -253,7 +253,8 @@ class Worker:
             return
         if inf.first_token_at is None and out.token_ids:
             inf.first_token_at = out.first_token_time or time.time()
-            self._firsts.put(job_id)
+            if inf.online:    # offline first tokens go into the completion transaction instead
+                self._firsts.put(job_id)
         if inf.online and out.delta_text:
             try:
                 self.stream.publish(job_id, {"t": "tok", "d": out.delta_text, "p": inf.pos})

@@ -1,6 +1,6 @@
 """Real backends and real worker processes: Postgres databases cloned from a migrated template, a
-dedicated Redis db (12) that is flushed, `tidepool worker` / `tidepool beat` subprocesses over a tiny
-random-weight model."""
+private redis-server for the session (flushed per test, so concurrent test runs on one machine don't
+share queues), `tidepool worker` / `tidepool beat` subprocesses over a tiny random-weight model."""
 import itertools
 import json
 import os
@@ -10,6 +10,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import shutil
+import socket
 
 import psycopg
 import pytest
@@ -22,7 +25,7 @@ from service import create_app, migrate, tenants
 from service.models import Job
 
 PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
-REDIS = os.environ.get("TIDEPOOL_TEST_WORKERS_REDIS", "redis://127.0.0.1:6379/12")
+REDIS = os.environ.get("TIDEPOOL_TEST_WORKERS_REDIS")     # default: a private redis-server
 ROOT = Path(__file__).resolve().parents[2]
 _counter = itertools.count()
 
@@ -54,14 +57,46 @@ def tiny_model(tmp_path_factory):
     return str(make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), seed=1))
 
 
-def flush_redis(url: str = REDIS) -> None:
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(port: int, cwd) -> subprocess.Popen:
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=cwd)
+    client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+
+    def up():
+        try:
+            return client.ping()
+        except redis.ConnectionError:
+            return False
+    Stack.wait(up, 10, "redis-server up", every=0.05)
+    return proc
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    if REDIS:
+        yield REDIS
+        return
+    port = free_port()
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.kill()
+    proc.wait()
+
+
+def flush_redis(url: str) -> None:
     redis.Redis.from_url(url).flushdb()
 
 
 class Stack:
     """One ledger + broker + web app, and the worker/beat processes started against it."""
 
-    def __init__(self, db_url: str, model: str, tmp: Path, redis_url: str = REDIS):
+    def __init__(self, db_url: str, model: str, tmp: Path, redis_url: str):
         self.db_url, self.model, self.tmp = db_url, model, tmp
         self.redis_url = redis_url
         self.redis = redis.Redis.from_url(redis_url)
@@ -158,11 +193,11 @@ class Stack:
 
 
 @pytest.fixture
-def stack(pg_template, tiny_model, tmp_path):
-    flush_redis()
+def stack(pg_template, tiny_model, tmp_path, redis_url):
+    flush_redis(redis_url)
     name, url = clone_db(pg_template)
-    st = Stack(url, tiny_model, tmp_path)
+    st = Stack(url, tiny_model, tmp_path, redis_url)
     yield st
     st.close()
-    flush_redis()
+    flush_redis(redis_url)
     _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

@@ -1,18 +1,15 @@
 """Nothing lost: kill -9 mid-job, graceful shutdown, a lost publish, a Redis restart; every job still
 completes exactly once (usage counts each completion, so it catches a second one)."""
 import signal
-import socket
-import subprocess
 
 import pytest
-import redis
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
 from service.models import Job, JobStatus, Tenant, Usage
 from workers import beat
 
-from .conftest import Stack, _pg_exec, clone_db
+from .conftest import Stack, _pg_exec, clone_db, free_port, start_redis
 
 LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
 
@@ -109,18 +106,13 @@ def test_cpu_worker_takes_deferrable_only(stack):
 
 @pytest.fixture
 def private_redis(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    port = free_port()
 
     class Server:
         url = f"redis://127.0.0.1:{port}/0"
 
         def start(self):
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, cwd=tmp_path)
-            client = redis.Redis.from_url(self.url)
-            Stack.wait(lambda: _ping(client), 10, "redis up")
+            self.proc = start_redis(port, tmp_path)
 
         def restart(self):
             self.proc.kill()
@@ -132,13 +124,6 @@ def private_redis(tmp_path):
     yield server
     server.proc.kill()
     server.proc.wait()
-
-
-def _ping(client) -> bool:
-    try:
-        return client.ping()
-    except redis.ConnectionError:
-        return False
 
 
 def test_redis_restart_mid_run_loses_no_accepted_job(pg_template, tiny_model, tmp_path, private_redis):

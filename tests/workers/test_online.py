@@ -10,7 +10,7 @@ import requests
 from sqlalchemy.orm import Session
 
 from service.dispatch import _publish_task
-from service.models import Job, Usage
+from service.models import Job, JobStatus, Usage
 from workers.engine import LLM, SamplingParams
 
 from .conftest import Stack, _pg_exec, clone_db, flush_redis
@@ -20,17 +20,17 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def st(pg_template, tiny_model, tmp_path_factory):
-    flush_redis()
+def st(pg_template, tiny_model, tmp_path_factory, redis_url):
+    flush_redis(redis_url)
     name, url = clone_db(pg_template)
     tmp = tmp_path_factory.mktemp("e2e")
-    stack = Stack(url, tiny_model, tmp)
+    stack = Stack(url, tiny_model, tmp, redis_url)
     stack.serve()
     stack.worker(WORKER)
     stack.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_BEAT_SCHEDULE=tmp / "beat-schedule")
     yield stack
     stack.close()
-    flush_redis()
+    flush_redis(redis_url)
     _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
@@ -197,7 +197,7 @@ def test_batch_cancel_aborts_its_running_jobs(st):
                          "body": {"prompt": f"long {i}", "max_tokens": 1000, "ignore_eos": True}}) for i in range(2)]
     f = oa.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
     batch = oa.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-    st.wait(lambda: st.count(Job.batch_id == batch.id, Job.first_token_at.is_not(None)) == 2, 30, "both running")
+    st.wait(lambda: st.count(Job.batch_id == batch.id, Job.status == JobStatus.running) == 2, 30, "both running")
     aborted = st.heartbeat(WORKER).get("aborted", 0)
     cancelled = oa.batches.cancel(batch.id)
     assert cancelled.status == "cancelled" and cancelled.request_counts.completed == 0
