@@ -1,6 +1,5 @@
 """Admin panel and metrics tests: the same real backends as tests/service (Postgres cloned from a migrated
 template, a flushed Redis db), plus a live server on a socket and headless Chromium for the browser tests."""
-import itertools
 import json
 import os
 import re
@@ -9,43 +8,18 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import psycopg
 import pytest
 import redis
 from werkzeug.serving import make_server
 
 from service import create_app, migrate
 
-PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 REDIS = os.environ.get("TIDEPOOL_TEST_REDIS_ADMIN", "redis://127.0.0.1:6379/11")
 ADMIN = "test-admin-token-0123456789"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "admin"
 CHROMIUM = os.environ.get("TIDEPOOL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-_counter = itertools.count()
-
-
-def _pg_exec(sql: str) -> None:
-    dsn = PG.replace("postgresql+psycopg://", "postgresql://") + "/postgres"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql)
-
-
-@pytest.fixture(scope="session")
-def admin_pg_template():
-    name = f"tidepool_admin_tmpl_{os.getpid()}"
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    _pg_exec(f"CREATE DATABASE {name}")
-    migrate.upgrade(f"{PG}/{name}")
-    yield name
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-def _clone(template: str):
-    name = f"tidepool_admin_{os.getpid()}_{next(_counter)}"
-    _pg_exec(f"CREATE DATABASE {name} TEMPLATE {template}")
-    return name
 
 
 def make_app(pg_url: str, tmp_path, **extra):
@@ -54,13 +28,11 @@ def make_app(pg_url: str, tmp_path, **extra):
 
 
 @pytest.fixture
-def app(admin_pg_template, tmp_path):
+def app(pg_url, tmp_path):
     redis.Redis.from_url(REDIS).flushdb()
-    name = _clone(admin_pg_template)
-    app = make_app(f"{PG}/{name}", tmp_path)
+    app = make_app(pg_url, tmp_path)
     yield app
     app.extensions["tidepool.engine"].dispose()
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture
@@ -117,11 +89,11 @@ class Api:
 
 
 @pytest.fixture(scope="module")
-def live(admin_pg_template, tmp_path_factory):
+def live(pg_databases, tmp_path_factory):
     """One app on a real socket for a whole browser module (Postgres + Redis, production shape)."""
     redis.Redis.from_url(REDIS).flushdb()
-    name = _clone(admin_pg_template)
-    app = make_app(f"{PG}/{name}", tmp_path_factory.mktemp("live"))
+    url = pg_databases.create()
+    app = make_app(url, tmp_path_factory.mktemp("live"))
     app.config["PANEL_REFRESH_MS"] = 400
     server = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -131,7 +103,7 @@ def live(admin_pg_template, tmp_path_factory):
     server.shutdown()
     thread.join(5)
     app.extensions["tidepool.engine"].dispose()
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    pg_databases.drop(url)
 
 
 @pytest.fixture(scope="module")

@@ -5,50 +5,15 @@ import os
 import shutil
 import threading
 
-import psycopg
 import pytest
 import redis
 from werkzeug.serving import make_server
 
 from service import create_app, migrate
 
-PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 REDIS = os.environ.get("TIDEPOOL_TEST_REDIS", "redis://127.0.0.1:6379/13")
 ADMIN = "test-admin-token"
 _counter = itertools.count()
-
-
-def _pg_exec(sql: str) -> None:
-    dsn = PG.replace("postgresql+psycopg://", "postgresql://") + "/postgres"
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(sql)
-
-
-@pytest.fixture(scope="session")
-def pg_template():
-    name = f"tidepool_test_tmpl_{os.getpid()}"
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    _pg_exec(f"CREATE DATABASE {name}")
-    migrate.upgrade(f"{PG}/{name}")
-    yield name
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-@pytest.fixture
-def fresh_pg():
-    """An empty Postgres database URL (no schema), dropped afterwards."""
-    name = f"tidepool_test_{os.getpid()}_{next(_counter)}"
-    _pg_exec(f"CREATE DATABASE {name}")
-    yield f"{PG}/{name}"
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-@pytest.fixture
-def pg_url(pg_template):
-    name = f"tidepool_test_{os.getpid()}_{next(_counter)}"
-    _pg_exec(f"CREATE DATABASE {name} TEMPLATE {pg_template}")
-    yield f"{PG}/{name}"
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 @pytest.fixture(scope="session")

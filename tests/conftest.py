@@ -1,0 +1,69 @@
+"""Postgres for every suite: one migrated template per session, cloned into a fresh database per use."""
+import itertools
+import os
+
+import psycopg
+import pytest
+
+from service import migrate
+
+PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
+
+
+class PgDatabases:
+    def __init__(self):
+        self._counter = itertools.count()
+        self.template: str | None = None
+
+    def execute(self, sql: str) -> None:
+        dsn = PG.replace("postgresql+psycopg://", "postgresql://") + "/postgres"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql)
+
+    def _name(self) -> str:
+        return f"tidepool_test_{os.getpid()}_{next(self._counter)}"
+
+    def migrated_template(self) -> str:
+        if self.template is None:
+            self.template = f"tidepool_test_tmpl_{os.getpid()}"
+            self.execute(f"DROP DATABASE IF EXISTS {self.template} WITH (FORCE)")
+            self.execute(f"CREATE DATABASE {self.template}")
+            migrate.upgrade(f"{PG}/{self.template}")
+        return self.template
+
+    def create(self, migrated: bool = True) -> str:
+        """A new database URL: migrated (cloned from the template) or empty."""
+        name = self._name()
+        template = f" TEMPLATE {self.migrated_template()}" if migrated else ""
+        self.execute(f"CREATE DATABASE {name}{template}")
+        return f"{PG}/{name}"
+
+    def drop(self, url: str) -> None:
+        self.execute(f"DROP DATABASE IF EXISTS {url.rsplit('/', 1)[1]} WITH (FORCE)")
+
+    def close(self) -> None:
+        if self.template is not None:
+            self.execute(f"DROP DATABASE IF EXISTS {self.template} WITH (FORCE)")
+
+
+@pytest.fixture(scope="session")
+def pg_databases():
+    dbs = PgDatabases()
+    yield dbs
+    dbs.close()
+
+
+@pytest.fixture
+def fresh_pg(pg_databases):
+    """An empty Postgres database URL (no schema), dropped afterwards."""
+    url = pg_databases.create(migrated=False)
+    yield url
+    pg_databases.drop(url)
+
+
+@pytest.fixture
+def pg_url(pg_databases):
+    """A migrated Postgres database URL, dropped afterwards."""
+    url = pg_databases.create()
+    yield url
+    pg_databases.drop(url)
