@@ -201,7 +201,10 @@ class Worker:
                 except self._broker_errors as exc:  # broker gone (restart, network): reconnect, carry on
                     log.warning("worker %s: broker error %s; reconnecting", self.cfg.name, exc)
                     time.sleep(1.0)
-                    self._connect()
+                    try:
+                        self._connect()
+                    except Exception as again:  # still down: the next pass tries again
+                        log.warning("worker %s: reconnect failed: %s", self.cfg.name, again)
                 except Exception:  # a claimed job's lease lapses and the sweeper requeues it
                     log.exception("worker %s: intake failed", self.cfg.name)
                     time.sleep(self.cfg.poll_interval)
@@ -264,6 +267,7 @@ class Worker:
 
     # -- broker -----------------------------------------------------------------------------------
     def _connect(self) -> None:
+        self._queues = {}
         if self._conn is not None:
             try:
                 self._conn.release()
@@ -287,6 +291,8 @@ class Worker:
         return stats["waiting"] < self.cfg.low_water + free_slots
 
     def _pull(self) -> bool:
+        if not self._queues:
+            raise ConnectionError("not connected to the broker")
         got = False
         for name in self.cfg.queues:
             online = name in ONLINE
