@@ -36,6 +36,10 @@ def _all_completed(st: Stack, ids):
     return st.count(Job.id.in_(ids), Job.status == JobStatus.completed) == len(ids)
 
 
+def _by_status(st: Stack) -> dict:
+    return {s.value: st.count(Job.status == s) for s in JobStatus}
+
+
 def test_kill_9_with_jobs_in_flight_then_restart_completes_each_once(stack):
     st = stack
     tenant_id, key = st.tenant()
@@ -46,16 +50,17 @@ def test_kill_9_with_jobs_in_flight_then_restart_completes_each_once(stack):
     worker.send_signal(signal.SIGKILL)
     worker.wait()
     in_flight = {j.id for j in st.jobs(Job.status == JobStatus.running)}
-    assert len(in_flight) >= 20 and st.count(Job.status == JobStatus.completed) < 24
+    assert len(in_flight) >= 20 and st.count(Job.status == JobStatus.completed) < 24, _by_status(st)
 
     # leases lapse -> the sweeper requeues and republishes (and returns the dead consumer's unacked
     # messages to the queue); a new worker finishes everything
     _sweep_until(st, lambda: st.count(Job.status == JobStatus.running) == 0, visibility_timeout=1)
     st.worker("crash-2")
-    st.wait(lambda: _all_completed(st, ids), 90, "all jobs completed")
+    st.wait(lambda: _all_completed(st, ids), 90, f"all jobs completed (after kill: {_by_status(st)})")
     for job in st.jobs(Job.id.in_(ids)):
-        assert job.completion_tokens == 120 and job.worker in ("crash-1", "crash-2")
-        assert job.attempts == (2 if job.id in in_flight else 1)
+        state = (job.id in in_flight, job.attempts, job.worker, job.completion_tokens, job.error)
+        assert job.completion_tokens == 120 and job.worker in ("crash-1", "crash-2"), state
+        assert job.attempts == (2 if job.id in in_flight else 1), state
     usage = _usage(st, tenant_id)
     assert usage.requests == 24 and usage.completion_tokens == 24 * 120
     assert _counters(st, tenant_id) == (0, 0)
