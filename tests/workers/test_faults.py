@@ -60,7 +60,8 @@ def test_kill_9_with_jobs_in_flight_then_restart_completes_each_once(stack):
     for job in st.jobs(Job.id.in_(ids)):
         state = (job.id in in_flight, job.attempts, job.worker, job.completion_tokens, job.error)
         assert job.completion_tokens == 120 and job.worker in ("crash-1", "crash-2"), state
-        assert job.attempts == (2 if job.id in in_flight else 1), state
+        # (a commit sent just before the kill can still land after `in_flight` was read)
+        assert job.attempts == (2 if job.id in in_flight and job.worker == "crash-2" else 1), state
     usage = _usage(st, tenant_id)
     assert usage.requests == 24 and usage.completion_tokens == 24 * 120
     assert _counters(st, tenant_id) == (0, 0)
