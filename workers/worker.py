@@ -168,6 +168,7 @@ class Worker:
         self._conn = self._channel = None
         self._broker_errors: tuple = (OSError,)
         self._queues: dict[str, Queue] = {}
+        self._held: list[tuple[str, object]] = []      # messages waiting for an earlier attempt to leave
         self._next_check = self._next_renew = self._next_beat = 0.0
         self.started_at = time.time()
 
@@ -267,7 +268,7 @@ class Worker:
 
     # -- broker -----------------------------------------------------------------------------------
     def _connect(self) -> None:
-        self._queues = {}
+        self._queues, self._held = {}, []     # held messages belong to the old channel
         if self._conn is not None:
             try:
                 self._conn.release()
@@ -294,6 +295,10 @@ class Worker:
         if not self._queues:
             raise ConnectionError("not connected to the broker")
         got = False
+        if self._held:
+            held, self._held = self._held, []
+            for name, message in held:
+                self._accept(name, message)
         for name in self.cfg.queues:
             online = name in ONLINE
             while len(self.inflight) < self.cfg.max_inflight:
@@ -314,6 +319,11 @@ class Worker:
         except Exception:
             log.warning("worker %s: dropping malformed message on %s", self.cfg.name, queue_name)
             message.ack()
+            return
+        if job_id in self.inflight:
+            # An earlier attempt of this job (its lease lapsed) is still leaving the engine: hold the
+            # message (unacked) and claim it once that attempt is gone.
+            self._held.append((queue_name, message))
             return
         with Session(self.db, expire_on_commit=False) as s:
             started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds)
