@@ -32,6 +32,7 @@ from service import bodies, jobs
 from service.db import make_engine
 from service.models import Job, JobStatus, Tenant, utcnow
 from workers import token_stream
+from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
 
 log = logging.getLogger(__name__)
 ONLINE = ("realtime", "interactive")
@@ -117,6 +118,8 @@ class Inflight:
     sla_class: str
     message: object
     online: bool
+    tenant: str = "default"
+    queue_time: float | None = None   # seconds between queued and started in the ledger
     pos: int = 0                      # characters streamed so far
     first_token_at: float | None = None
     first_recorded: bool = False
@@ -157,6 +160,9 @@ class Worker:
             redis_client = redis.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.redis = redis_client
         self.stream = token_stream.for_redis(redis_client)
+        # Gauges and counters move in the engine thread; the dashboard snapshot goes out with the heartbeat.
+        self.metrics = EngineMetrics(worker=cfg.name, device=cfg.device)
+        self.snapshots = SnapshotStore(redis_client)
         self.inflight: dict[str, Inflight] = {}
         self.counters = {"claimed": 0, "completed": 0, "failed": 0, "aborted": 0, "dropped": 0, "throttled": 0}
         self.preempted = {c: 0 for c in QUEUES["gpu"]}   # engine preemptions suffered, by SLA class
@@ -245,11 +251,18 @@ class Worker:
                     continue
                 for out in self.engine.step():
                     if out.finished:
+                        self._observe(out)
                         self._done.put(out)
+                self.metrics.update_from_stats(self.engine.stats())
         except BaseException as exc:  # a broken engine ends the worker; leases lapse, jobs are requeued
             log.exception("worker %s: engine loop failed", self.cfg.name)
             self._error = exc
             self._stop.set()
+
+    def _observe(self, out) -> None:
+        inf = self.inflight.get(out.request_id)
+        if inf is not None:
+            self.metrics.observe_request(out, inf.sla_class, inf.tenant, queue_time=inf.queue_time)
 
     def _on_token(self, job_id: str, out) -> None:
         inf = self.inflight.get(job_id)
@@ -342,7 +355,10 @@ class Worker:
             return
         self.counters["claimed"] += 1
         sla = job.sla_class.value
-        inf = Inflight(job_id, started.lease_token, sla, message, online=sla in ONLINE)
+        queue_time = ((job.started_at - job.queued_at).total_seconds()
+                      if job.started_at is not None and job.queued_at is not None else None)
+        inf = Inflight(job_id, started.lease_token, sla, message, online=sla in ONLINE, tenant=job.tenant_id,
+                       queue_time=queue_time)
         try:
             prompt, params = build_request(self.engine.tokenizer, job.endpoint, job.request)
             self.inflight[job_id] = inf
@@ -452,6 +468,10 @@ class Worker:
                 self._wake.set()
 
     def _heartbeat(self) -> None:
+        try:
+            self.snapshots.put(self.metrics.snapshot(self.engine.stats()))
+        except Exception as exc:
+            log.warning("worker %s: stats snapshot failed: %s", self.cfg.name, exc)
         if self.redis is None:
             return
         try:
@@ -506,7 +526,13 @@ def main(args) -> int:
     worker = Worker(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
+    port = int(os.environ.get("TIDEPOOL_METRICS_PORT", "9101"))
+    if port:
+        try:
+            start_metrics_server(port, worker.metrics.registry)
+        except OSError as exc:
+            log.warning("worker %s: no /metrics on port %d: %s", cfg.name, port, exc)
     print(json.dumps({"worker": cfg.name, "kind": cfg.kind, "device": cfg.device, "model": cfg.model,
-                      "queues": list(cfg.queues)}), flush=True)
+                      "queues": list(cfg.queues), "metrics_port": port}), flush=True)
     worker.run()
     return 0

@@ -144,6 +144,9 @@ class Stack:
         return self.url
 
     def close(self) -> None:
+        for proc in self.procs:     # pytest shows this only for a failed test
+            print(f"--- {proc.args[3:5]} exit={proc.poll()} log tail:\n"
+                  + "\n".join(Path(proc.log_path).read_text().splitlines()[-40:]))
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
