@@ -126,6 +126,11 @@ class Inflight:
     aborted: bool = False
 
 
+def ledger_text(text: str) -> str:
+    """Postgres text cannot hold NUL, which byte-level tokens can produce; stream and ledger both get U+FFFD."""
+    return text.replace("\x00", "\ufffd")
+
+
 def build_request(tokenizer, endpoint: str, body: dict):
     """A ledger job's normalised request body -> (prompt, SamplingParams). Raises ValueError."""
     from workers.engine import SamplingParams
@@ -274,7 +279,7 @@ class Worker:
                 self._firsts.put(job_id)
         if inf.online and out.delta_text:
             try:
-                self.stream.publish(job_id, {"t": "tok", "d": out.delta_text, "p": inf.pos})
+                self.stream.publish(job_id, {"t": "tok", "d": ledger_text(out.delta_text), "p": inf.pos})
             except Exception:  # the waiter falls back to the ledger
                 pass
             inf.pos += len(out.delta_text)
@@ -414,7 +419,7 @@ class Worker:
                     continue
                 if inf.first_token_at is not None and not inf.first_recorded:
                     jobs.first_token(s, inf.job_id, inf.lease_token, _dt(inf.first_token_at))
-                ok = jobs.complete(s, inf.job_id, inf.lease_token, output=out.text,
+                ok = jobs.complete(s, inf.job_id, inf.lease_token, output=ledger_text(out.text),
                                    output_token_ids=list(out.token_ids), prompt_tokens=len(out.prompt_token_ids),
                                    completion_tokens=len(out.token_ids), finish_reason=out.finish_reason)
                 statuses.append("completed" if ok else "lost")

@@ -151,3 +151,21 @@ def test_redis_restart_mid_run_loses_no_accepted_job(pg_template, tiny_model, tm
         st.close()
         _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
+
+
+def test_output_with_nul_characters_is_stored_on_postgres(stack):
+    """Byte-level tokens can decode to NUL, which Postgres text refuses; the worker's result must still land."""
+    from service import jobs
+    from workers.worker import ledger_text
+    st = stack
+    _, key = st.tenant()
+    [job_id] = st.submit(key, 1, prompt="nul", max_tokens=4)
+    with Session(st.engine) as s:
+        started = jobs.start(s, job_id, "w", 30)
+        s.commit()
+    with Session(st.engine) as s:
+        assert jobs.complete(s, job_id, started.lease_token, output=ledger_text("a\x00b"), output_token_ids=[1, 0, 2],
+                             prompt_tokens=1, completion_tokens=3, finish_reason="length")
+        s.commit()
+    [job] = st.jobs(Job.id == job_id)
+    assert job.status == JobStatus.completed and job.output == "a\ufffdb"
