@@ -28,11 +28,12 @@ from kombu import Connection, Queue
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service import bodies, jobs
+from service import jobs
 from service.db import make_engine
 from service.models import Job, JobStatus, Tenant, utcnow
 from workers import token_stream
 from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
+from workers.openai_bodies import CHAT, prompt_ids, sampling_params
 
 log = logging.getLogger(__name__)
 ONLINE = ("realtime", "interactive")
@@ -132,26 +133,14 @@ def ledger_text(text: str) -> str:
 
 
 def build_request(tokenizer, endpoint: str, body: dict):
-    """A ledger job's normalised request body -> (prompt, SamplingParams). Raises ValueError."""
-    from workers.engine import SamplingParams
-    if endpoint == bodies.CHAT:
-        messages = [{**m, "content": m["content"] if isinstance(m["content"], str)
-                     else "".join(p["text"] for p in m["content"])} for m in body["messages"]]
-        try:
-            prompt = tokenizer.encode_chat(messages)
-        except Exception as exc:  # template errors (jinja raise_exception) are the caller's input
-            raise ValueError(f"the chat template rejected these messages: {exc}") from exc
-        logprobs = (body.get("top_logprobs") or 0) if body.get("logprobs") else None
-    else:
-        prompt = body["prompt"]
-        logprobs = body.get("logprobs")
-    params = SamplingParams(
-        max_tokens=body["max_tokens"], temperature=body.get("temperature", 1.0), top_p=body.get("top_p", 1.0),
-        top_k=body.get("top_k", 0), min_p=body.get("min_p", 0.0), seed=body.get("seed"), stop=body.get("stop"),
-        stop_token_ids=body.get("stop_token_ids"), ignore_eos=body.get("ignore_eos", False),
-        presence_penalty=body.get("presence_penalty", 0.0), frequency_penalty=body.get("frequency_penalty", 0.0),
-        repetition_penalty=body.get("repetition_penalty", 1.0), logprobs=logprobs)
-    return prompt, params
+    """A ledger job's normalised request body -> (prompt token ids, SamplingParams). Raises ValueError."""
+    try:
+        prompt = prompt_ids(endpoint, body, tokenizer)
+    except Exception as exc:  # template errors (jinja raise_exception) are the caller's input
+        if endpoint != CHAT:
+            raise
+        raise ValueError(f"the chat template rejected these messages: {exc}") from exc
+    return prompt, sampling_params(endpoint, body)
 
 
 class Worker:
