@@ -9,46 +9,22 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
-
 import shutil
 import socket
+from pathlib import Path
 
-import psycopg
 import pytest
 import redis
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from werkzeug.serving import make_server
 
-from service import create_app, migrate, tenants
+from service import create_app, tenants
 from service.models import Job
 
-PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 REDIS = os.environ.get("TIDEPOOL_TEST_WORKERS_REDIS")     # default: a private redis-server
 ROOT = Path(__file__).resolve().parents[2]
 _counter = itertools.count()
-
-
-def _pg_exec(sql: str) -> None:
-    with psycopg.connect(PG.replace("postgresql+psycopg://", "postgresql://") + "/postgres", autocommit=True) as c:
-        c.execute(sql)
-
-
-@pytest.fixture(scope="session")
-def pg_template():
-    name = f"tidepool_wtest_tmpl_{os.getpid()}"
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    _pg_exec(f"CREATE DATABASE {name}")
-    migrate.upgrade(f"{PG}/{name}")
-    yield name
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-
-
-def clone_db(template: str):
-    name = f"tidepool_wtest_{os.getpid()}_{next(_counter)}"
-    _pg_exec(f"CREATE DATABASE {name} TEMPLATE {template}")
-    return name, f"{PG}/{name}"
 
 
 @pytest.fixture(scope="session")
@@ -196,11 +172,9 @@ class Stack:
 
 
 @pytest.fixture
-def stack(pg_template, tiny_model, tmp_path, redis_url):
+def stack(pg_url, tiny_model, tmp_path, redis_url):
     flush_redis(redis_url)
-    name, url = clone_db(pg_template)
-    st = Stack(url, tiny_model, tmp_path, redis_url)
+    st = Stack(pg_url, tiny_model, tmp_path, redis_url)
     yield st
     st.close()
     flush_redis(redis_url)
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")

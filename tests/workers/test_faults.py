@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 from service.models import Job, JobStatus, Tenant, Usage
 from workers import beat
 
-from .conftest import Stack, _pg_exec, clone_db, free_port, start_redis
+from .conftest import Stack, free_port, start_redis
 
 LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
 
@@ -132,9 +132,8 @@ def private_redis(tmp_path):
     server.proc.wait()
 
 
-def test_redis_restart_mid_run_loses_no_accepted_job(pg_template, tiny_model, tmp_path, private_redis):
-    name, url = clone_db(pg_template)
-    st = Stack(url, tiny_model, tmp_path, redis_url=private_redis.url)
+def test_redis_restart_mid_run_loses_no_accepted_job(pg_url, tiny_model, tmp_path, private_redis):
+    st = Stack(pg_url, tiny_model, tmp_path, redis_url=private_redis.url)
     try:
         tenant_id, key = st.tenant()
         beat.sweep(st.app)                            # broker epoch recorded
@@ -149,7 +148,6 @@ def test_redis_restart_mid_run_loses_no_accepted_job(pg_template, tiny_model, tm
         assert _usage(st, tenant_id).requests == 12
     finally:
         st.close()
-        _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
 

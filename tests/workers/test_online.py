@@ -13,16 +13,16 @@ from service.dispatch import _publish_task
 from service.models import Job, JobStatus, Usage
 from workers.engine import LLM, SamplingParams
 
-from .conftest import Stack, _pg_exec, clone_db, flush_redis
+from .conftest import Stack, flush_redis
 
 WORKER = "e2e-gpu"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def st(pg_template, tiny_model, tmp_path_factory, redis_url):
+def st(pg_databases, tiny_model, tmp_path_factory, redis_url):
     flush_redis(redis_url)
-    name, url = clone_db(pg_template)
+    url = pg_databases.create()
     tmp = tmp_path_factory.mktemp("e2e")
     stack = Stack(url, tiny_model, tmp, redis_url)
     stack.serve()
@@ -31,7 +31,7 @@ def st(pg_template, tiny_model, tmp_path_factory, redis_url):
     yield stack
     stack.close()
     flush_redis(redis_url)
-    _pg_exec(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    pg_databases.drop(url)
 
 
 @pytest.fixture(scope="module")
