@@ -4,13 +4,13 @@ share queues), `tidepool worker` / `tidepool beat` subprocesses over a tiny rand
 import itertools
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-import shutil
-import socket
 from pathlib import Path
 
 import pytest
