@@ -87,6 +87,8 @@ class Tenant(Base):
     name: Mapped[str] = mapped_column(String(200), unique=True)
     weight: Mapped[float] = mapped_column(Float, default=1.0)
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Class of this tenant's online requests (/v1/completions, /v1/chat/completions) that name none.
+    default_sla_class: Mapped[str | None] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     # Admission counters, changed only in the same transaction as the job transitions that move them.
     queued_count: Mapped[int] = mapped_column(Integer, default=0)

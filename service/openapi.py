@@ -25,6 +25,8 @@ ROUTES = [
      "Tenant"),
     ("get", "/v1/admin/tenants", "List tenants", "adminToken", None, 200, "List"),
     ("get", "/v1/admin/tenants/{tenant_id}", "Get a tenant", "adminToken", None, 200, "Tenant"),
+    ("patch", "/v1/admin/tenants/{tenant_id}", "Change weight or default online SLA class", "adminToken",
+     "TenantUpdate", 200, "Tenant"),
     ("post", "/v1/admin/tenants/{tenant_id}/disable", "Disable a tenant", "adminToken", None, 200, "Tenant"),
     ("post", "/v1/admin/tenants/{tenant_id}/enable", "Enable a tenant", "adminToken", None, 200, "Tenant"),
     ("patch", "/v1/admin/tenants/{tenant_id}/quota", "Set quota fields", "adminToken", "Quota", 200, "Quota"),
@@ -49,6 +51,7 @@ _ERROR_CODES = {"400": "Bad input", "401": "Bad or revoked key", "403": "Not all
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
 _NUM = {"type": "number"}
+_DEFAULT_CLASS = {"enum": ["realtime", "interactive", None], "description": "class of online requests that name none"}
 _TS = {"type": ["integer", "null"], "description": "Unix seconds"}
 
 _SAMPLING = {name: _NUM for name in sorted(ALLOWED[COMPLETIONS] | ALLOWED[CHAT])}
@@ -94,8 +97,11 @@ SCHEMAS = {
         "output_file_id": _STR, "error_file_id": _STR, "request_counts": {"type": "object", "properties": {
             "total": _INT, "completed": _INT, "failed": _INT}}, "created_at": _INT, "expires_at": _INT}},
     "TenantCreate": {"type": "object", "required": ["name"], "properties": {
-        "name": _STR, "weight": _NUM, "quota": {"$ref": "#/components/schemas/Quota"}}},
+        "name": _STR, "weight": _NUM, "quota": {"$ref": "#/components/schemas/Quota"},
+        "default_sla_class": _DEFAULT_CLASS}},
+    "TenantUpdate": {"type": "object", "properties": {"weight": _NUM, "default_sla_class": _DEFAULT_CLASS}},
     "Tenant": {"type": "object", "properties": {"id": _STR, "name": _STR, "weight": _NUM,
+                                                "default_sla_class": _DEFAULT_CLASS,
                                                 "disabled": {"type": "boolean"}, "api_key": _STR,
                                                 "quota": {"$ref": "#/components/schemas/Quota"}}},
     "Quota": {"type": "object", "properties": {

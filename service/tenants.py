@@ -34,16 +34,31 @@ def check_quota_fields(values: dict) -> dict:
     return out
 
 
-def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None = None,
-                  actor: str = "admin") -> tuple[Tenant, str]:
-    if not isinstance(name, str) or not name.strip() or len(name) > 200:
-        raise bad_request("name must be a non-empty string of at most 200 characters.", "name")
+ONLINE_CLASSES = ("realtime", "interactive")
+
+
+def _check_weight(weight) -> float:
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
         raise bad_request("weight must be a positive number.", "weight")
+    return float(weight)
+
+
+def _check_default_class(value) -> str | None:
+    if value is not None and value not in ONLINE_CLASSES:
+        raise bad_request(f"default_sla_class must be one of {list(ONLINE_CLASSES)} or null.", "default_sla_class")
+    return value
+
+
+def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None = None,
+                  actor: str = "admin", default_sla_class: str | None = None) -> tuple[Tenant, str]:
+    if not isinstance(name, str) or not name.strip() or len(name) > 200:
+        raise bad_request("name must be a non-empty string of at most 200 characters.", "name")
+    weight = _check_weight(weight)
+    default_sla_class = _check_default_class(default_sla_class)
     if s.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:
         raise APIError(409, f"A tenant named '{name}' already exists.", "tenant_exists", "name")
-    tenant = Tenant(name=name, weight=float(weight), disabled=False, queued_count=0, running_count=0,
-                    created_at=utcnow())
+    tenant = Tenant(name=name, weight=weight, disabled=False, queued_count=0, running_count=0,
+                    default_sla_class=default_sla_class, created_at=utcnow())
     s.add(tenant)
     s.flush()
     s.add(Quota(tenant_id=tenant.id, **{"allowed_sla_classes": list(SLA_CLASSES), **check_quota_fields(quota or {})}))
@@ -51,6 +66,16 @@ def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None
     s.add(row)
     audit(s, actor, "tenant.create", tenant.id, {"name": name, "weight": weight})
     return tenant, key
+
+
+def update_tenant(s: Session, tenant: Tenant, values: dict, actor: str = "admin") -> Tenant:
+    """Change a tenant's weight and/or default online SLA class (keys absent: unchanged)."""
+    if "weight" in values:
+        tenant.weight = _check_weight(values["weight"])
+    if "default_sla_class" in values:
+        tenant.default_sla_class = _check_default_class(values["default_sla_class"])
+    audit(s, actor, "tenant.update", tenant.id, values)
+    return tenant
 
 
 def set_quota(s: Session, tenant_id: str, values: dict, actor: str = "admin") -> Quota:
@@ -84,6 +109,7 @@ def revoke_key(s: Session, prefix: str, actor: str = "admin") -> bool:
 
 def tenant_json(t: Tenant, quota: Quota | None = None) -> dict:
     out = {"id": t.id, "object": "tenant", "name": t.name, "weight": t.weight, "disabled": t.disabled,
+           "default_sla_class": t.default_sla_class,
            "created_at": int(t.created_at.timestamp()), "queued_jobs": t.queued_count,
            "running_jobs": t.running_count}
     if quota is not None:

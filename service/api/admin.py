@@ -26,11 +26,12 @@ def _tenant(tenant_id: str) -> Tenant:
 @admin_required
 def create_tenant():
     body = json_body()
-    unknown = sorted(set(body) - {"name", "weight", "quota"})
+    unknown = sorted(set(body) - {"name", "weight", "quota", "default_sla_class"})
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     s = session()
-    tenant, key = tenants.create_tenant(s, body.get("name"), body.get("weight", 1.0), body.get("quota"))
+    tenant, key = tenants.create_tenant(s, body.get("name"), body.get("weight", 1.0), body.get("quota"),
+                                        default_sla_class=body.get("default_sla_class"))
     s.commit()
     out = tenants.tenant_json(tenant, s.get(Quota, tenant.id))
     out["api_key"] = key
@@ -49,6 +50,19 @@ def list_tenants():
 def get_tenant(tenant_id):
     t = _tenant(tenant_id)
     return tenants.tenant_json(t, session().get(Quota, t.id))
+
+
+@bp.patch("/tenants/<tenant_id>")
+@admin_required
+def update_tenant(tenant_id):
+    body = json_body()
+    unknown = sorted(set(body) - {"weight", "default_sla_class"})
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    s = session()
+    tenant = tenants.update_tenant(s, _tenant(tenant_id), body)
+    s.commit()
+    return tenants.tenant_json(tenant, s.get(Quota, tenant.id))
 
 
 @bp.post("/tenants/<tenant_id>/disable")

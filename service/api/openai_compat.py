@@ -62,7 +62,7 @@ def _serve(endpoint: str):
         raise bad_request("'stream' must be a boolean.", "stream")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", "stream_options")
-    sla = body.pop("sla_class", None) or "interactive"
+    sla = body.pop("sla_class", None) or g.tenant.default_sla_class or "interactive"
     if sla not in ONLINE:
         raise bad_request(f"'sla_class' must be one of {list(ONLINE)} here; queue other classes with "
                           "/v1/jobs or /v1/batches.", "sla_class")

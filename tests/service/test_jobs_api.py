@@ -180,3 +180,21 @@ def test_admin_api_needs_the_admin_token(client, admin):
     assert actions[:2] == ["quota.set", "tenant.create"]
     assert client.get("/v1/admin/tenants/nope", headers=admin.headers).status_code == 404
     assert client.post("/v1/admin/tenants", json={"name": ""}, headers=admin.headers).status_code == 400
+
+
+def test_tenant_default_online_class_is_set_changed_and_validated(client, admin):
+    h = admin.headers
+    r = client.post("/v1/admin/tenants", json={"name": "chatty", "default_sla_class": "realtime"}, headers=h)
+    assert r.status_code == 201 and r.get_json()["default_sla_class"] == "realtime"
+    tenant_id = r.get_json()["id"]
+    r = client.patch(f"/v1/admin/tenants/{tenant_id}", json={"default_sla_class": "interactive", "weight": 3},
+                     headers=h)
+    assert r.status_code == 200
+    assert (r.get_json()["default_sla_class"], r.get_json()["weight"]) == ("interactive", 3.0)
+    for bad in ({"default_sla_class": "batch"}, {"weight": 0}, {"name": "renamed"}):
+        r = client.patch(f"/v1/admin/tenants/{tenant_id}", json=bad, headers=h)
+        assert r.status_code == 400 and r.get_json()["error"]["param"] in bad
+    assert client.get(f"/v1/admin/tenants/{tenant_id}", headers=h).get_json()["default_sla_class"] == "interactive"
+    assert client.patch("/v1/admin/tenants/ten_missing", json={"weight": 2}, headers=h).status_code == 404
+    bad_create = client.post("/v1/admin/tenants", json={"name": "x", "default_sla_class": "deferrable"}, headers=h)
+    assert bad_create.status_code == 400

@@ -68,6 +68,20 @@ def test_completion_chat_and_models_match_the_engine(st, reference):
     assert job.started_at <= job.first_token_at <= job.finished_at
 
 
+def test_tenant_default_class_applies_to_online_requests_that_name_none(st):
+    from sqlalchemy import update
+    from service.models import Tenant
+    tenant_id, key = st.tenant()
+    with st.engine.begin() as conn:
+        conn.execute(update(Tenant).where(Tenant.id == tenant_id).values(default_sla_class="realtime"))
+    oa = openai.OpenAI(base_url=f"{st.url}/v1", api_key=key, max_retries=0, timeout=60)
+    plain = oa.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0)
+    named = oa.completions.create(model="tiny", prompt="Hi", max_tokens=2, temperature=0,
+                                  extra_body={"sla_class": "interactive"})
+    assert st.jobs(Job.id == plain.id)[0].sla_class.value == "realtime"
+    assert st.jobs(Job.id == named.id)[0].sla_class.value == "interactive"
+
+
 def test_streaming_chunks_add_up_to_the_engine_output(st, reference):
     oa, _ = _client(st)
     messages = [{"role": "user", "content": "Tell me a story."}]
