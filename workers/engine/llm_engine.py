@@ -67,10 +67,6 @@ class LLMEngine:
                         "model_s": 0.0, "sample_s": 0.0, "finished": 0, "aborted": 0}
         self._last_step = {"tokens": 0, "seqs": 0, "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
 
-    @classmethod
-    def from_args(cls, model: str, **kwargs) -> "LLMEngine":
-        return cls(EngineConfig(model=model, **kwargs))
-
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     sla_class: str = "interactive", tenant: str = "default", weight: float = 1.0,

@@ -18,7 +18,6 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.backend = resolve_backend(self.device, config.attention_backend)
-        torch.manual_seed(0)
         self.model = load_model(config.model, model_config, self.dtype, self.device, config.max_model_len)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
         shape = (self.num_kv_blocks, config.block_size, model_config.num_key_value_heads, model_config.head_dim)
