@@ -1,3 +1,4 @@
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ class EngineConfig:
     attention_backend: str | None = None        # "torch" | "triton"; None: TIDEPOOL_ATTENTION_BACKEND or by device
     kv_cache_memory_bytes: int | None = None    # CPU default: a quarter of physical memory
     gpu_memory_utilization: float = 0.85        # share of free GPU memory given to the KV pool
+    enforce_eager: bool | None = None           # True: no CUDA graphs on GPU; None: TIDEPOOL_ENFORCE_EAGER=1
 
     def __post_init__(self):
         path = Path(self.model)
@@ -37,6 +39,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if self.enforce_eager is None:
+            self.enforce_eager = os.environ.get("TIDEPOOL_ENFORCE_EAGER", "") in ("1", "true", "yes")
         self.model_config = ModelConfig.from_dir(path)
         limit = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:

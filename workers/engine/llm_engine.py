@@ -219,6 +219,7 @@ class LLMEngine:
             "preemptions": sched.num_preemptions,
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
+            "decode_graph_replays": self.runner.decode_graphs.replays if self.runner.decode_graphs else 0,
             "last_step": dict(self._last_step),
             **{f"total_{k}": v for k, v in self._totals.items()},
         }

@@ -5,6 +5,7 @@ import torch
 
 from kernels.attention import resolve_backend
 from workers.engine.config import EngineConfig
+from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.llama import AttentionContext
 from workers.engine.models.loader import load_model
@@ -24,6 +25,16 @@ class ModelRunner:
         for layer in self.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.decode_graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.decode_graphs = self.make_decode_graphs(capture=True)
+
+    def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
+        """Static decode buffers for the ladder of batch sizes; `capture` records a CUDA graph per size."""
+        max_len = min(self.config.max_model_len, self.num_kv_blocks * self.config.block_size)
+        max_blocks = -(-max_len // self.config.block_size)
+        return DecodeGraphs(self.model, self.backend, graph_batch_sizes(self.config.max_num_seqs), max_blocks,
+                            self.model_config.hidden_size, self.dtype, self.device, capture=capture)
 
     @property
     def bytes_per_block(self) -> int:
@@ -44,42 +55,53 @@ class ModelRunner:
         cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
         return max(1, min(int(blocks), cap))
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionContext, list[int]]:
+    def _prepare(self, batch: ScheduledBatch) -> dict:
+        """The step's inputs as host lists: new tokens flattened over sequences, and per-sequence tables."""
         bs = self.config.block_size
-        input_ids, positions, slots, context_lens, cu = [], [], [], [], [0]
-        sample_rows = []
+        step = dict(input_ids=[], positions=[], slot_mapping=[], context_lens=[], cu_seqlens_q=[0],
+                    block_tables=[seq.block_table for seq in batch.seqs], sample_rows=[])
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
+            step["input_ids"].extend(seq.token_ids[start:end])
+            step["positions"].extend(range(start, end))
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            context_lens.append(end)
-            cu.append(cu[-1] + n)
+            step["slot_mapping"].extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            step["context_lens"].append(end)
+            step["cu_seqlens_q"].append(step["cu_seqlens_q"][-1] + n)
             if end == seq.num_tokens:
-                sample_rows.append(cu[-1] - 1)
-        width = max(len(seq.block_table) for seq in batch.seqs)
-        tables = [seq.block_table + [0] * (width - len(seq.block_table)) for seq in batch.seqs]
+                step["sample_rows"].append(step["cu_seqlens_q"][-1] - 1)
+        return step
 
+    def _run_eager(self, step: dict, max_seqlen_q: int) -> torch.Tensor:
         def tensor(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=self.device)
 
+        width = max(map(len, step["block_tables"]))
         ctx = AttentionContext(
             backend=self.backend,
-            slot_mapping=tensor(slots),
-            block_tables=tensor(tables, torch.int32),
-            context_lens=tensor(context_lens, torch.int32),
-            cu_seqlens_q=tensor(cu, torch.int32),
-            max_seqlen_q=max(batch.num_new_tokens),
+            slot_mapping=tensor(step["slot_mapping"]),
+            block_tables=tensor([t + [0] * (width - len(t)) for t in step["block_tables"]], torch.int32),
+            context_lens=tensor(step["context_lens"], torch.int32),
+            cu_seqlens_q=tensor(step["cu_seqlens_q"], torch.int32),
+            max_seqlen_q=max_seqlen_q,
         )
-        return tensor(input_ids), tensor(positions), ctx, sample_rows
+        return self.model(tensor(step["input_ids"]), tensor(step["positions"]), ctx)
+
+    def _fits_graph(self, batch: ScheduledBatch) -> bool:
+        return (self.decode_graphs is not None and max(batch.num_new_tokens) == 1
+                and len(batch.seqs) <= self.decode_graphs.max_batch_size)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Compute the batch's new tokens into the cache; return logits [S, V] for the rows that sample."""
-        input_ids, positions, ctx, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, ctx)
-        if not sample_rows:
+        step = self._prepare(batch)
+        if self._fits_graph(batch):
+            hidden = self.decode_graphs.run(step["input_ids"], step["positions"], step["slot_mapping"],
+                                            step["context_lens"], step["block_tables"])
+        else:
+            hidden = self._run_eager(step, max(batch.num_new_tokens))
+        if not step["sample_rows"]:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)]).float()
+        rows = torch.tensor(step["sample_rows"], device=self.device)
+        return self.model.compute_logits(hidden[rows]).float()
