@@ -1,4 +1,4 @@
-"""Panel pages: sign-in, tenants (usage, weight, disable, quota, keys), jobs and batches."""
+"""Panel pages: sign-in, tenants (usage, weight, default online class, disable, quota, keys), jobs and batches."""
 import logging
 import time
 from datetime import datetime, timezone
@@ -94,20 +94,22 @@ def _usage_by_tenant() -> dict[str, dict]:
 def tenants_page():
     rows = db().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.name)).all()
     return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
-                           form={}, errors={})
+                           online_classes=tenants.ONLINE_CLASSES, form={}, errors={})
 
 
 @bp.post("/tenants")
 def create_tenant():
     name, raw_weight = request.form.get("name", "").strip(), request.form.get("weight", "1").strip()
+    raw_class = request.form.get("default_sla_class", "").strip()
     errors = {}
     weight = _parse_weight(raw_weight, errors)
+    default_class = _parse_default_class(raw_class, errors)
     if not name:
         errors["name"] = "Give the tenant a name."
     if not errors:
         s = db()
         try:
-            tenant, key = tenants.create_tenant(s, name, weight, actor=ACTOR)
+            tenant, key = tenants.create_tenant(s, name, weight, actor=ACTOR, default_sla_class=default_class)
             s.commit()
         except APIError as exc:
             s.rollback()
@@ -117,7 +119,8 @@ def create_tenant():
             return _tenant_page(tenant.id, new_key=key, status=201)
     rows = db().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.name)).all()
     return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
-                           form={"name": name, "weight": raw_weight}, errors=errors), 400
+                           online_classes=tenants.ONLINE_CLASSES,
+                           form={"name": name, "weight": raw_weight, "default_sla_class": raw_class}, errors=errors), 400
 
 
 def _parse_weight(raw: str, errors: dict) -> float | None:
@@ -131,6 +134,17 @@ def _parse_weight(raw: str, errors: dict) -> float | None:
         return None
 
 
+def _parse_default_class(raw: str, errors: dict) -> str | None:
+    """'' is no default (online requests that name no class run as interactive)."""
+    if raw == "":
+        return None
+    if raw not in tenants.ONLINE_CLASSES:
+        errors["default_sla_class"] = (f"Choose {' or '.join(tenants.ONLINE_CLASSES)}, or no default "
+                                       "(interactive).")
+        return None
+    return raw
+
+
 def _tenant_or_404(tenant_id: str) -> Tenant:
     t = db().get(Tenant, tenant_id)
     if t is None:
@@ -139,7 +153,7 @@ def _tenant_or_404(tenant_id: str) -> Tenant:
 
 
 def _tenant_page(tenant_id: str, *, new_key: str | None = None, quota_form: dict | None = None,
-                 errors: dict | None = None, status: int = 200):
+                 errors: dict | None = None, scheduling_form: dict | None = None, status: int = 200):
     s = db()
     t = _tenant_or_404(tenant_id)
     s.refresh(t)
@@ -148,9 +162,12 @@ def _tenant_page(tenant_id: str, *, new_key: str | None = None, quota_form: dict
     if quota_form is None:
         quota_form = {f: "" if getattr(quota, f) is None else str(getattr(quota, f)) for f in INT_FIELDS}
         quota_form["allowed_sla_classes"] = list(quota.allowed_sla_classes or [])
+    if scheduling_form is None:
+        scheduling_form = {"weight": f"{t.weight:g}", "default_sla_class": t.default_sla_class or ""}
     recent = s.scalars(select(Job).where(Job.tenant_id == tenant_id).order_by(Job.id.desc()).limit(10)).all()
     return render_template("tenant.html", t=t, quota=quota, keys=keys, new_key=new_key, qf=quota_form,
-                           errors=errors or {}, fields=INT_FIELDS, help=FIELD_HELP, classes=SLA_CLASSES,
+                           sf=scheduling_form, errors=errors or {}, fields=INT_FIELDS, help=FIELD_HELP,
+                           classes=SLA_CLASSES, online_classes=tenants.ONLINE_CLASSES,
                            usage=_usage_by_tenant().get(tenant_id), recent=recent), status
 
 
@@ -159,18 +176,23 @@ def tenant_page(tenant_id):
     return _tenant_page(tenant_id)
 
 
-@bp.post("/tenants/<tenant_id>/weight")
-def set_weight(tenant_id):
+@bp.post("/tenants/<tenant_id>/scheduling")
+def set_scheduling(tenant_id):
+    """Weight and default online SLA class (what PATCH /v1/admin/tenants/<id> changes)."""
     t = _tenant_or_404(tenant_id)
+    form = {"weight": request.form.get("weight", "").strip(),
+            "default_sla_class": request.form.get("default_sla_class", "").strip()}
     errors: dict = {}
-    weight = _parse_weight(request.form.get("weight", "").strip(), errors)
+    weight = _parse_weight(form["weight"], errors)
+    default_class = _parse_default_class(form["default_sla_class"], errors)
     if errors:
-        return _tenant_page(tenant_id, errors=errors, status=400)
+        flash("Scheduling was not saved: fix the fields marked below.", "error")
+        return _tenant_page(tenant_id, scheduling_form=form, errors=errors, status=400)
     s = db()
-    old, t.weight = t.weight, weight
-    tenants.audit(s, ACTOR, "tenant.weight", tenant_id, {"from": old, "to": weight})
+    tenants.update_tenant(s, t, {"weight": weight, "default_sla_class": default_class}, actor=ACTOR)
     s.commit()
-    flash(f"Weight set to {weight:g}.", "ok")
+    flash(f"Scheduling saved: weight {weight:g}, online requests without a class run as "
+          f"{default_class or 'interactive'}.", "ok")
     return redirect(url_for("panel.tenant_page", tenant_id=tenant_id))
 
 

@@ -58,16 +58,27 @@ def test_create_tenant(page, live):
     assert page.locator("#name-error").inner_text() == "Give the tenant a name."
     page.fill("#name", "acme-browser")
     page.fill("#weight", "2.5")
+    page.select_option("#default_sla_class", "realtime")
     page.click("text=Create tenant")
     page.wait_for_selector("#new-key")
     key = page.input_value("#new-key-value")
     assert key.startswith("tp_")
     assert page.locator("h1").inner_text().startswith("acme-browser")
     assert page.locator(".flash.ok").inner_text() == "Tenant 'acme-browser' created."
+    assert page.input_value("#default_sla_class") == "realtime"
     shot(page, "02-tenant-created")
+    page.fill("#weight", "0")                    # edit: a bad weight is marked, the class choice is kept
+    page.select_option("#default_sla_class", "interactive")
+    page.click("text=Save scheduling")
+    assert page.locator("#weight-error").is_visible() and page.locator("#default_sla_class-error").count() == 0
+    assert page.input_value("#default_sla_class") == "interactive"
+    page.fill("#weight", "2.5")
+    page.click("text=Save scheduling")
+    assert page.locator(".flash.ok").inner_text().startswith("Scheduling saved: weight 2.5")
+    assert page.input_value("#default_sla_class") == "interactive"
     page.goto("/admin/tenants")
     row = page.locator("#tenants tr", has_text="acme-browser")
-    assert "2.5" in row.inner_text() and "active" in row.inner_text()
+    assert "2.5" in row.inner_text() and "active" in row.inner_text() and "interactive" in row.inner_text()
     page.fill("#name", "acme-browser")
     page.click("text=Create tenant")
     assert "already exists" in page.locator("#name-error").inner_text()
