@@ -3,9 +3,9 @@ import json
 from datetime import timedelta
 
 from sqlalchemy import func, insert, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, undefer
 
-from . import bodies, quotas
+from . import bodies, logprobs, quotas
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
 
@@ -118,13 +118,14 @@ def _result_line(job: Job, model: str | None) -> str:
     created = int(job.finished_at.timestamp()) if job.finished_at else None
     usage = {"prompt_tokens": job.prompt_tokens or 0, "completion_tokens": job.completion_tokens or 0,
              "total_tokens": (job.prompt_tokens or 0) + (job.completion_tokens or 0)}
+    lps = logprobs.shaped(job.endpoint, job.logprobs) if logprobs.requested(job.endpoint, job.request) else None
     if job.endpoint == bodies.CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": job.output},
-                  "finish_reason": job.finish_reason, "logprobs": None}
+                  "finish_reason": job.finish_reason, "logprobs": lps}
         body = {"id": job.id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage}
     else:
-        choice = {"index": 0, "text": job.output, "finish_reason": job.finish_reason, "logprobs": None}
+        choice = {"index": 0, "text": job.output, "finish_reason": job.finish_reason, "logprobs": lps}
         body = {"id": job.id, "object": "text_completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage}
     return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
@@ -151,7 +152,7 @@ def finalize(s: Session, storage: Storage, batch: Batch, model: str | None = Non
 
     def lines(want_ok: bool):
         for job in s.scalars(select(Job).where(Job.batch_id == batch.id).order_by(Job.id)
-                             .execution_options(yield_per=1000)):
+                             .options(undefer(Job.logprobs)).execution_options(yield_per=1000)):
             ok = job.status == JobStatus.completed
             if ok == want_ok:
                 if ok:

@@ -193,6 +193,9 @@ class Job(Base):
     output_token_ids: Mapped[list | None] = mapped_column(JSON)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     error: Mapped[dict | None] = mapped_column(JSON)
+    # Per generated token when the request asked for logprobs (entries as in service/logprobs.py);
+    # deferred, so listings never load it: undefer(Job.logprobs) where a response needs it.
+    logprobs: Mapped[list | None] = mapped_column(JSON, deferred=True)
 
 
 class Usage(Base):

@@ -4,6 +4,7 @@ Bodies arrive already validated and normalised by `service.bodies.check`.
 """
 import time
 
+from service import logprobs
 from workers.engine import RequestOutput, SamplingParams
 
 COMPLETIONS = "/v1/completions"
@@ -36,33 +37,60 @@ def usage(out: RequestOutput) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _token_str(tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character standing for each byte, reversed."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) \
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTES = _byte_decoder()
+
+
+def _token(tokenizer, token_id: int, cache: dict) -> dict:
+    """{"token", "bytes"} of one token id. A token holding part of a UTF-8 character decodes to U+FFFD;
+    its bytes then come from the vocabulary piece (byte-level BPE, or SentencePiece's <0xNN>)."""
+    got = cache.get(token_id)
+    if got is None:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        raw = text.encode()
+        if "\ufffd" in text:
+            piece = tokenizer.id_to_token(token_id) or ""
+            if piece and all(c in _BYTES for c in piece):
+                raw = bytes(_BYTES[c] for c in piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                raw = bytes([int(piece[3:5], 16)])
+        # Postgres text cannot hold NUL (see workers.worker.ledger_text); bytes keep the truth.
+        got = cache[token_id] = {"token": text.replace("\x00", "\ufffd"), "bytes": list(raw)}
+    return got
+
+
+def logprob_entries(tokenizer, raw: list[dict] | None) -> list[dict] | None:
+    """Engine logprobs ({"token_id", "logprob", "top": [(id, logprob)]} per generated token) -> the
+    entries the ledger stores and the token stream carries (see service.logprobs)."""
+    if raw is None:
+        return None
+    cache: dict = {}
+    return [{**_token(tokenizer, e["token_id"], cache), "logprob": e["logprob"],
+             "top_logprobs": [{**_token(tokenizer, t, cache), "logprob": lp} for t, lp in e["top"]]}
+            for e in raw]
 
 
 def completion_logprobs(out: RequestOutput, tokenizer) -> dict | None:
-    if out.logprobs is None:
-        return None
-    tokens = [_token_str(tokenizer, e["token_id"]) for e in out.logprobs]
-    offsets, at = [], 0
-    for t in tokens:
-        offsets.append(at)
-        at += len(t)
-    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in out.logprobs],
-            "top_logprobs": [{_token_str(tokenizer, t): lp for t, lp in e["top"]} for e in out.logprobs],
-            "text_offset": offsets}
+    entries = logprob_entries(tokenizer, out.logprobs)
+    return None if entries is None else logprobs.completion(entries)
 
 
 def chat_logprobs(out: RequestOutput, tokenizer) -> dict | None:
-    if out.logprobs is None:
-        return None
-
-    def entry(token_id: int, logprob: float) -> dict:
-        text = _token_str(tokenizer, token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    return {"content": [{**entry(e["token_id"], e["logprob"]), "top_logprobs": [entry(t, lp) for t, lp in e["top"]]}
-                        for e in out.logprobs]}
+    entries = logprob_entries(tokenizer, out.logprobs)
+    return None if entries is None else logprobs.chat(entries)
 
 
 def response_body(endpoint: str, request_id: str, model: str, out: RequestOutput, tokenizer,

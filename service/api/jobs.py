@@ -6,7 +6,7 @@ from flask import Blueprint, g, request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from .. import bodies, jobs as transitions, quotas
+from .. import bodies, jobs as transitions, logprobs, quotas
 from ..auth import tenant_required
 from ..config import SLA_CLASSES
 from ..db import session
@@ -18,7 +18,8 @@ from . import cfg, ext, json_body, limit_arg, page, ts
 bp = Blueprint("jobs", __name__)
 
 
-def job_json(job: Job) -> dict:
+def job_json(job: Job, with_logprobs: bool = False) -> dict:
+    """A job as JSON; with_logprobs (one job's GET) adds output.logprobs when the request asked for them."""
     usage = None
     if job.prompt_tokens is not None:
         usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens or 0,
@@ -31,7 +32,9 @@ def job_json(job: Job) -> dict:
             "first_token_at": ts(job.first_token_at), "finished_at": ts(job.finished_at),
             "attempts": job.attempts, "worker": job.worker, "usage": usage,
             "output": None if job.status != JobStatus.completed else
-            {"text": job.output, "token_ids": job.output_token_ids},
+            {"text": job.output, "token_ids": job.output_token_ids,
+             **({"logprobs": logprobs.shaped(job.endpoint, job.logprobs)}
+                if with_logprobs and logprobs.requested(job.endpoint, job.request) else {})},
             "finish_reason": job.finish_reason, "error": job.error}
 
 
@@ -109,7 +112,7 @@ def create_job():
 @bp.get("/v1/jobs/<job_id>")
 @tenant_required
 def get_job(job_id):
-    return job_json(_own_job(job_id))
+    return job_json(_own_job(job_id), with_logprobs=True)
 
 
 @bp.get("/v1/jobs")

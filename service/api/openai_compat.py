@@ -5,10 +5,11 @@ import json
 import time
 
 from flask import Blueprint, Response, g
+from sqlalchemy.orm import undefer
 
 from workers import token_stream
 
-from .. import bodies, jobs as transitions, quotas
+from .. import bodies, jobs as transitions, logprobs, quotas
 from ..auth import tenant_required
 from ..db import session
 from ..errors import APIError, bad_request
@@ -85,7 +86,7 @@ def _serve(endpoint: str):
     ext("dispatcher").publish([(job.id, sla)])
     waiter = _Waiter(ext("sessions"), sub, job.id, conf.extra.get("online_timeout", 600.0))
     fmt = _Format(endpoint, job.id, int(now.timestamp()), body.get("model") or conf.served_model_name,
-                  bool((options or {}).get("include_usage")))
+                  bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body))
     try:
         first = waiter.next_event(keepalive=False)
     except BaseException:
@@ -109,9 +110,9 @@ class _Waiter:
         self.deadline = time.monotonic() + timeout
         self.closed = False
 
-    def _load(self) -> Job:
+    def _load(self, full: bool = False) -> Job:
         with self.sessions() as s:
-            return s.get(Job, self.job_id)
+            return s.get(Job, self.job_id, options=[undefer(Job.logprobs)] if full else None)
 
     def next_event(self, keepalive: bool) -> dict | None:
         """The next event; None (keepalive=True) after a quiet second, so the caller can write a ping."""
@@ -130,10 +131,10 @@ class _Waiter:
 
     def finish(self) -> Job:
         """The terminal ledger row; the end event can race the commit only by a worker crash."""
-        job = self._load()
+        job = self._load(full=True)
         while job.status not in TERMINAL:
             self.next_event(keepalive=False)
-            job = self._load()
+            job = self._load(full=True)
         self.close()
         return job
 
@@ -166,28 +167,36 @@ def _usage(job: Job) -> dict:
 
 
 class _Format:
-    def __init__(self, endpoint, job_id, created, model, include_usage):
-        self.chat = endpoint == bodies.CHAT
+    def __init__(self, endpoint, job_id, created, model, include_usage, want_logprobs=False):
+        self.endpoint, self.chat = endpoint, endpoint == bodies.CHAT
         self.id, self.created, self.model, self.include_usage = job_id, created, model, include_usage
+        self.want_logprobs = want_logprobs
+        self.offset = 0      # completions text_offset of the next streamed logprobs entry
 
     def _head(self, chunk: bool) -> dict:
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def whole(self, job: Job) -> dict:
+        lps = logprobs.shaped(self.endpoint, job.logprobs) if self.want_logprobs else None
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": job.output},
-                      "logprobs": None, "finish_reason": job.finish_reason}
+                      "logprobs": lps, "finish_reason": job.finish_reason}
         else:
-            choice = {"index": 0, "text": job.output, "logprobs": None, "finish_reason": job.finish_reason}
+            choice = {"index": 0, "text": job.output, "logprobs": lps, "finish_reason": job.finish_reason}
         return {**self._head(False), "choices": [choice], "usage": _usage(job)}
 
-    def chunk(self, text: str | None = None, finish_reason=None, role=False, usage=None) -> str:
+    def chunk(self, text: str | None = None, finish_reason=None, role=False, usage=None,
+              entries: list | None = None) -> str:
+        lps = None
+        if self.want_logprobs and entries:
+            lps = logprobs.shaped(self.endpoint, entries, self.offset)
+            self.offset += logprobs.text_length(entries)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish_reason}
         out = {**self._head(True), "choices": [choice]}
         if usage is not None:
             out["usage"] = usage
@@ -202,7 +211,7 @@ def _data(obj) -> str:
 
 
 def _sse(waiter: _Waiter, fmt: _Format, first: dict):
-    sent, done = 0, False
+    sent, sent_lps, done = 0, 0, False     # characters and logprobs entries the client has
     try:
         if fmt.chat:
             yield fmt.chunk(role=True)
@@ -210,11 +219,15 @@ def _sse(waiter: _Waiter, fmt: _Format, first: dict):
         while ev is None or ev["t"] != "end":
             if ev is None:
                 yield ": keep-alive\n\n"      # also how a closed connection is noticed
-            elif ev["t"] == "tok" and ev["p"] <= sent < ev["p"] + len(ev["d"]):
+            elif ev["t"] == "tok":
                 # A redelivered job replays from the start; only what the client lacks is sent.
-                piece = ev["d"][sent - ev["p"]:]
-                sent += len(piece)
-                yield fmt.chunk(piece)
+                piece = ev["d"][sent - ev["p"]:] if ev["p"] <= sent < ev["p"] + len(ev["d"]) else ""
+                entries, at = ev.get("l") or [], ev.get("i", 0)
+                entries = entries[sent_lps - at:] if fmt.want_logprobs and at <= sent_lps < at + len(entries) else []
+                if piece or entries:
+                    sent += len(piece)
+                    sent_lps += len(entries)
+                    yield fmt.chunk(piece, entries=entries)
             ev = waiter.next_event(keepalive=True)
         job = waiter.finish()
         if job.status != JobStatus.completed:
@@ -223,8 +236,9 @@ def _sse(waiter: _Waiter, fmt: _Format, first: dict):
                                    "code": err.code}})
         else:
             rest = (job.output or "")[sent:]
-            if rest:
-                yield fmt.chunk(rest)
+            rest_lps = (job.logprobs or [])[sent_lps:] if fmt.want_logprobs else []
+            if rest or rest_lps:
+                yield fmt.chunk(rest, entries=rest_lps)
             usage = _usage(job)
             yield fmt.chunk(finish_reason=job.finish_reason, usage=None if fmt.include_usage else usage)
             if fmt.include_usage:
