@@ -8,6 +8,15 @@ sequence b owning rows cu_seqlens_q[b]:cu_seqlens_q[b+1]. context_lens[b] counts
 sequence b in the cache *including* this step's new ones (stored before attention runs), so
 query i of sequence b sits at position context_lens[b] - q_len_b + i and attends causally to
 cache positions 0..that position. Decode is the q_len == 1 case.
+
+Only cache slots at positions < context_lens[b] of sequence b are meaningful: every other slot (the rest of its last
+block, blocks of other sequences, block-table padding, which may be -1 or any block id) may hold anything, NaN
+included, and must not affect the output. A decode row with context 0 (a CUDA-graph padding row) attends to
+nothing; its output is unspecified (the native kernel writes zeros; the torch path may give NaN).
+
+Decode rows on CPU go to a native kernel that reads the cache in place (kernels/csrc/paged_decode_cpu.cpp, built
+at first use by kernels/cpu_ops.py) when it is available, else to the pure-torch path below (_decode_torch), which
+stays the definition: the two agree to ~1e-6 in fp32. TIDEPOOL_CPU_KERNELS=0 forces the torch path.
 """
 import torch
 import torch.nn.functional as F
@@ -32,9 +41,34 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -
     return gathered.view(blocks.shape[0], -1, *cache.shape[2:])
 
 
+def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The native CPU kernel when it applies (CPU tensors, head_dim a multiple of 8 up to 256), else None."""
+    head_dim = k_cache.shape[-1]
+    if (q.device.type != "cpu" or k_cache.device.type != "cpu" or head_dim % 8 or head_dim > 256
+            or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+        return None
+    from kernels.cpu_ops import paged_decode_op
+    op = paged_decode_op()
+    if op is None:
+        return None
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    out = op(q.to(k_cache.dtype).contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables,
+             context_lens.to(torch.int32).contiguous(), float(scale))
+    return out.to(q.dtype)
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
             context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] -> [B, Hq, D]."""
+    out = _decode_native(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return out if out is not None else _decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence: q [B, Hq, D] -> [B, Hq, D]. The pure-torch definition of decode attention."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
     lens = context_lens.tolist()
@@ -70,21 +104,29 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
 
     decode = [b for b, n in enumerate(q_lens) if n == 1]
+    if len(decode) == len(q_lens):          # a pure decode step: rows are sequences, no gathers
+        return _decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     if decode:
         idx = torch.tensor(decode, device=q.device)
         rows = cu_seqlens_q[:-1][idx].long()
         out[rows] = _decode(q[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
 
+    group = q.shape[1] // k_cache.shape[2]
     for b, n in enumerate(q_lens):
-        if n == 1:
+        if n <= 1:
             continue
         length = ctx[b]
         num_blocks = -(-length // block_size)
         k = _gather_blocks(k_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)   # [Hkv, L, D]
         v = _gather_blocks(v_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)
-        qb = q[starts[b]:starts[b] + n].transpose(0, 1)                     # [Hq, n, D]
-        q_pos = torch.arange(length - n, length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(qb.to(k.dtype), k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[starts[b]:starts[b] + n] = o.transpose(0, 1).to(q.dtype)
+        if group > 1:       # K/V per query head: SDPA's fused CPU kernel then applies (enable_gqa falls back to math)
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        qb = q[starts[b]:starts[b] + n].transpose(0, 1).to(k.dtype)[None]  # [1, Hq, n, D]
+        if n == length:     # the whole sequence is new: plain causal, which lets the kernel skip masked blocks
+            o = F.scaled_dot_product_attention(qb, k[None], v[None], is_causal=True, scale=scale)
+        else:
+            q_pos = torch.arange(length - n, length, device=q.device)
+            mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+            o = F.scaled_dot_product_attention(qb, k[None], v[None], attn_mask=mask, scale=scale)
+        out[starts[b]:starts[b] + n] = o[0].transpose(0, 1).to(q.dtype)
     return out

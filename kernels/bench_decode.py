@@ -1,0 +1,69 @@
+"""Decode attention microbenchmark, CPU: the pure-torch path against the native kernel, ms per layer (CPU time).
+
+Defaults follow the engine benchmark's worst decode step with SmolLM2-135M: 256 sequences with contexts uniform in
+[16, 768], 9 query heads, 3 KV heads, head_dim 64, block 16, fp32, blocks shuffled over an 8192-block pool.
+--pools N cycles N separate pools so that every call reads from DRAM, as the engine's 30 layers do.
+
+    python -m kernels.bench_decode [--threads 1] [--pools 8] [--repeat 7]
+"""
+import argparse
+import random
+import time
+
+import torch
+
+from kernels.cpu_ops import paged_decode_op
+from kernels.paged_attention import _decode_torch
+
+
+def make_batch(seed=0, batch=256, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, pool=8192,
+               shortest=16, longest=768, dtype=torch.float32):
+    rng = random.Random(seed)
+    lens = [rng.randint(shortest, longest) for _ in range(batch)]
+    blocks = [-(-n // block_size) for n in lens]
+    free = list(range(pool))
+    rng.shuffle(free)
+    tables = torch.zeros(batch, max(blocks), dtype=torch.int32)
+    for b, n in enumerate(blocks):
+        tables[b, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(pool, block_size, num_kv_heads, head_dim, generator=gen, dtype=dtype)
+    v = torch.randn(pool, block_size, num_kv_heads, head_dim, generator=gen, dtype=dtype)
+    q = torch.randn(batch, num_heads, head_dim, generator=gen, dtype=dtype)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def timed(fn, q, pools, tables, lens, repeat):
+    fn(q, *pools[0], tables, lens, 0.125)
+    times = []
+    for i in range(repeat * len(pools)):
+        k, v = pools[i % len(pools)]
+        start = time.process_time()
+        fn(q, k, v, tables, lens, 0.125)
+        times.append(time.process_time() - start)
+    times.sort()
+    return 1e3 * times[0], 1e3 * times[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--pools", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    q, k, v, tables, lens = make_batch(batch=args.batch, dtype=getattr(torch, args.dtype))
+    pools = [(k, v)] + [(torch.randn_like(k), torch.randn_like(v)) for _ in range(args.pools - 1)]
+    op = paged_decode_op()
+    err = (op(q, k, v, tables, lens, 0.125).float() - _decode_torch(q, k, v, tables, lens, 0.125).float()).abs().max()
+    print(f"{args.batch} seqs, {int(lens.sum())} cached tokens, {args.dtype}, threads {args.threads}, "
+          f"{args.pools} pool(s); max abs diff {err.item():.2e}")
+    for name, fn in (("torch path", _decode_torch), ("native kernel", op)):
+        best, median = timed(fn, q, pools, tables, lens, args.repeat)
+        print(f"  {name:14s} {best:7.1f} ms/layer (median {median:.1f})")
+
+
+if __name__ == "__main__":
+    main()

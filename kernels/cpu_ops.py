@@ -1,0 +1,184 @@
+"""Native CPU kernels (kernels/csrc/), compiled on first use with the system C++ compiler and cached.
+
+`paged_decode_op()` returns torch.ops.tidepool_cpu.paged_decode (decode attention that reads the paged KV cache
+in place, same contract as kernels/paged_attention.py), or None, in which case callers use the pure-torch path.
+It is None (a build or load failure is logged once, as a warning; see unavailable_reason()) when:
+
+* TIDEPOOL_CPU_KERNELS is 0/off/false/no (the switch for A/B runs and for ruling the kernel out),
+* there is no C++ compiler ($CXX, else c++ / g++ / clang++ on PATH),
+* the build fails (with -march=native, then without; a flag set that fails to compile is remembered in the cache
+  and not tried again), or the built op disagrees with the torch path on a small self-check.
+
+The build is a single g++ call against torch's own headers and libraries (no ninja, no Python headers): about
+10-20 s on two cores, once per source/torch/compiler/CPU combination. The shared object is cached under
+$TIDEPOOL_KERNEL_CACHE, else $XDG_CACHE_HOME/tidepool/kernels, else ~/.cache/tidepool/kernels, named by a hash of
+all of those, and written atomically, so concurrent processes may race to build but never load a partial file.
+"""
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"
+BUILD_TIMEOUT_S = 600
+_lock = threading.Lock()
+_op = None
+_tried = False
+_why_not: str | None = None
+
+
+def enabled() -> bool:
+    return os.environ.get("TIDEPOOL_CPU_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept; a per-user temp folder when the usual one cannot be created."""
+    if os.environ.get("TIDEPOOL_KERNEL_CACHE"):
+        return Path(os.environ["TIDEPOOL_KERNEL_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    folder = Path(base) / "tidepool" / "kernels"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
+    except OSError:
+        return Path(tempfile.gettempdir()) / f"tidepool-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+
+
+def compiler() -> str | None:
+    for name in [os.environ.get("CXX")] + ["c++", "g++", "clang++"]:
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    # -march=native code is only good on the CPU it was built for: the cache key carries the CPU's features
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor()
+
+
+def _flag_sets(cxx: str) -> list[list[str]]:
+    torch_dir = Path(torch.__file__).resolve().parent
+    lib = torch_dir / "lib"
+    base = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}"]
+    link = [f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
+    return [base + ["-march=native"] + link, base + link]   # the second for compilers without -march=native
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _build(cxx: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = _compiler_version(cxx)
+    errors = []
+    for flags in _flag_sets(cxx):
+        key = hashlib.sha256(b"\0".join(s.encode() if isinstance(s, str) else s for s in [
+            source, torch.__version__, str(torch.version.git_version), sys.version, cxx, version,
+            platform.machine(), _cpu_signature(), " ".join(flags)])).hexdigest()[:20]
+        target = cache_dir() / f"paged_decode_cpu-{key}.so"
+        failed = target.with_suffix(".failed")     # this flag set failed here before: don't pay for it again
+        if target.is_file():
+            return target
+        if failed.is_file():
+            errors.append(failed.read_text(errors="replace"))
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        start = time.perf_counter()
+        try:
+            done = subprocess.run([cxx, str(SOURCE), "-o", str(tmp)] + flags, capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+            if done.returncode == 0:
+                os.replace(tmp, target)
+                log.info("built %s in %.1f s", target, time.perf_counter() - start)
+                return target
+            errors.append(done.stderr.strip()[-2000:])
+            if done.returncode > 0:     # a compile error, not a kill
+                failed.write_text(errors[-1])
+        except (OSError, subprocess.SubprocessError) as e:
+            errors.append(str(e))
+        finally:
+            tmp.unlink(missing_ok=True)
+    raise RuntimeError("compile failed:\n" + "\n---\n".join(errors))
+
+
+def _self_check(op) -> None:
+    """The built op against the torch path on a small paged batch: GQA, context 1, block edges, -1 padding."""
+    from kernels.paged_attention import _decode_torch
+    gen = torch.Generator().manual_seed(0)
+    block_size, num_kv_heads, group = 4, 2, 3
+    contexts = [1, 3, 4, 5, 9]
+    for dim in (64, 24):    # a specialised head_dim and the generic path
+        k_cache = torch.randn(16, block_size, num_kv_heads, dim, generator=gen)
+        v_cache = torch.randn(16, block_size, num_kv_heads, dim, generator=gen)
+        tables = torch.full((len(contexts), 4), -1, dtype=torch.int32)
+        ids = torch.randperm(16, generator=gen).tolist()
+        for b, c in enumerate(contexts):
+            n = -(-c // block_size)
+            tables[b, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+        q = torch.randn(len(contexts), num_kv_heads * group, dim, generator=gen)
+        lens = torch.tensor(contexts, dtype=torch.int32)
+        got = op(q, k_cache, v_cache, tables, lens, 0.3)
+        want = _decode_torch(q, k_cache, v_cache, tables, lens, 0.3)
+        err = (got - want).abs().max().item()
+        if not err <= 1e-4:
+            raise RuntimeError(f"self-check: max abs err {err} against the torch path (head_dim {dim})")
+
+
+def _loaded() -> bool:
+    return hasattr(torch.ops.tidepool_cpu, "paged_decode")     # a library loaded earlier in this process
+
+
+def paged_decode_op():
+    """torch.ops.tidepool_cpu.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale), or None."""
+    global _op, _tried, _why_not
+    if _tried:
+        return _op if enabled() else None
+    with _lock:
+        if _tried:
+            return _op if enabled() else None
+        try:
+            if not enabled():
+                _why_not = "disabled by TIDEPOOL_CPU_KERNELS"
+                return None     # not marked tried: enabling it later in the process still builds
+            if _loaded():
+                _op = torch.ops.tidepool_cpu.paged_decode
+            else:
+                cxx = compiler()
+                if cxx is None:
+                    raise RuntimeError("no C++ compiler ($CXX, c++, g++, clang++)")
+                torch.ops.load_library(str(_build(cxx)))
+                _op = torch.ops.tidepool_cpu.paged_decode
+            _self_check(_op)
+        except Exception as e:  # noqa: BLE001 - any failure means the torch path
+            _op, _why_not = None, f"{type(e).__name__}: {e}"
+            log.warning("native CPU paged decode unavailable, using the torch path: %s", _why_not)
+        _tried = True
+        return _op
+
+
+def unavailable_reason() -> str | None:
+    """Why paged_decode_op() returned None (None when it did not, or was not asked yet)."""
+    return _why_not

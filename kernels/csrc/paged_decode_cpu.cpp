@@ -1,0 +1,298 @@
+// CPU paged decode attention, reading the paged KV cache in place (layout and contract: kernels/paged_attention.py).
+//
+// One query row per sequence. A work item is one sequence (or, for small batches, one of its KV heads), taken by
+// one thread: scores q.k for every cached position < context_lens[b] block by block through the block table, an
+// exact softmax over them, then the probability-weighted sum of the V rows, all accumulated in fp32. Only slots at
+// positions < context_lens[b] are read, so whatever unowned slots hold (even NaN) cannot reach the output; a row
+// with context 0 (a padding row) reads nothing and comes out as zeros. Items
+// go longest first to whichever of at::parallel_for's threads is free.
+//
+// Built and loaded at first use by kernels/cpu_ops.py; registers torch.ops.tidepool_cpu.paged_decode.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+// GCC/Clang vector extensions: eight fp32 lanes, AVX/AVX-512 with -march=native, split into narrower ops elsewhere.
+typedef float vec8 __attribute__((vector_size(32)));
+typedef int32_t ivec8 __attribute__((vector_size(32)));
+typedef float vec8u __attribute__((vector_size(32), aligned(4), may_alias));
+typedef uint16_t u16x8u __attribute__((vector_size(16), aligned(2), may_alias));
+
+inline vec8 splat8(float x) { return vec8{} + x; }
+inline float hsum(vec8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+inline vec8 bits_to_float(ivec8 bits) {
+  vec8 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8u*>(p); }
+inline vec8 load8(const c10::BFloat16* p) {   // bf16 is the top half of an fp32
+  return bits_to_float(__builtin_convertvector(*reinterpret_cast<const u16x8u*>(p), ivec8) << 16);
+}
+#if defined(__FLT16_MAX__)
+typedef _Float16 f16x8u __attribute__((vector_size(16), aligned(2), may_alias));
+inline vec8 load8(const c10::Half* p) { return __builtin_convertvector(*reinterpret_cast<const f16x8u*>(p), vec8); }
+#else
+inline vec8 load8(const c10::Half* p) {
+  vec8 out;
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(p[i]);
+  return out;
+}
+#endif
+
+// exp(x) for x <= 0, eight at a time (Cephes expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp)
+inline vec8 exp8_nonpos(vec8 x) {
+  x = x < splat8(-87.0f) ? splat8(-87.0f) : x;              // keeps 2^n normal; NaN passes through
+  const vec8 magic = splat8(12582912.0f);                   // 1.5 * 2^23: adding it rounds to an integer
+  const vec8 n = (x * 1.44269504088896341f + magic) - magic;
+  vec8 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vec8 p = splat8(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * bits_to_float((__builtin_convertvector(n, ivec8) + 127) << 23);
+}
+
+// each of `rows` rows of `len` scores becomes its softmax, in place
+void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  const int64_t body = len / 8 * 8;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* sr = scores + r * len;
+    float m = -std::numeric_limits<float>::infinity();
+    if (body) {
+      vec8 mv = load8(sr);
+      for (int64_t t = 8; t < body; t += 8) {
+        const vec8 x = load8(sr + t);
+        mv = x > mv ? x : mv;
+      }
+      for (int i = 0; i < 8; ++i) m = std::max(m, mv[i]);
+    }
+    for (int64_t t = body; t < len; ++t) m = std::max(m, sr[t]);
+    vec8 sv = {};
+    for (int64_t t = 0; t < body; t += 8) {
+      const vec8 e = exp8_nonpos(load8(sr + t) - m);
+      *reinterpret_cast<vec8u*>(sr + t) = e;
+      sv += e;
+    }
+    float sum = hsum(sv);
+    for (int64_t t = body; t < len; ++t) {
+      sr[t] = std::exp(sr[t] - m);
+      sum += sr[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < len; ++t) sr[t] *= inv;
+  }
+}
+
+// `rows` token rows of `bytes` bytes each, `stride` elements apart, toward the cache ahead of use
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t rows, int64_t stride, int64_t bytes) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const char* p = reinterpret_cast<const char*>(first + t * stride);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  }
+}
+
+struct Shape {
+  int64_t block_size, num_kv_heads, group, dim, pool_blocks;
+  float scale;
+};
+
+// KV heads [h0, h1) of one sequence. head_dim = 8 * NC (NC = 0: any multiple of 8 up to 256, read at run time).
+// scores: (h1 - h0) * group * ctx floats, acc: (h1 - h0) * group * head_dim floats.
+template <typename T, int NC>
+void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx,
+            int64_t h0, int64_t h1, const Shape& s, float* scores, float* acc) {
+  const int64_t nc = NC ? NC : s.dim / 8;
+  const int64_t dim = 8 * nc, group = s.group;
+  const int64_t tok_stride = s.num_kv_heads * dim;
+  const int64_t blk_stride = s.block_size * tok_stride;
+  const int64_t nblk = (ctx + s.block_size - 1) / s.block_size;
+  const int64_t rows = (h1 - h0) * group;
+  const int64_t head_bytes = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
+  T* oh = out + h0 * group * dim;
+  if (ctx == 0) {     // a padding row (CUDA-graph style): attends to nothing
+    std::fill(oh, oh + rows * dim, static_cast<T>(0.0f));
+    return;
+  }
+  for (int64_t j = 0; j < nblk; ++j) {
+    TORCH_CHECK(table[j] >= 0 && table[j] < s.pool_blocks, "block table entry ", table[j], " out of range");
+  }
+  auto block_len = [&](int64_t j) { return std::min(s.block_size, ctx - j * s.block_size); };
+
+  // scores[r][t] = scale * q_r . k_t, four positions in flight per query row
+  for (int64_t j = 0; j < nblk; ++j) {
+    const int64_t n = block_len(j);
+    if (j + 1 < nblk) {
+      prefetch_rows(k_cache + table[j + 1] * blk_stride + h0 * dim, block_len(j + 1), tok_stride, head_bytes);
+    } else {
+      prefetch_rows(v_cache + table[0] * blk_stride + h0 * dim, block_len(0), tok_stride, head_bytes);
+    }
+    const T* kb = k_cache + table[j] * blk_stride;
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* kh = kb + h * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = (h - h0) * group + g;
+        vec8 qv[NC ? NC : 32];
+        for (int64_t c = 0; c < nc; ++c) qv[c] = load8(q + (h * group + g) * dim + 8 * c);
+        float* sr = scores + r * ctx + j * s.block_size;
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4) {
+          const T* k0 = kh + t * tok_stride;
+          const T* k1 = k0 + tok_stride;
+          const T* k2 = k1 + tok_stride;
+          const T* k3 = k2 + tok_stride;
+          vec8 a0 = qv[0] * load8(k0), a1 = qv[0] * load8(k1), a2 = qv[0] * load8(k2), a3 = qv[0] * load8(k3);
+          for (int64_t c = 1; c < nc; ++c) {
+            a0 += qv[c] * load8(k0 + 8 * c);
+            a1 += qv[c] * load8(k1 + 8 * c);
+            a2 += qv[c] * load8(k2 + 8 * c);
+            a3 += qv[c] * load8(k3 + 8 * c);
+          }
+          sr[t] = hsum(a0) * s.scale;
+          sr[t + 1] = hsum(a1) * s.scale;
+          sr[t + 2] = hsum(a2) * s.scale;
+          sr[t + 3] = hsum(a3) * s.scale;
+        }
+        for (; t < n; ++t) {
+          const T* k0 = kh + t * tok_stride;
+          vec8 a0 = qv[0] * load8(k0);
+          for (int64_t c = 1; c < nc; ++c) a0 += qv[c] * load8(k0 + 8 * c);
+          sr[t] = hsum(a0) * s.scale;
+        }
+      }
+    }
+  }
+
+  softmax_rows(scores, rows, ctx);
+
+  // acc[r] = sum_t p[r][t] * v_t, the accumulator row held in registers through each block
+  std::fill(acc, acc + rows * dim, 0.0f);
+  for (int64_t j = 0; j < nblk; ++j) {
+    const int64_t n = block_len(j);
+    if (j + 1 < nblk) {
+      prefetch_rows(v_cache + table[j + 1] * blk_stride + h0 * dim, block_len(j + 1), tok_stride, head_bytes);
+    }
+    const T* vb = v_cache + table[j] * blk_stride;
+    for (int64_t h = h0; h < h1; ++h) {
+      const T* vh = vb + h * dim;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = (h - h0) * group + g;
+        vec8 av[NC ? NC : 32];
+        for (int64_t c = 0; c < nc; ++c) av[c] = load8(acc + r * dim + 8 * c);
+        const float* pr = scores + r * ctx + j * s.block_size;
+        for (int64_t t = 0; t < n; ++t) {
+          const float p = pr[t];
+          const T* vt = vh + t * tok_stride;
+          for (int64_t c = 0; c < nc; ++c) av[c] += p * load8(vt + 8 * c);
+        }
+        for (int64_t c = 0; c < nc; ++c) *reinterpret_cast<vec8u*>(acc + r * dim + 8 * c) = av[c];
+      }
+    }
+  }
+  for (int64_t i = 0; i < rows * dim; ++i) oh[i] = static_cast<T>(acc[i]);
+}
+
+template <typename T>
+void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& context_lens, float scale) {
+  const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
+  const Shape s{k_cache.size(1), k_cache.size(2), num_heads / k_cache.size(2), dim, k_cache.size(0), scale};
+  const int64_t table_stride = block_tables.stride(0), width = block_tables.size(1);
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+
+  int64_t max_ctx = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= width * s.block_size, "context_lens[", b, "] = ", lens[b],
+                " is outside [0, block table width * block_size]");
+    max_ctx = std::max<int64_t>(max_ctx, lens[b]);
+  }
+  void (*kernel)(const T*, T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, const Shape&, float*,
+                 float*);
+  switch (dim) {
+    case 64: kernel = &attend<T, 8>; break;
+    case 128: kernel = &attend<T, 16>; break;
+    default: kernel = &attend<T, 0>; break;
+  }
+
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), batch * s.num_kv_heads));
+  // a few sequences: one item per (sequence, KV head) so that every thread has work
+  const int64_t splits = batch >= 4 * threads ? 1 : s.num_kv_heads;
+  const int64_t heads_per_item = s.num_kv_heads / splits;
+  std::vector<int64_t> order(batch);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+  const int64_t items = batch * splits;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(heads_per_item * s.group * (max_ctx + dim));
+    float* acc = scratch.data();
+    float* scores = acc + heads_per_item * s.group * dim;
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t b = order[i / splits], h0 = i % splits * heads_per_item;
+      kernel(qp + b * num_heads * dim, op + b * num_heads * dim, kp, vp, tables + b * table_stride, lens[b], h0,
+             h0 + heads_per_item, s, scores, acc);
+    }
+  });
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+              block_tables.device().is_cpu() && context_lens.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "q must be [B, Hq, D], k_cache and v_cache the same [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 8 == 0 && q.size(2) <= 256,
+              "head_dim must match and be a multiple of 8 up to 256");
+  TORCH_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "Hq must be a multiple of Hkv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
+              block_tables.size(0) == q.size(0), "block_tables must be int32 [B, W] with unit column stride");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+              context_lens.numel() == q.size(0), "context_lens must be contiguous int32 [B]");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  if (q.size(0) == 0) return out;
+  const float s = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::kFloat: run<float>(q, out, k_cache, v_cache, block_tables, context_lens, s); break;
+    case at::kBFloat16: run<c10::BFloat16>(q, out, k_cache, v_cache, block_tables, context_lens, s); break;
+    case at::kHalf: run<c10::Half>(q, out, k_cache, v_cache, block_tables, context_lens, s); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tidepool_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
+}
