@@ -9,8 +9,10 @@ thread owns the broker channel and the ledger writes:
 Online queues are pulled eagerly; offline queues (batch, then deferrable) only while the engine's
 waiting queue is below a low-water mark, one message at a time, so unstarted offline work stays in
 the broker where any worker can take it. Messages are the Celery protocol-2 `tidepool.run_job(job_id)`
-messages that service/dispatch.py publishes; they are fetched with basic_get and acked late, so an
-unacked message of a dead worker returns to its queue after the visibility timeout.
+messages that service/dispatch.py publishes; they are taken one at a time (workers/broker.py: off the
+queue and into the unacked set in one step) and acked late, so an unacked message of a dead worker
+returns to its queue after the visibility timeout. Each attempt of a job is its own engine request
+(`Inflight.request_id`), so nothing meant for an earlier attempt reaches a later one.
 """
 import json
 import logging
@@ -32,6 +34,7 @@ from service import jobs
 from service.db import make_engine
 from service.models import Job, JobStatus, Tenant, utcnow
 from workers import token_stream
+from workers.broker import take
 from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
 from workers.openai_bodies import CHAT, prompt_ids, sampling_params
 
@@ -125,6 +128,12 @@ class Inflight:
     first_token_at: float | None = None
     first_recorded: bool = False
     aborted: bool = False
+
+    @property
+    def request_id(self) -> str:
+        """This attempt's engine request. Never the job id alone: an abort or an output meant for an
+        earlier attempt of the job (the engine applies aborts by id, at its next step) must not reach this one."""
+        return f"{self.job_id}@{self.lease_token[:8]}"
 
 
 def ledger_text(text: str) -> str:
@@ -253,22 +262,26 @@ class Worker:
             self._error = exc
             self._stop.set()
 
+    def _attempt(self, request_id: str) -> Inflight | None:
+        """The in-flight attempt an engine request belongs to; None for an earlier attempt's leftovers."""
+        inf = self.inflight.get(request_id.rpartition("@")[0])
+        return inf if inf is not None and inf.request_id == request_id else None
+
     def _observe(self, out) -> None:
-        inf = self.inflight.get(out.request_id)
+        inf = self._attempt(out.request_id)
         if inf is not None:
             self.metrics.observe_request(out, inf.sla_class, inf.tenant, queue_time=inf.queue_time)
 
-    def _on_token(self, job_id: str, out) -> None:
-        inf = self.inflight.get(job_id)
-        if inf is None:
+    def _on_token(self, inf: Inflight, out) -> None:
+        if self.inflight.get(inf.job_id) is not inf:
             return
         if inf.first_token_at is None and out.token_ids:
             inf.first_token_at = out.first_token_time or time.time()
             if inf.online:    # offline first tokens go into the completion transaction instead
-                self._firsts.put(job_id)
+                self._firsts.put(inf)
         if inf.online and out.delta_text:
             try:
-                self.stream.publish(job_id, {"t": "tok", "d": ledger_text(out.delta_text), "p": inf.pos})
+                self.stream.publish(inf.job_id, {"t": "tok", "d": ledger_text(out.delta_text), "p": inf.pos})
             except Exception:  # the waiter falls back to the ledger
                 pass
             inf.pos += len(out.delta_text)
@@ -311,7 +324,7 @@ class Worker:
             while len(self.inflight) < self.cfg.max_inflight:
                 if not online and not self._has_room():
                     return got       # no spare capacity: leave offline work in the broker
-                message = self._queues[name].get(no_ack=False, accept=["json"])
+                message = take(self._queues[name], accept=["json"])
                 if message is None:
                     break
                 got = True
@@ -332,17 +345,21 @@ class Worker:
             # message (unacked) and claim it once that attempt is gone.
             self._held.append((queue_name, message))
             return
-        with Session(self.db, expire_on_commit=False) as s:
-            started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds)
-            job = weight = None
-            if started.lease_token is not None:
-                job = s.get(Job, job_id)
-                weight = s.scalar(select(Tenant.weight).where(Tenant.id == job.tenant_id))
-            elif started.reason == "throttled":
-                # Over the tenant's max_running: hand the job back to the sweeper, which republishes it.
-                s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.queued)
-                          .values(dispatched_at=None))
-            s.commit()
+        try:
+            with Session(self.db, expire_on_commit=False) as s:
+                started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds)
+                job = weight = None
+                if started.lease_token is not None:
+                    job = s.get(Job, job_id)
+                    weight = s.scalar(select(Tenant.weight).where(Tenant.id == job.tenant_id))
+                elif started.reason == "throttled":
+                    # Over the tenant's max_running: hand the job back to the sweeper, which republishes it.
+                    s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.queued)
+                              .values(dispatched_at=None))
+                s.commit()
+        except Exception:  # ledger unreachable: the message goes back to the queue, not into limbo here
+            self._requeue(job_id, message)
+            raise
         if started.lease_token is None:
             self.counters["throttled" if started.reason == "throttled" else "dropped"] += 1
             message.ack()        # duplicate, cancelled, expired or throttled: nothing to run
@@ -356,12 +373,17 @@ class Worker:
         try:
             prompt, params = build_request(self.engine.tokenizer, job.endpoint, job.request)
             self.inflight[job_id] = inf
-            self.engine.add_request(job_id, prompt, params, sla_class=sla, tenant=job.tenant_id,
-                                    weight=weight or 1.0, on_token=partial(self._on_token, job_id))
+            self.engine.add_request(inf.request_id, prompt, params, sla_class=sla, tenant=job.tenant_id,
+                                    weight=weight or 1.0, on_token=partial(self._on_token, inf))
         except ValueError as exc:
             self.inflight.pop(job_id, None)
             code = "context_length_exceeded" if "at most" in str(exc) else "invalid_prompt"
             self._finish_failed(inf, {"code": code, "message": f"This request cannot run: {exc}."})
+            return
+        except Exception:  # a bug, not the caller's input: the claimed job must not wait for its lease to lapse
+            log.exception("worker %s: could not start %s", self.cfg.name, job_id)
+            self.inflight.pop(job_id, None)
+            self._finish_failed(inf, {"code": "internal_error", "message": "The worker could not start this request."})
             return
         self._wake.set()
 
@@ -382,8 +404,9 @@ class Worker:
                 out = self._done.get_nowait()
             except queue.Empty:
                 break
-            inf = self.inflight.pop(out.request_id, None)
+            inf = self._attempt(out.request_id)
             if inf is not None:
+                del self.inflight[inf.job_id]
                 self.preempted[inf.sla_class] += out.num_preemptions
                 done.append((inf, out))
         if not done:
@@ -392,19 +415,34 @@ class Worker:
             statuses = self._write_results(done)
         except Exception:  # one bad row must not sink the others: retry one transaction each
             log.exception("worker %s: writing %d results failed; retrying one by one", self.cfg.name, len(done))
-            statuses = [self._write_results([item])[0] for item in done]
+            statuses = [self._write_one(item) for item in done]
         for (inf, _), status in zip(done, statuses):
+            if status is None:    # not in the ledger: no ack; the lease lapses and the sweeper requeues the job
+                continue
             self.counters[{"completed": "completed", "lost": "dropped"}.get(status, "aborted")] += 1
-            self._ack(inf)        # only now: the result (or the cancellation) is in the ledger
-            self._publish_end(inf, status)
+            if status == "released":
+                self._requeue(inf.job_id, inf.message)    # back to the broker: the job is queued again
+            else:
+                self._ack(inf)        # only now: the result (or the cancellation) is in the ledger
+            self._publish_end(inf, "queued" if status == "released" else status)
         return True
+
+    def _write_one(self, item) -> str | None:
+        try:
+            return self._write_results([item])[0]
+        except Exception:
+            log.exception("worker %s: writing the result of %s failed", self.cfg.name, item[0].job_id)
+            return None
 
     def _write_results(self, done: list) -> list[str]:
         statuses = []
         with Session(self.db) as s:
             for inf, out in done:
-                if out.finish_reason == "abort":    # cancelled in the ledger already
-                    statuses.append("cancelled")
+                if out.finish_reason == "abort":
+                    # _check_leases aborts an attempt whose lease is gone (cancelled, or requeued by the
+                    # sweeper): then there is nothing to write. Any other abort hands the job back.
+                    released = jobs.release(s, inf.job_id, inf.lease_token)
+                    statuses.append("released" if released else "cancelled")
                     continue
                 if inf.first_token_at is not None and not inf.first_recorded:
                     jobs.first_token(s, inf.job_id, inf.lease_token, _dt(inf.first_token_at))
@@ -416,13 +454,13 @@ class Worker:
         return statuses
 
     def _record_first_tokens(self) -> None:
-        ids = []
+        firsts = []
         while True:
             try:
-                ids.append(self._firsts.get_nowait())
+                firsts.append(self._firsts.get_nowait())
             except queue.Empty:
                 break
-        pending = [self.inflight[i] for i in ids if i in self.inflight]
+        pending = [inf for inf in firsts if self.inflight.get(inf.job_id) is inf]
         if not pending:
             return
         with Session(self.db) as s:
@@ -458,7 +496,7 @@ class Worker:
         for inf in current:
             if rows.get(inf.job_id) != inf.lease_token and not inf.aborted:
                 inf.aborted = True
-                self.engine.abort(inf.job_id)
+                self.engine.abort(inf.request_id)
                 self._wake.set()
 
     def _heartbeat(self) -> None:
@@ -479,6 +517,12 @@ class Worker:
             inf.message.ack()
         except Exception as exc:  # the broker restarted: the message is gone, the ledger holds the result
             log.warning("worker %s: ack of %s failed: %s", self.cfg.name, inf.job_id, exc)
+
+    def _requeue(self, job_id: str, message) -> None:
+        try:
+            message.requeue()
+        except Exception as exc:  # broker gone: the message is restored with its channel, or republished
+            log.warning("worker %s: requeue of %s failed: %s", self.cfg.name, job_id, exc)
 
     def _publish_end(self, inf: Inflight, status: str) -> None:
         if inf.online:

@@ -1,0 +1,60 @@
+"""Taking one message off a queue with no moment at which a crash of the worker loses it.
+
+kombu's Redis `basic_get` pops the message (RPOP) and only afterwards, in a second round trip, records
+it as unacked (ZADD unacked_index + HSET unacked). A worker killed between the two has removed the
+message from the broker without leaving it anywhere the visibility timeout could restore it from,
+while the ledger still says "queued, dispatched": nothing would ever run that job again. `take()`
+does the pop and the unacked record in one Lua script, in kombu's own layout, so ack, reject, the
+restore of a closing channel and `restore_visible` (beat's sweep) all treat the message as usual.
+Other transports (the in-process `memory://` of embedded mode) go through `Queue.get`.
+"""
+import time
+
+from kombu.serialization import prepare_accept_content
+from kombu.transport import virtual
+from kombu.utils.encoding import bytes_to_str
+from kombu.utils.json import loads
+
+# KEYS: the queue's lists in priority order, then unacked, unacked_index; ARGV[1]: now (the index score).
+_TAKE = """
+local n = #KEYS - 2
+for i = 1, n do
+  local raw = redis.call('RPOP', KEYS[i])
+  if raw then
+    local props = cjson.decode(raw)['properties']
+    local info = props['delivery_info']
+    redis.call('ZADD', KEYS[n + 2], ARGV[1], props['delivery_tag'])
+    redis.call('HSET', KEYS[n + 1], props['delivery_tag'],
+               '[' .. raw .. ',' .. cjson.encode(info['exchange']) .. ',' .. cjson.encode(info['routing_key']) .. ']')
+    return raw
+  end
+end
+return false
+"""
+
+
+def _redis_channel(channel) -> bool:
+    try:
+        from kombu.transport import redis as kombu_redis
+    except ImportError:  # no redis client installed: not a Redis broker either
+        return False
+    return isinstance(channel, kombu_redis.Channel) and not channel.global_keyprefix
+
+
+def take(queue, accept: list[str]):
+    """Like `queue.get(no_ack=False, accept=accept)`: the next message of a bound queue, or None."""
+    channel = queue.channel
+    if not _redis_channel(channel):
+        return queue.get(no_ack=False, accept=accept)
+    keys = [channel._q_for_pri(queue.name, pri) for pri in channel.priority_steps]
+    with channel.conn_or_acquire() as client:
+        raw = client.eval(_TAKE, len(keys) + 2, *keys, channel.unacked_key, channel.unacked_index_key, time.time())
+    if raw is None:
+        return None
+    message = channel.Message(loads(bytes_to_str(raw)), channel=channel)
+    # Redis holds it as unacked already; this is the channel's own bookkeeping (ack, reject, restore on close).
+    virtual.QoS.append(channel.qos, message, message.delivery_tag)
+    if message.errors:
+        message._reraise_error()
+    message.accept = prepare_accept_content(accept)
+    return message
