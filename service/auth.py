@@ -1,17 +1,38 @@
-"""Bearer authentication: tenant API keys for the public API, the admin token for /v1/admin."""
+"""Bearer authentication: tenant API keys for the public API, the admin token for /v1/admin.
+
+A key's row, its tenant and its quota are read once and then kept for AUTH_CACHE_TTL seconds per process
+(TIDEPOOL_AUTH_CACHE_TTL, or the config extra "auth_cache_ttl"; 0 turns the cache off), keyed by the key's
+prefix; the secret is checked against the stored hash on every request. What a stale entry can and cannot do:
+
+* Queue work: no. The statement that counts new jobs against max_queued (quotas.reserve_queued, and the
+  admission statement of POST /v1/jobs) requires, in the database, that the key is not revoked, the tenant
+  not disabled and the live quotas.max_queued not exceeded. When it refuses, quotas.refused() reads why from
+  the database (401, 403 or 429) and drops the entry.
+* Everything else sees a revocation, a disable or a quota change (rate limits, budget, classes, max_tokens)
+  made by another process within AUTH_CACHE_TTL seconds, and one made through this process (admin API,
+  panel, CLI code in-process) at once: every committed ORM change to api_keys (other than last_used_at),
+  tenants (other than the job counters) or quotas drops all entries.
+"""
 import functools
 import hmac
+import os
+import threading
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 from flask import current_app, g, request
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
+from sqlalchemy.orm import Session
 
 from . import keys
-from .db import session
+from .db import autocommit
 from .errors import APIError
 from .models import ApiKey, Quota, Tenant, utcnow
 
 LAST_USED_RESOLUTION = timedelta(seconds=60)
+AUTH_CACHE_TTL = 2.0
+_CACHE_SIZE = 10_000
 
 
 def _bearer() -> str | None:
@@ -24,6 +45,96 @@ def _unauthorized(message="Incorrect API key provided.") -> APIError:
     return APIError(401, message, "invalid_api_key")
 
 
+# ---- the cache -------------------------------------------------------------------------------------------
+
+_TENANT_ATTRS = [(p.key, p.columns[0]) for p in Tenant.__mapper__.column_attrs]
+_QUOTA_ATTRS = [(p.key, p.columns[0]) for p in Quota.__mapper__.column_attrs]
+_KEY_COLS = (ApiKey.id, ApiKey.secret_hash, ApiKey.revoked_at, ApiKey.last_used_at)
+_LOOKUP = (select(*_KEY_COLS, *(c for _, c in _TENANT_ATTRS), *(c for _, c in _QUOTA_ATTRS))
+           .join(Tenant, Tenant.id == ApiKey.tenant_id).join(Quota, Quota.tenant_id == Tenant.id))
+_N_KEY, _N_TENANT = len(_KEY_COLS), len(_TENANT_ATTRS)
+
+_generation = 0          # bumped by every committed change that can affect authentication
+_generation_lock = threading.Lock()
+
+
+def invalidate_all() -> None:
+    """Drop every cached entry in this process (all apps)."""
+    global _generation
+    with _generation_lock:
+        _generation += 1
+
+
+@dataclass
+class Entry:
+    """One key as last read: its tenant and quota are detached, read-only snapshots shared by requests."""
+    key_id: int
+    secret_hash: str
+    revoked: bool
+    last_used_at: object
+    tenant: Tenant
+    quota: Quota
+    expires: float
+    generation: int
+
+
+class AuthCache:
+    def __init__(self, ttl: float):
+        self.ttl = ttl
+        self.entries: dict[str, Entry] = {}
+        self.lock = threading.Lock()
+
+    def get(self, prefix: str) -> Entry | None:
+        entry = self.entries.get(prefix)
+        if entry is None or entry.generation != _generation or entry.expires <= time.monotonic():
+            return None
+        return entry
+
+    def put(self, prefix: str, entry: Entry) -> None:
+        if self.ttl <= 0:
+            return
+        with self.lock:
+            if len(self.entries) >= _CACHE_SIZE:
+                now = time.monotonic()
+                self.entries = {k: e for k, e in self.entries.items() if e.expires > now}
+                if len(self.entries) >= _CACHE_SIZE:
+                    self.entries.clear()
+            self.entries[prefix] = entry
+
+    def drop(self, prefix: str) -> None:
+        self.entries.pop(prefix, None)
+
+
+def _cache() -> AuthCache:
+    cache = current_app.extensions.get("tidepool.auth_cache")
+    if cache is None:
+        ttl = current_app.config["TIDEPOOL"].extra.get("auth_cache_ttl")
+        if ttl is None:
+            ttl = float(os.environ.get("TIDEPOOL_AUTH_CACHE_TTL", AUTH_CACHE_TTL))
+        cache = current_app.extensions.setdefault("tidepool.auth_cache", AuthCache(float(ttl)))
+    return cache
+
+
+def _load(prefix: str, ttl: float) -> Entry | None:
+    generation = _generation  # read before the row: a change committed meanwhile makes the entry stale
+    with autocommit() as conn:
+        row = conn.execute(_LOOKUP.where(ApiKey.prefix == prefix)).first()
+    if row is None:
+        return None
+    tenant_values = row[_N_KEY:_N_KEY + _N_TENANT]
+    quota_values = row[_N_KEY + _N_TENANT:]
+    tenant = Tenant(**{k: v for (k, _), v in zip(_TENANT_ATTRS, tenant_values)})
+    quota = Quota(**{k: v for (k, _), v in zip(_QUOTA_ATTRS, quota_values)})
+    return Entry(row[0], row[1], row[2] is not None, row[3], tenant, quota, time.monotonic() + ttl, generation)
+
+
+def forget(prefix: str | None = None) -> None:
+    """Drop one key's entry (or the current request's) in this app, e.g. after the database refused it."""
+    prefix = prefix or g.get("api_key_prefix")
+    if prefix:
+        _cache().drop(prefix)
+
+
 def authenticate() -> None:
     token = _bearer()
     if token is None:
@@ -32,19 +143,73 @@ def authenticate() -> None:
     if parts is None:
         raise _unauthorized()
     prefix, secret = parts
-    s = session()
-    row = s.execute(select(ApiKey, Tenant, Quota).join(Tenant, Tenant.id == ApiKey.tenant_id)
-                    .join(Quota, Quota.tenant_id == Tenant.id).where(ApiKey.prefix == prefix)).first()
-    if row is None or not keys.matches(row[0], secret):
+    cache = _cache()
+    entry = cache.get(prefix)
+    if entry is None:
+        entry = _load(prefix, cache.ttl)
+        if entry is not None:
+            cache.put(prefix, entry)
+    if entry is None or entry.revoked or not hmac.compare_digest(entry.secret_hash, keys._hash(secret)):
         raise _unauthorized()
-    key, tenant, quota = row
-    if tenant.disabled:
+    if entry.tenant.disabled:
         raise APIError(403, "This tenant is disabled.", "tenant_disabled")
     now = utcnow()
-    if key.last_used_at is None or now - key.last_used_at > LAST_USED_RESOLUTION:
-        s.execute(update(ApiKey).where(ApiKey.id == key.id).values(last_used_at=now))
-        s.commit()
-    g.tenant, g.quota = tenant, quota
+    last = entry.last_used_at
+    if last is None or now - last > LAST_USED_RESOLUTION:
+        entry.last_used_at = now  # one writer per entry and resolution period
+        with autocommit() as conn:
+            conn.execute(update(ApiKey).where(ApiKey.id == entry.key_id).values(last_used_at=now))
+    g.tenant, g.quota, g.api_key_id, g.api_key_prefix = entry.tenant, entry.quota, entry.key_id, prefix
+
+
+# ---- in-process invalidation -----------------------------------------------------------------------------
+
+_COUNTERS = {"queued_count", "running_count"}   # moved by every job transition: irrelevant to authentication
+_IGNORED = {"tenants": _COUNTERS, "api_keys": {"last_used_at"}, "quotas": set()}
+
+
+def _columns_set(stmt) -> set[str] | None:
+    values = getattr(stmt, "_values", None) or getattr(stmt, "_ordered_values", None)
+    if not values:
+        return None  # unknown: assume it matters
+    items = values.items() if hasattr(values, "items") else values
+    return {getattr(k, "key", k) for k, _ in items}
+
+
+def _matters(table_name: str, columns: set[str] | None) -> bool:
+    ignored = _IGNORED.get(table_name)
+    if ignored is None:
+        return False
+    return columns is None or not columns <= ignored
+
+
+@event.listens_for(Session, "do_orm_execute")
+def _watch_statements(state):
+    if not (state.is_update or state.is_delete):
+        return
+    table = getattr(state.statement, "table", None)
+    name = getattr(table, "name", None)
+    if name and _matters(name, _columns_set(state.statement) if state.is_update else None):
+        state.session.info["tp_auth_dirty"] = True
+
+
+@event.listens_for(Session, "before_flush")
+def _watch_flush(session, _ctx, _instances):
+    for obj in list(session.dirty) + list(session.deleted):
+        if isinstance(obj, (Tenant, ApiKey, Quota)):
+            session.info["tp_auth_dirty"] = True
+            return
+
+
+@event.listens_for(Session, "after_commit")
+def _after_commit(session):
+    if session.info.pop("tp_auth_dirty", False):
+        invalidate_all()
+
+
+@event.listens_for(Session, "after_rollback")
+def _after_rollback(session):
+    session.info.pop("tp_auth_dirty", None)
 
 
 def tenant_required(view):

@@ -1,7 +1,12 @@
 """Database engine and per-request sessions."""
+import select as _select
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from flask import current_app, g
-from sqlalchemy import create_engine, event
-from sqlalchemy.engine import Engine
+from sqlalchemy import create_engine, event, exc
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -25,8 +30,44 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True,
-                         insertmanyvalues_page_size=5000)
+    engine = create_engine(url, pool_size=10, max_overflow=20, insertmanyvalues_page_size=5000)
+    _check_on_checkout(engine)
+    return engine
+
+
+# A pooled connection idle for longer than this is pinged (one round trip) before it is handed out.
+PING_IDLE_AFTER = 10.0
+
+
+def _check_on_checkout(engine: Engine) -> None:
+    """What pool_pre_ping protects against, without its round trip on every checkout: a connection the
+    server closed (restart, idle timeout, pg_terminate_backend) has the server's goodbye or EOF waiting on
+    its socket, which a zero-timeout poll() sees; one idle for PING_IDLE_AFTER seconds (where a silent
+    network drop could hide) is pinged as pool_pre_ping would. Either way a dead connection is replaced
+    before it is used (DisconnectionError makes the pool retry with a fresh one)."""
+
+    @event.listens_for(engine, "checkin")
+    def _checkin(dbapi_conn, record):
+        record.info["tp_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_conn, record, proxy):
+        since = record.info.pop("tp_idle_since", None)
+        if since is None:
+            return  # just connected
+        try:
+            if getattr(dbapi_conn, "closed", False) or getattr(dbapi_conn, "broken", False):
+                raise exc.DisconnectionError("connection closed")
+            poller = _select.poll()
+            poller.register(dbapi_conn.fileno(), _select.POLLIN)
+            if poller.poll(0):
+                raise exc.DisconnectionError("unexpected data or EOF on an idle connection")
+            if time.monotonic() - since > PING_IDLE_AFTER:
+                engine.dialect.do_ping(dbapi_conn)
+        except exc.DisconnectionError:
+            raise
+        except Exception as e:
+            raise exc.DisconnectionError(f"connection check failed: {e}") from e
 
 
 def init_app(app, url: str) -> None:
@@ -38,6 +79,22 @@ def init_app(app, url: str) -> None:
 
 def get_engine() -> Engine:
     return current_app.extensions["tidepool.engine"]
+
+
+@contextmanager
+def autocommit() -> Iterator[Connection]:
+    """A connection for hot paths where one statement is the whole transaction. On Postgres it runs in
+    autocommit mode: each statement commits (durably: synchronous_commit) before its result comes back,
+    in one round trip, with no BEGIN or COMMIT. On SQLite it is an ordinary transaction, committed on exit."""
+    engine = get_engine()
+    conn = engine.connect()
+    try:
+        if engine.dialect.name == "postgresql":
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        yield conn
+        conn.commit()
+    finally:
+        conn.close()
 
 
 def session() -> Session:

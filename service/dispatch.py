@@ -1,13 +1,27 @@
 """Outbox: after a job row commits, publish a Celery message carrying only its id to its SLA queue,
-then record dispatched_at. republish_undispatched() is what the sweeper calls for lost publishes."""
+then record dispatched_at. republish_undispatched() is what the sweeper calls for lost publishes.
+
+dispatched_at only tells the sweeper not to republish. Recording it late or never costs at most one
+duplicate message after TIDEPOOL_REPUBLISH_AFTER, which a worker drops at claim (jobs.start is a guarded
+queued → running UPDATE, and completion is guarded by the lease). Recording it wrongly, for a queued job
+whose message is gone, would strand the job. So the one-job hot path (publish_one, POST /v1/jobs on Postgres)
+records it in the background, batched (MarkFlusher), and only on a row nobody changed since its INSERT
+(same xmin) or that has left the queued state: a worker that claimed the job and handed it back for
+republishing (throttled, retried) has changed the row, and its request wins."""
+import atexit
+import base64
 import logging
 import os
 import socket
+import threading
+import time
 import uuid
+import weakref
 from collections import defaultdict
 from datetime import timedelta
 
 from celery import Celery
+from kombu.utils.json import dumps as kombu_dumps
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
@@ -42,9 +56,172 @@ def _publish_task(producer, job_id: str, queue: str) -> None:
                      delivery_mode=2)
 
 
+def task_message(job_id: str, queue: str) -> str:
+    """The exact Redis list entry kombu's Redis transport writes for _publish_task(producer, job_id, queue)
+    (tests/service compare the two field by field), built without a producer, a channel or a client."""
+    task_id = str(uuid.uuid4())
+    headers = {"lang": "py", "task": TASK, "id": task_id, "shadow": None, "eta": None, "expires": None,
+               "group": None, "group_index": None, "retries": 0, "timelimit": [None, None],
+               "root_id": task_id, "parent_id": None, "argsrepr": repr([job_id]), "kwargsrepr": "{}",
+               "origin": _ORIGIN, "ignore_result": False}
+    body = base64.b64encode(kombu_dumps(([job_id], {}, _EMBED)).encode()).decode()
+    return kombu_dumps({"body": body, "content-encoding": "utf-8", "content-type": "application/json",
+                        "headers": headers,
+                        "properties": {"correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
+                                       "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0,
+                                       "body_encoding": "base64", "delivery_tag": str(uuid.uuid4())}})
+
+
+# Marks one flush records (or skips): on a row left untouched since its INSERT (xmin) or no longer queued.
+_MARK_SQL = """
+UPDATE jobs SET dispatched_at = m.at
+FROM unnest(%(ids)s::varchar[], %(xmins)s::text[], %(ats)s::timestamptz[]) AS m(id, x, at)
+WHERE jobs.id = m.id AND jobs.dispatched_at IS NULL
+  AND (jobs.status <> 'queued' OR jobs.xmin::text = m.x)
+"""
+MARK_INTERVAL = 0.05  # seconds between two flushes of dispatched_at marks (TIDEPOOL_MARK_INTERVAL)
+
+
+class MarkFlusher:
+    """Records dispatched_at for published jobs on a background thread: at most one UPDATE per interval, for
+    every job published meanwhile, committed without waiting for the WAL flush (a lost mark is a duplicate
+    message, never a lost job). The thread starts on demand (also after a fork) and ends when idle; whatever
+    is pending is flushed at interpreter exit."""
+
+    def __init__(self, engine: Engine, interval: float = MARK_INTERVAL, idle_exit: float = 5.0):
+        self.engine, self.interval, self.idle_exit = engine, interval, idle_exit
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.pending: list[tuple[str, str, object]] = []
+        self.thread: threading.Thread | None = None
+        self.pid = os.getpid()
+        self.background = True  # False: marks wait for an explicit flush() (tests)
+        self.flushed = self.skipped = 0
+        _flushers.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's thread is not running here and its lock may be held."""
+        self.lock, self.wake = threading.Lock(), threading.Event()
+        self.pid, self.pending, self.thread = os.getpid(), [], None
+
+    def add(self, job_id: str, xmin: str) -> None:
+        with self.lock:
+            self.pending.append((job_id, xmin, utcnow()))
+            if self.thread is None and self.background:
+                self.thread = threading.Thread(target=self._run, name="tidepool-mark-flusher", daemon=True)
+                self.thread.start()
+        self.wake.set()
+
+    def _run(self) -> None:
+        last = float("-inf")
+        while True:
+            if not self.wake.wait(self.idle_exit):
+                with self.lock:
+                    if not self.pending:
+                        self.thread = None
+                        return
+            # At most one flush per interval: the first mark after a quiet spell is recorded at once, under
+            # load they are gathered for up to `interval` seconds.
+            delay = last + self.interval - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            self.wake.clear()
+            last = time.monotonic()
+            self.flush()
+
+    def flush(self) -> int:
+        """Record every pending mark now; returns how many were pending."""
+        with self.lock:
+            batch, self.pending = self.pending, []
+        if not batch:
+            return 0
+        ids, xmins, ats = (list(col) for col in zip(*batch))
+        try:
+            with self.engine.begin() as conn:
+                conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+                marked = conn.exec_driver_sql(_MARK_SQL, {"ids": ids, "xmins": xmins, "ats": ats}).rowcount
+            self.flushed += marked
+            self.skipped += len(batch) - marked
+        except Exception:  # the sweeper republishes them: one duplicate message each, dropped at claim
+            log.exception("recording dispatched_at for %d jobs failed", len(batch))
+        return len(batch)
+
+
+_flushers: "weakref.WeakSet[MarkFlusher]" = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    for flusher in list(_flushers):
+        flusher._after_fork()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    for flusher in list(_flushers):
+        if flusher.pid == os.getpid():
+            try:
+                flusher.flush()
+            except Exception:
+                pass
+
+
+def _lpush(client, key: str, value: str) -> None:
+    """client.lpush(key, value) on one pooled connection without redis-py's per-command wrappers (retry,
+    observability), about half its CPU; a connection that failed is disconnected before it goes back."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_command("LPUSH", key, value)
+        conn.read_response()
+    except BaseException:
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
 class Dispatcher:
-    def __init__(self, celery: Celery, engine: Engine, chunk_size: int = 1000):
+    def __init__(self, celery: Celery, engine: Engine, chunk_size: int = 1000,
+                 mark_interval: float | None = None):
         self.celery, self.engine, self.chunk_size = celery, engine, chunk_size
+        if mark_interval is None:
+            mark_interval = float(os.environ.get("TIDEPOOL_MARK_INTERVAL", MARK_INTERVAL))
+        self.marks = MarkFlusher(engine, mark_interval) if engine.dialect.name == "postgresql" else None
+        self._direct = None
+        self._direct_lock = threading.Lock()
+
+    def _direct_client(self):
+        """A Redis client for publish_one when the broker is plain Redis (no transport options that change
+        where or how kombu writes a message); None otherwise."""
+        if self._direct is None:
+            with self._direct_lock:
+                if self._direct is None:
+                    url = str(self.celery.conf.broker_url or "")
+                    client = False
+                    if url.startswith(("redis://", "rediss://", "unix://")) \
+                            and not self.celery.conf.broker_transport_options:
+                        import redis
+                        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+                    self._direct = client
+        return self._direct or None
+
+    def publish_one(self, job_id: str, queue: str, xmin: str | None = None) -> bool:
+        """Publish one job committed with the given xmin (Postgres) and record it dispatched in the
+        background; True once the message is in the broker. Without an xmin or a plain Redis broker this is
+        publish([(job_id, queue)]), which records dispatched_at before returning."""
+        client = self._direct_client() if xmin is not None and self.marks is not None else None
+        if client is None:
+            return self.publish([(job_id, queue)]) == 1
+        try:
+            _lpush(client, queue, task_message(job_id, queue))
+        except Exception:  # the broker is down: the row stays undispatched and the sweeper retries
+            log.exception("publishing job %s failed", job_id)
+            return False
+        self.marks.add(job_id, xmin)
+        return True
 
     def publish(self, jobs: list[tuple[str, str]]) -> int:
         """Publish (job_id, sla_class) pairs in chunks over one producer connection and mark each

@@ -1,14 +1,25 @@
-"""Admission control: per-minute rate limits (Redis or memory), monthly budget, max queued."""
+"""Admission control: per-minute rate limits (Redis or memory), monthly budget, max queued.
+
+Counting a job against max_queued is one conditional UPDATE of the tenant row that also requires, in the
+database, that the tenant is not disabled, that the caller's API key is not revoked and that the live
+quotas.max_queued allows it; so a cached authentication (auth.py) can never queue work for a revoked key, a
+disabled tenant or past a lowered max_queued. The row lock it takes serializes one tenant's admissions
+until commit, which is what makes max_queued hold under concurrency."""
+import copy
+import json
 import threading
 import time
 from datetime import datetime, timezone
 
-from sqlalchemy import func, select, update
+from flask import g, has_request_context
+from sqlalchemy import and_, bindparam, exists, false, func, or_, select, update
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from .errors import APIError
 from .metrics import quota_rejected
-from .models import Quota, Tenant, Usage
+from .models import ApiKey, Job, Quota, Tenant, Usage
 
 WINDOW = 60
 
@@ -87,12 +98,17 @@ def _seconds_to_next_month(now: datetime) -> int:
     return int((nxt - now).total_seconds()) + 1
 
 
-def check_budget(s: Session, quota: Quota, tokens: int) -> None:
+_USED = (select(func.coalesce(Usage.prompt_tokens + Usage.completion_tokens, 0))
+         .where(Usage.tenant_id == bindparam("tenant_id"), Usage.period == bindparam("period")))
+
+
+def check_budget(s: Session | Connection, quota: Quota, tokens: int) -> None:
+    """Tokens used this month (one row of the usage roll-up, by its unique index) plus this request's
+    estimate must fit the budget. Only read when the tenant has a budget."""
     if quota.monthly_token_budget is None:
         return
     now = datetime.now(timezone.utc)
-    used = s.scalar(select(func.coalesce(Usage.prompt_tokens + Usage.completion_tokens, 0))
-                    .where(Usage.tenant_id == quota.tenant_id, Usage.period == period(now))) or 0
+    used = s.scalar(_USED, {"tenant_id": quota.tenant_id, "period": period(now)}) or 0
     if used + tokens > quota.monthly_token_budget:
         quota_rejected(quota.tenant_id, "insufficient_quota")
         raise APIError(429, f"Monthly token budget exhausted: {used} of {quota.monthly_token_budget} tokens "
@@ -100,15 +116,242 @@ def check_budget(s: Session, quota: Quota, tokens: int) -> None:
                        retry_after=_seconds_to_next_month(now))
 
 
-def reserve_queued(s: Session, quota: Quota, n: int) -> None:
-    """Count n more queued jobs against max_queued in one conditional UPDATE (row-locked until commit)."""
-    stmt = update(Tenant).where(Tenant.id == quota.tenant_id).values(queued_count=Tenant.queued_count + n)
-    if quota.max_queued is not None:
-        stmt = stmt.where(Tenant.queued_count + n <= quota.max_queued)
+def _key_id(key_id: int | None) -> int | None:
+    if key_id is None and has_request_context():
+        key_id = g.get("api_key_id")
+    return key_id
+
+
+def _admissible(tenant_id, n, key_id: int | None):
+    """WHERE clause on the tenant row: enabled, key live, live max_queued not exceeded by n more."""
+    live_max = select(Quota.max_queued).where(Quota.tenant_id == tenant_id).scalar_subquery()
+    conds = [Tenant.id == tenant_id, or_(Tenant.disabled.is_(None), Tenant.disabled == false()),
+             or_(live_max.is_(None), Tenant.queued_count + n <= live_max)]
+    if key_id is not None:
+        conds.append(exists().where(ApiKey.id == key_id, ApiKey.tenant_id == Tenant.id,
+                                    ApiKey.revoked_at.is_(None)))
+    return and_(*conds)
+
+
+def reserve_queued(s: Session, quota: Quota, n: int, key_id: int | None = None) -> None:
+    """Count n more queued jobs against max_queued in one conditional UPDATE (row-locked until commit).
+    key_id (by default the authenticated request's key) must still be unrevoked."""
+    key_id = _key_id(key_id)
+    stmt = (update(Tenant).where(_admissible(quota.tenant_id, n, key_id))
+            .values(queued_count=Tenant.queued_count + n).execution_options(synchronize_session=False))
     if s.execute(stmt).rowcount != 1:
-        quota_rejected(quota.tenant_id, "max_queued")
-        raise APIError(429, f"Too many queued jobs: this tenant may have at most {quota.max_queued} "
-                            f"queued and this request adds {n}.", "max_queued", retry_after=1)
+        refused(s, quota.tenant_id, n, key_id)
+
+
+def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None) -> None:
+    """Why the admission UPDATE matched no row, as the error the client gets: a revoked key (401) or a
+    disabled tenant (403), found by the database rather than the cached authentication, which is dropped;
+    otherwise max_queued (429)."""
+    row = s.execute(select(Tenant.disabled, Quota.max_queued).join(Quota, Quota.tenant_id == Tenant.id)
+                    .where(Tenant.id == tenant_id)).first()
+    live_key = key_id is None or s.scalar(select(ApiKey.id).where(
+        ApiKey.id == key_id, ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))) is not None
+    if row is None or not live_key or row[0]:
+        from .auth import forget
+        if has_request_context():
+            forget()
+        if row is None or not live_key:
+            raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
+        raise APIError(403, "This tenant is disabled.", "tenant_disabled")
+    quota_rejected(tenant_id, "max_queued")
+    raise APIError(429, f"Too many queued jobs: this tenant may have at most {row[1]} "
+                        f"queued and this request adds {n}.", "max_queued", retry_after=1)
+
+
+# POST /v1/jobs on Postgres: one statement counts n jobs of one tenant, submitted with one key, against
+# max_queued (all or none) and inserts them, run in autocommit mode: it returns only once the rows are durably
+# committed. It returns each row's id and xmin; the dispatcher marks a job dispatched only if its row still
+# has that xmin (nobody touched it since) or has left the queued state.
+_ADMIT_PG = """
+WITH admitted AS (
+    UPDATE tenants SET queued_count = tenants.queued_count + %(n)s
+    FROM quotas
+    WHERE tenants.id = %(tenant_id)s AND quotas.tenant_id = tenants.id
+      AND tenants.disabled IS NOT TRUE
+      AND (quotas.max_queued IS NULL OR tenants.queued_count + %(n)s <= quotas.max_queued)
+      AND (%(key_id)s::integer IS NULL OR EXISTS (
+          SELECT 1 FROM api_keys WHERE api_keys.id = %(key_id)s::integer
+             AND api_keys.tenant_id = tenants.id AND api_keys.revoked_at IS NULL))
+    RETURNING tenants.id
+)
+INSERT INTO jobs (id, tenant_id, sla_class, status, endpoint, request, metadata, idempotency_key, request_hash,
+                  estimated_tokens, deadline, attempts, created_at, queued_at)
+SELECT r.id, admitted.id, r.sla_class::sla_class, 'queued'::job_status, r.endpoint, r.request,
+       coalesce(r.metadata, 'null'::json), r.idempotency_key, r.request_hash, r.estimated_tokens, r.deadline, 0,
+       r.created_at, r.queued_at
+FROM admitted, json_to_recordset(%(rows)s::json)
+     AS r(id varchar, sla_class text, endpoint varchar, request json, metadata json, idempotency_key varchar,
+          request_hash varchar, estimated_tokens integer, deadline timestamptz, created_at timestamptz,
+          queued_at timestamptz)
+RETURNING jobs.id, xmin::text
+"""
+
+
+def _iso(value):
+    return None if value is None else value.isoformat()
+
+
+def _params(jobs: list, key_id: int | None) -> dict:
+    """The jobs as one JSON array (one parameter, parsed by Postgres, instead of a dozen arrays). The json
+    columns keep the text json.dumps gives them, as the ORM writes them; a None metadata is stored as JSON
+    null, as the ORM does."""
+    rows = [{"id": j.id, "sla_class": j.sla_class.value, "endpoint": j.endpoint, "request": j.request,
+             "metadata": j.metadata_, "idempotency_key": j.idempotency_key, "request_hash": j.request_hash,
+             "estimated_tokens": j.estimated_tokens, "deadline": _iso(j.deadline), "created_at": _iso(j.created_at),
+             "queued_at": _iso(j.queued_at)} for j in jobs]
+    return {"n": len(jobs), "tenant_id": jobs[0].tenant_id, "key_id": key_id, "rows": json.dumps(rows)}
+
+
+def admit_pg(conn: Connection, jobs: list, key_id: int | None) -> dict[str, str] | None:
+    """Insert queued jobs (transient Job instances, one tenant) and count them against max_queued in one
+    autocommit statement: {job id: xmin} for all of them, or None when refused (nothing written)."""
+    rows = conn.exec_driver_sql(_ADMIT_PG, _params(jobs, key_id)).all()
+    return dict(rows) if rows else None
+
+
+def admit_one(conn: Connection, job, key_id: int | None = None) -> str | None:
+    """Insert one queued Job (a transient instance with every column of the INSERT set) and count it
+    against max_queued, in conn (autocommit on Postgres, see db.autocommit): the row's xmin on Postgres,
+    None elsewhere. Raises the client's error when refused, IntegrityError on a duplicate Idempotency-Key."""
+    key_id = _key_id(key_id)
+    if conn.dialect.name == "postgresql":
+        admitted = admit_pg(conn, [job], key_id)
+        if admitted is None:
+            refused(conn, job.tenant_id, 1, key_id)
+        return admitted[job.id]
+    bump = (update(Tenant).where(_admissible(job.tenant_id, 1, key_id))
+            .values(queued_count=Tenant.queued_count + 1))
+    if conn.execute(bump).rowcount != 1:
+        refused(conn, job.tenant_id, 1, key_id)
+    conn.execute(Job.__table__.insert().values(
+        id=job.id, tenant_id=job.tenant_id, sla_class=job.sla_class, status=job.status, endpoint=job.endpoint,
+        request=job.request, metadata=job.metadata_, idempotency_key=job.idempotency_key,
+        request_hash=job.request_hash, estimated_tokens=job.estimated_tokens, deadline=job.deadline,
+        attempts=0, created_at=job.created_at, queued_at=job.queued_at))
+    return None
+
+
+def _copy(exc: BaseException) -> BaseException:
+    try:
+        return copy.copy(exc)
+    except Exception:
+        return exc
+
+
+class _Ticket:
+    __slots__ = ("job", "event", "lead", "xmin", "error")
+
+    def __init__(self, job):
+        self.job, self.event, self.lead, self.xmin, self.error = job, threading.Event(), False, None, None
+
+
+class _Lane:
+    __slots__ = ("pending", "busy")
+
+    def __init__(self):
+        self.pending: list[_Ticket] = []
+        self.busy = False
+
+
+class GroupAdmission:
+    """Group commit of POST /v1/jobs admissions within one process (Postgres).
+
+    Every admission of a tenant takes that tenant's row lock until its commit is flushed, so one tenant's
+    jobs are committed one after another, each waiting for its own WAL flush. Here the concurrent submissions
+    of one (tenant, key) lane share a statement instead: the first thread in the lane (the leader) admits its
+    job; jobs arriving meanwhile queue, and when it is done the oldest waiter leads the next statement with all
+    of them. Each caller still returns only after the statement holding its job committed, and gets its own
+    outcome: a statement that is refused (max_queued, or a revoked key / disabled tenant) or fails on a
+    constraint is retried job by job, so max_queued is applied per job, in arrival order, exactly as alone."""
+
+    def __init__(self, max_batch: int = 64):
+        self.max_batch = max_batch
+        self.lock = threading.Lock()
+        self.lanes: dict[tuple, _Lane] = {}
+        self.batches = self.admitted = 0  # leader turns and jobs they carried (for tests and tuning)
+
+    def admit(self, job, key_id: int | None, connect) -> str:
+        """Admit job; returns its xmin. connect() gives an autocommit connection (context manager)."""
+        lane_key = (job.tenant_id, key_id)
+        me = _Ticket(job)
+        with self.lock:
+            lane = self.lanes.get(lane_key)
+            if lane is None:
+                lane = self.lanes[lane_key] = _Lane()
+            lane.pending.append(me)
+            me.lead = not lane.busy
+            lane.busy = True
+        if not me.lead:
+            me.event.wait()
+        if me.lead:
+            with self.lock:
+                batch, lane.pending = lane.pending[:self.max_batch], lane.pending[self.max_batch:]
+                self.batches += 1
+                self.admitted += len(batch)
+            try:
+                self._run(batch, key_id, connect)
+            finally:
+                with self.lock:
+                    if lane.pending:
+                        lane.pending[0].lead = True
+                        lane.pending[0].event.set()
+                    else:
+                        lane.busy = False
+                        if self.lanes.get(lane_key) is lane:
+                            del self.lanes[lane_key]
+                for t in batch:
+                    if t is not me:
+                        t.event.set()
+        if me.error is not None:
+            raise me.error
+        return me.xmin
+
+    @staticmethod
+    def _run(batch: list[_Ticket], key_id: int | None, connect) -> None:
+        try:
+            with connect() as conn:
+                admitted = None
+                if len(batch) > 1:
+                    try:
+                        admitted = admit_pg(conn, [t.job for t in batch], key_id)
+                    except IntegrityError:  # e.g. a duplicate Idempotency-Key: find out whose, one by one
+                        admitted = None
+                if admitted is not None:
+                    for t in batch:
+                        t.xmin = admitted[t.job.id]
+                    return
+                for t in batch:  # alone, or the group was refused: each job on its own, in arrival order
+                    try:
+                        t.xmin = admit_one(conn, t.job, key_id)
+                    except Exception as exc:
+                        t.error = exc
+        except BaseException as exc:
+            for i, t in enumerate(batch):
+                if t.xmin is None and t.error is None:
+                    t.error = exc if i == 0 else _copy(exc)  # each thread raises its own instance
+            if not isinstance(exc, Exception):
+                raise
+
+
+def admit(job) -> str | None:
+    """Admit one queued job for the current request (see GroupAdmission); returns its xmin on Postgres."""
+    from flask import current_app
+
+    from .db import autocommit
+    key_id = _key_id(None)
+    engine = current_app.extensions["tidepool.engine"]
+    if engine.dialect.name != "postgresql":
+        with autocommit() as conn:
+            return admit_one(conn, job, key_id)
+    group = current_app.extensions.get("tidepool.admission")
+    if group is None:
+        group = current_app.extensions.setdefault("tidepool.admission", GroupAdmission())
+    return group.admit(job, key_id, autocommit)
 
 
 def check_class(quota: Quota, sla_class: str) -> None:

@@ -9,10 +9,10 @@ from sqlalchemy.exc import IntegrityError
 from .. import bodies, jobs as transitions, logprobs, quotas
 from ..auth import tenant_required
 from ..config import SLA_CLASSES
-from ..db import session
+from ..db import autocommit, session
 from ..errors import APIError, bad_request, not_found
 from ..logging import log_job
-from ..models import Job, JobStatus, SlaClass, utcnow
+from ..models import Job, JobStatus, SlaClass, new_id, utcnow
 from . import cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("jobs", __name__)
@@ -71,39 +71,41 @@ def create_job():
     deadline = bodies.parse_deadline(body.get("deadline"))
     metadata = bodies.check_metadata(body.get("metadata"))
 
-    s = session()
     key = request.headers.get("Idempotency-Key")
-    request_hash = None
+    request_hash = find = None
     if key is not None:
         if not key or len(key) > 255:
             raise bad_request("Idempotency-Key must be 1 to 255 characters.", "Idempotency-Key")
         request_hash = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
         find = select(Job).where(Job.tenant_id == g.tenant.id, Job.idempotency_key == key)
-        replay = _replay(s.scalar(find), request_hash)
+        replay = _replay(session().scalar(find), request_hash)
         if replay:
             return replay
 
-    quotas.check_budget(s, quota, checked.estimated_tokens)
-    quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
     now = utcnow()
-    job = Job(tenant_id=g.tenant.id, sla_class=SlaClass(sla), status=JobStatus.queued, endpoint=endpoint,
-              request=checked.body, metadata_=metadata, idempotency_key=key, request_hash=request_hash,
-              estimated_tokens=checked.estimated_tokens, deadline=deadline, attempts=0,
+    job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), status=JobStatus.queued,
+              endpoint=endpoint, request=checked.body, metadata_=metadata, idempotency_key=key,
+              request_hash=request_hash, estimated_tokens=checked.estimated_tokens, deadline=deadline, attempts=0,
               created_at=now, queued_at=now)
-    s.add(job)
+    if quota.monthly_token_budget is not None:
+        with autocommit() as conn:
+            quotas.check_budget(conn, quota, checked.estimated_tokens)
+    quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
     try:
-        s.flush()
-        quotas.reserve_queued(s, quota, 1)
-        s.commit()
+        # Counts the job against max_queued (checking, in the database, that the key is live and the tenant
+        # enabled) and inserts it; committed before this returns. On Postgres one statement, shared with
+        # the same key's concurrent submissions (quotas.GroupAdmission).
+        xmin = quotas.admit(job)
     except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the insert
-        s.rollback()
         if key is None:
             raise
+        s = session()
+        s.rollback()
         replay = _replay(s.scalar(find), request_hash)
         if replay:
             return replay
         raise
-    if ext("dispatcher").publish([(job.id, sla)]):
+    if ext("dispatcher").publish_one(job.id, sla, xmin):
         job.dispatched_at = utcnow()
     log_job("job.queued", job)
     return job_json(job), 202
