@@ -49,8 +49,8 @@ def test_kill_9_with_jobs_in_flight_then_restart_completes_each_once(stack):
     st = stack
     tenant_id, key = st.tenant()
     beat.sweep(st.app)                               # first sweep: broker epoch recorded
+    ids = st.submit(key, 24, **LONG)                 # queued first: the worker takes them all at once
     worker = st.worker("crash-1", TIDEPOOL_LEASE_SECONDS=2, TIDEPOOL_MAX_NUM_SEQS=32)
-    ids = st.submit(key, 24, **LONG)
     try:
         st.wait(lambda: st.count(Job.status == JobStatus.running) >= 20, 60, ">= 20 jobs in flight", every=0.02)
     except AssertionError:
