@@ -36,7 +36,7 @@ from service.models import Job, JobStatus, Tenant, utcnow
 from workers import token_stream
 from workers.broker import take
 from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
-from workers.openai_bodies import CHAT, prompt_ids, sampling_params
+from workers.openai_bodies import CHAT, logprob_entries, prompt_ids, sampling_params
 
 log = logging.getLogger(__name__)
 ONLINE = ("realtime", "interactive")
@@ -279,9 +279,14 @@ class Worker:
             inf.first_token_at = out.first_token_time or time.time()
             if inf.online:    # offline first tokens go into the completion transaction instead
                 self._firsts.put(inf)
-        if inf.online and out.delta_text:
+        # Logprobs of this step's tokens ride along; "i" is the first one's index in the output.
+        new_lps = out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else None
+        if inf.online and (out.delta_text or new_lps):
+            event = {"t": "tok", "d": ledger_text(out.delta_text), "p": inf.pos}
+            if new_lps:
+                event.update(l=logprob_entries(self.engine.tokenizer, new_lps), i=len(out.token_ids) - len(new_lps))
             try:
-                self.stream.publish(inf.job_id, {"t": "tok", "d": ledger_text(out.delta_text), "p": inf.pos})
+                self.stream.publish(inf.job_id, event)
             except Exception:  # the waiter falls back to the ledger
                 pass
             inf.pos += len(out.delta_text)
@@ -448,7 +453,8 @@ class Worker:
                     jobs.first_token(s, inf.job_id, inf.lease_token, _dt(inf.first_token_at))
                 ok = jobs.complete(s, inf.job_id, inf.lease_token, output=ledger_text(out.text),
                                    output_token_ids=list(out.token_ids), prompt_tokens=len(out.prompt_token_ids),
-                                   completion_tokens=len(out.token_ids), finish_reason=out.finish_reason)
+                                   completion_tokens=len(out.token_ids), finish_reason=out.finish_reason,
+                                   logprobs=logprob_entries(self.engine.tokenizer, out.logprobs))
                 statuses.append("completed" if ok else "lost")
             s.commit()
         return statuses

@@ -7,6 +7,7 @@ import time
 import openai
 import pytest
 import requests
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.dispatch import _publish_task
@@ -233,3 +234,97 @@ def test_a_lapsed_lease_on_a_live_worker_reruns_the_job_once(st):
     assert row.attempts == 2 and row.completion_tokens == 300
     with Session(st.engine) as s:
         assert s.query(Usage).filter_by(tenant_id=tenant_id).one().requests == 1
+
+
+def _merge_completion_logprobs(parts) -> dict:
+    return {k: [x for p in parts for x in getattr(p, k)] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                                    "text_offset")}
+
+
+def test_logprobs_reach_the_client_whole_and_streamed(st, reference):
+    oa, _ = _client(st)
+    tok = reference.tokenizer
+    ref = reference.generate(["Tell me"], SamplingParams(max_tokens=8, temperature=0.0, logprobs=3))[0]
+
+    r = oa.completions.create(model="tiny", prompt="Tell me", max_tokens=8, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == ref.text and len(lp.tokens) == r.usage.completion_tokens == len(ref.token_ids)
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    assert lp.token_logprobs == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-4)
+    assert [len(top) for top in lp.top_logprobs] == [3] * len(lp.tokens)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0 and logprob == max(top.values()) == top[token]       # greedy: the top choice
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+    chunks = list(oa.completions.create(model="tiny", prompt="Tell me", max_tokens=8, temperature=0, logprobs=3,
+                                        stream=True))
+    streamed = _merge_completion_logprobs([ch.choices[0].logprobs for ch in chunks if ch.choices[0].logprobs])
+    # another run of the same request: same tokens, logprobs equal up to float noise of the batch shape
+    assert (streamed["tokens"], streamed["text_offset"]) == (lp.tokens, lp.text_offset)
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    assert [sorted(t) for t in streamed["top_logprobs"]] == [sorted(t) for t in lp.top_logprobs]
+    assert "".join(ch.choices[0].text for ch in chunks) == ref.text
+
+    messages = [{"role": "user", "content": "Say something."}]
+    c = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                   top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 2 and isinstance(e.bytes, list)
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+    assert b"".join(bytes(e.bytes) for e in content).decode(errors="replace").startswith(c.choices[0].message.content)
+
+    chunks = list(oa.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                             logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.bytes, sorted(t.token for t in e.top_logprobs)) for e in streamed] == \
+        [(e.token, e.bytes, sorted(t.token for t in e.top_logprobs)) for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.choices[0].message.content
+
+    only_chosen = oa.chat.completions.create(model="tiny", messages=messages, max_tokens=3, temperature=0,
+                                             logprobs=True)
+    assert all(e.top_logprobs == [] for e in only_chosen.choices[0].logprobs.content)
+
+
+def test_no_logprobs_unless_asked(st):
+    oa, _ = _client(st)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert oa.completions.create(model="tiny", prompt="Hi", max_tokens=3).choices[0].logprobs is None
+    assert oa.chat.completions.create(model="tiny", messages=messages, max_tokens=3).choices[0].logprobs is None
+    chunks = list(oa.chat.completions.create(model="tiny", messages=messages, max_tokens=3, stream=True))
+    assert all(ch.choices[0].logprobs is None for ch in chunks if ch.choices)
+    with Session(st.engine) as s:
+        assert s.scalar(select(Job.logprobs).where(Job.id == chunks[0].id)) is None
+
+
+def test_batch_output_carries_logprobs_when_asked(st):
+    oa, _ = _client(st)
+    bodies = {"lp": {"messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "temperature": 0,
+                     "logprobs": True, "top_logprobs": 3},
+              "plain": {"messages": [{"role": "user", "content": "a"}], "max_tokens": 4, "temperature": 0}}
+    lines = [json.dumps({"custom_id": k, "method": "POST", "url": "/v1/chat/completions", "body": b})
+             for k, b in bodies.items()]
+    f = oa.files.create(file=("in.jsonl", io.BytesIO("\n".join(lines).encode())), purpose="batch")
+    batch = oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = st.wait(lambda: (b := oa.batches.retrieve(batch.id)).status == "completed" and b, 90, "batch done")
+    out = {o["custom_id"]: o["response"]["body"] for o in
+           map(json.loads, oa.files.content(batch.output_file_id).read().decode().splitlines())}
+    assert out["plain"]["choices"][0]["logprobs"] is None
+    content = out["lp"]["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["lp"]["usage"]["completion_tokens"]
+    assert all(len(e["top_logprobs"]) == 3 and e["logprob"] <= 0 and e["top_logprobs"][0]["token"] == e["token"]
+               for e in content)
+
+
+def test_logprob_entries_carry_the_raw_bytes_of_partial_characters(reference):
+    from workers.openai_bodies import logprob_entries
+    tok = reference.tokenizer
+    text = "naïve 龘 🙂"
+    ids = tok.encode(text, add_special_tokens=False)
+    entries = logprob_entries(tok, [{"token_id": i, "logprob": -1.0, "top": [(i, -1.0)]} for i in ids])
+    assert any("\ufffd" in e["token"] for e in entries)       # some tokens hold part of a character
+    assert b"".join(bytes(e["bytes"]) for e in entries).decode() == text
+    assert all(e["top_logprobs"] == [{"token": e["token"], "bytes": e["bytes"], "logprob": -1.0}] for e in entries)
