@@ -30,6 +30,27 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def run_staggered():
+    return run_requests_staggered
+
+
+def run_requests_staggered(engine, prompts, params, every: int = 2) -> list[list[int]]:
+    """Add one request every `every` steps, so requests join a batch that is already running."""
+    pending = list(enumerate(prompts))
+    results = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, params)
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = out.token_ids
+        step += 1
+    return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="session")
 def random_prompts():
     return make_random_prompts
 

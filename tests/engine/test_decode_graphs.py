@@ -13,19 +13,6 @@ from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 
-def run_staggered(engine: LLMEngine, prompts, params) -> list[list[int]]:
-    pending, results, step = list(enumerate(prompts)), {}, 0
-    while pending or engine.has_unfinished():
-        if pending and step % 2 == 0:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params)
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.token_ids
-        step += 1
-    return [results[f"r{i}"] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("max_num_seqs", [1, 7, 16, 40, 256, 1000])
 def test_ladder_covers_every_batch_size_up_to_its_top(max_num_seqs):
     sizes = graph_batch_sizes(max_num_seqs)
@@ -36,7 +23,7 @@ def test_ladder_covers_every_batch_size_up_to_its_top(max_num_seqs):
     assert max(graphs_pad) <= 15
 
 
-def test_decode_through_padded_buffers_matches_eager(tiny_model_dir, random_prompts):
+def test_decode_through_padded_buffers_matches_eager(tiny_model_dir, random_prompts, run_staggered):
     model_dir = tiny_model_dir("llama-gqa")
     eager = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=12))
     graphed = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=12))
@@ -74,7 +61,7 @@ def test_padding_rows_store_nothing_and_real_rows_match_eager(tiny_model_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="replays captured CUDA graphs; needs a GPU")
-def test_captured_cuda_graphs_match_eager_on_gpu(tiny_model_dir, random_prompts):
+def test_captured_cuda_graphs_match_eager_on_gpu(tiny_model_dir, random_prompts, run_staggered):
     model_dir = tiny_model_dir("llama-gqa")
     common = dict(model=model_dir, device="cuda", dtype="float32", max_num_seqs=24)
     graphed = LLMEngine(EngineConfig(**common))

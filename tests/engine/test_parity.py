@@ -27,22 +27,6 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int = MAX_TO
     return _reference_cache[key]
 
 
-def run_staggered(engine: LLMEngine, prompts, params, every: int = 2) -> list[list[int]]:
-    """Add one request every `every` steps, so requests join a batch that is already running."""
-    pending = list(enumerate(prompts))
-    results = {}
-    step = 0
-    while pending or engine.has_unfinished():
-        if pending and step % every == 0:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params)
-        for out in engine.step():
-            if out.finished:
-                results[out.request_id] = out.token_ids
-        step += 1
-    return [results[f"r{i}"] for i in range(len(prompts))]
-
-
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 SCENARIOS = {
@@ -55,7 +39,7 @@ SCENARIOS = {
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_greedy_parity_llama_scenarios(tiny_model_dir, random_prompts, scenario):
+def test_greedy_parity_llama_scenarios(tiny_model_dir, random_prompts, run_staggered, scenario):
     model_dir = tiny_model_dir("llama-gqa")
     overrides, shared, must_see = SCENARIOS[scenario]
     engine = LLMEngine(EngineConfig(model=model_dir, **overrides))
@@ -73,7 +57,7 @@ def test_greedy_parity_llama_scenarios(tiny_model_dir, random_prompts, scenario)
 
 
 @pytest.mark.parametrize("variant", ["llama-tied", "qwen2-bias", "llama3-rope", "mistral", "llama-legacy-config"])
-def test_greedy_parity_architectures_under_stress(tiny_model_dir, random_prompts, variant):
+def test_greedy_parity_architectures_under_stress(tiny_model_dir, random_prompts, run_staggered, variant):
     """Each architecture under everything at once: small pool, small budget, shared prefixes, staggered."""
     model_dir = tiny_model_dir(variant)
     engine = LLMEngine(EngineConfig(model=model_dir, num_kv_blocks=48, block_size=8, max_num_batched_tokens=64))

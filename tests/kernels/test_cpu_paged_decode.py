@@ -1,6 +1,7 @@
 """The native CPU decode kernel (kernels/csrc/paged_decode_cpu.cpp via kernels/cpu_ops.py) against the pure-torch
 decode path it replaces, on randomized paged batches whose unowned cache slots hold NaN."""
 import logging
+import os
 import random
 
 import pytest
@@ -12,11 +13,20 @@ from kernels.paged_attention import _decode_torch, paged_attention_ref
 pytestmark = pytest.mark.skipif(cpu_ops.compiler() is None, reason="no C++ compiler")
 
 
+@pytest.fixture(autouse=True)
+def native_kernels_switched_on(monkeypatch):
+    """TIDEPOOL_CPU_KERNELS picks the engine's path; the tests here set it themselves where they need it."""
+    monkeypatch.delenv("TIDEPOOL_CPU_KERNELS", raising=False)
+
+
 @pytest.fixture(scope="module")
 def op():
-    if not cpu_ops.enabled():
-        pytest.skip("TIDEPOOL_CPU_KERNELS disables the native kernels")
-    found = cpu_ops.paged_decode_op()
+    switch = os.environ.pop("TIDEPOOL_CPU_KERNELS", None)    # see native_kernels_switched_on
+    try:
+        found = cpu_ops.paged_decode_op()
+    finally:
+        if switch is not None:
+            os.environ["TIDEPOOL_CPU_KERNELS"] = switch
     assert found is not None, f"a compiler is present but the kernel is unavailable: {cpu_ops.unavailable_reason()}"
     return found
 
