@@ -8,7 +8,7 @@ import torch
 
 from workers.engine import LLMEngine, SamplingParams
 from workers.engine.config import EngineConfig
-from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from workers.engine.cuda_graphs import graph_batch_sizes
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -28,10 +28,7 @@ def test_decode_through_padded_buffers_matches_eager(tiny_model_dir, random_prom
     eager = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=12))
     graphed = LLMEngine(EngineConfig(model=model_dir, max_num_seqs=12))
     # A ladder that stops below the batch: steps of 5..12 sequences fall back to eager, smaller ones pad.
-    runner = graphed.runner
-    max_blocks = -(-runner.config.max_model_len // runner.config.block_size)
-    runner.decode_graphs = DecodeGraphs(runner.model, runner.backend, [1, 2, 4], max_blocks,
-                                        runner.model_config.hidden_size, runner.dtype, runner.device, capture=False)
+    graphed.runner.decode_graphs = graphed.runner.make_decode_graphs(capture=False, sizes=[1, 2, 4])
     prompts = random_prompts(12, eager.config.model_config.vocab_size, seed=21, lengths=(1, 70))
     assert run_staggered(graphed, prompts, GREEDY) == run_staggered(eager, prompts, GREEDY)
     assert graphed.stats()["decode_graph_replays"] > 0

@@ -29,11 +29,13 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = self.make_decode_graphs(capture=True)
 
-    def make_decode_graphs(self, capture: bool) -> DecodeGraphs:
-        """Static decode buffers for the ladder of batch sizes; `capture` records a CUDA graph per size."""
+    def make_decode_graphs(self, capture: bool, sizes: list[int] | None = None) -> DecodeGraphs:
+        """Static decode buffers for a ladder of batch sizes (default: by max_num_seqs); `capture` records a
+        CUDA graph per size."""
         max_len = min(self.config.max_model_len, self.num_kv_blocks * self.config.block_size)
         max_blocks = -(-max_len // self.config.block_size)
-        return DecodeGraphs(self.model, self.backend, graph_batch_sizes(self.config.max_num_seqs), max_blocks,
+        sizes = sizes or graph_batch_sizes(self.config.max_num_seqs)
+        return DecodeGraphs(self.model, self.backend, sizes, max_blocks,
                             self.model_config.hidden_size, self.dtype, self.device, capture=capture)
 
     @property
