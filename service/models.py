@@ -89,10 +89,18 @@ class Tenant(Base):
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     # Class of this tenant's online requests (/v1/completions, /v1/chat/completions) that name none.
     default_sla_class: Mapped[str | None] = mapped_column(String(16))
+    # Prefix-cache namespace: a tenant's cached prompt blocks serve only its own requests, unless an admin
+    # puts tenants in one group (e.g. one organisation's system prompt). See cache_namespace().
+    prefix_cache_group: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     # Admission counters, changed only in the same transaction as the job transitions that move them.
     queued_count: Mapped[int] = mapped_column(Integer, default=0)
     running_count: Mapped[int] = mapped_column(Integer, default=0)
+
+
+def cache_namespace(tenant_id: str, prefix_cache_group: str | None) -> str:
+    """The engine's prefix-cache namespace for a tenant's jobs: decided here, never by the client."""
+    return f"group:{prefix_cache_group}" if prefix_cache_group else f"tenant:{tenant_id}"
 
 
 class ApiKey(Base):

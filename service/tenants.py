@@ -49,6 +49,14 @@ def _check_default_class(value) -> str | None:
     return value
 
 
+def _check_cache_group(value) -> str | None:
+    if value is not None and (not isinstance(value, str) or not 1 <= len(value) <= 64
+                              or not value.isprintable() or not value.isascii()):
+        raise bad_request("prefix_cache_group must be 1 to 64 printable ASCII characters, or null.",
+                          "prefix_cache_group")
+    return value
+
+
 def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None = None,
                   actor: str = "admin", default_sla_class: str | None = None) -> tuple[Tenant, str]:
     if not isinstance(name, str) or not name.strip() or len(name) > 200:
@@ -69,11 +77,13 @@ def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None
 
 
 def update_tenant(s: Session, tenant: Tenant, values: dict, actor: str = "admin") -> Tenant:
-    """Change a tenant's weight and/or default online SLA class (keys absent: unchanged)."""
+    """Change a tenant's weight, default online SLA class and/or prefix-cache group (keys absent: unchanged)."""
     if "weight" in values:
         tenant.weight = _check_weight(values["weight"])
     if "default_sla_class" in values:
         tenant.default_sla_class = _check_default_class(values["default_sla_class"])
+    if "prefix_cache_group" in values:   # tenants of one group share cached prompt prefixes
+        tenant.prefix_cache_group = _check_cache_group(values["prefix_cache_group"])
     audit(s, actor, "tenant.update", tenant.id, values)
     return tenant
 
@@ -110,6 +120,7 @@ def revoke_key(s: Session, prefix: str, actor: str = "admin") -> bool:
 def tenant_json(t: Tenant, quota: Quota | None = None) -> dict:
     out = {"id": t.id, "object": "tenant", "name": t.name, "weight": t.weight, "disabled": t.disabled,
            "default_sla_class": t.default_sla_class,
+           "prefix_cache_group": t.prefix_cache_group,
            "created_at": int(t.created_at.timestamp()), "queued_jobs": t.queued_count,
            "running_jobs": t.running_count}
     if quota is not None:

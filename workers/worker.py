@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session
 
 from service import jobs
 from service.db import make_engine
-from service.models import Job, JobStatus, Tenant, utcnow
+from service.models import Job, JobStatus, Tenant, cache_namespace, utcnow
 from workers import token_stream
 from workers.broker import take
 from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
@@ -353,10 +353,11 @@ class Worker:
         try:
             with Session(self.db, expire_on_commit=False) as s:
                 started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds)
-                job = weight = None
+                job = weight = group = None
                 if started.lease_token is not None:
                     job = s.get(Job, job_id)
-                    weight = s.scalar(select(Tenant.weight).where(Tenant.id == job.tenant_id))
+                    weight, group = s.execute(select(Tenant.weight, Tenant.prefix_cache_group)
+                                              .where(Tenant.id == job.tenant_id)).one()
                 elif started.reason == "throttled":
                     # Over the tenant's max_running: hand the job back to the sweeper, which republishes it.
                     s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.queued)
@@ -379,7 +380,8 @@ class Worker:
             prompt, params = build_request(self.engine.tokenizer, job.endpoint, job.request)
             self.inflight[job_id] = inf
             self.engine.add_request(inf.request_id, prompt, params, sla_class=sla, tenant=job.tenant_id,
-                                    weight=weight or 1.0, on_token=partial(self._on_token, inf))
+                                    weight=weight or 1.0, on_token=partial(self._on_token, inf),
+                                    cache_namespace=cache_namespace(job.tenant_id, group))
         except ValueError as exc:
             self.inflight.pop(job_id, None)
             code = "context_length_exceeded" if "at most" in str(exc) else "invalid_prompt"

@@ -56,7 +56,7 @@ def get_tenant(tenant_id):
 @admin_required
 def update_tenant(tenant_id):
     body = json_body()
-    unknown = sorted(set(body) - {"weight", "default_sla_class"})
+    unknown = sorted(set(body) - {"weight", "default_sla_class", "prefix_cache_group"})
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     s = session()

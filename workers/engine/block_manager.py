@@ -72,7 +72,7 @@ class BlockManager:
             return
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs     # at least one token is left to compute
-        parent = None
+        parent = seq.cache_root
         for i in range(max_blocks):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)
@@ -99,7 +99,7 @@ class BlockManager:
             return
         bs = self.block_size
         num_full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_root
         for i in range(len(seq.block_hashes), num_full):
             tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             h = chain_hash(parent, tokens)

@@ -70,8 +70,10 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     sla_class: str = "interactive", tenant: str = "default", weight: float = 1.0,
-                    on_token: Callable[[RequestOutput], None] | None = None) -> None:
-        """Queue a request (thread-safe). Raises ValueError for a prompt the engine cannot run."""
+                    on_token: Callable[[RequestOutput], None] | None = None,
+                    cache_namespace: str | None = None) -> None:
+        """Queue a request (thread-safe). Raises ValueError for a prompt the engine cannot run.
+        Prefix-cache blocks are shared only between requests of the same cache_namespace."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -81,7 +83,8 @@ class LLMEngine:
         vocab = self.config.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        seq = Sequence(request_id, ids, params, sla_class=sla_class, tenant=tenant, weight=weight)
+        seq = Sequence(request_id, ids, params, sla_class=sla_class, tenant=tenant, weight=weight,
+                       cache_namespace=cache_namespace)
         request = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), on_token,
                            time.time())
         with self._lock:

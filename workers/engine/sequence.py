@@ -18,7 +18,8 @@ class Sequence:
     _arrivals = itertools.count()
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 sla_class: str = "interactive", tenant: str = "default", weight: float = 1.0):
+                 sla_class: str = "interactive", tenant: str = "default", weight: float = 1.0,
+                 cache_namespace: str | None = None):
         if sla_class not in CLASS_RANK:
             raise ValueError(f"sla_class must be one of {SLA_CLASSES}, got {sla_class!r}")
         if weight <= 0:
@@ -31,6 +32,8 @@ class Sequence:
         self.rank = CLASS_RANK[sla_class]
         self.tenant = tenant
         self.weight = weight
+        # Seeds the chain hash of the first block: prefix-cache blocks are shared only within one namespace.
+        self.cache_root: int | None = None if cache_namespace is None else hash(("namespace", cache_namespace))
         self.arrival = next(Sequence._arrivals)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
