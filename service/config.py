@@ -22,9 +22,14 @@ class Config:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        # Relative paths are resolved once, here, against the start-up directory: Flask's send_file (and any
+        # later chdir) would otherwise read them against another folder.
         if not self.database_url:
             Path("var").mkdir(exist_ok=True)
             self.database_url = f"sqlite:///{Path('var/tidepool.db').resolve()}"
+        self.storage_dir = str(Path(self.storage_dir).expanduser().resolve())
+        if self.model:
+            self.model = os.path.abspath(os.path.expanduser(self.model))   # abspath: a symlink keeps its name
         if self.served_model_name is None and self.model:
             self.served_model_name = Path(self.model.rstrip("/")).name or self.model
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

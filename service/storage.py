@@ -11,7 +11,7 @@ CHUNK = 1 << 20
 
 class Storage:
     def __init__(self, root: str):
-        self.root = Path(root)
+        self.root = Path(root).expanduser().resolve()
         self.root.mkdir(parents=True, exist_ok=True)
 
     def path(self, file_id: str) -> Path:
