@@ -87,8 +87,7 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
     if not errors:
         if rows:
             s.execute(insert(Job), rows)
-        quotas.check_budget(s, quota, tokens)
-        quotas.reserve_queued(s, quota, len(created))
+        quotas.reserve_queued(s, quota, len(created), tokens=tokens)
     return errors, created
 
 
@@ -106,11 +105,12 @@ def cancel(s: Session, batch: Batch) -> None:
     its lease gone and aborts the sequence."""
     now = utcnow()
     for status, counter in ((JobStatus.queued, Tenant.queued_count), (JobStatus.running, Tenant.running_count)):
-        n = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == status)
-                      .values(status=JobStatus.cancelled, finished_at=now, lease_token=None,
-                              lease_expires_at=None)).rowcount
-        if n:
-            s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values({counter: counter - n}))
+        tokens = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == status)
+                           .values(status=JobStatus.cancelled, finished_at=now, lease_token=None,
+                                   lease_expires_at=None).returning(Job.estimated_tokens)).scalars().all()
+        if tokens:
+            s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values(
+                {counter: counter - len(tokens), Tenant.budget_reserved: Tenant.budget_reserved - sum(tokens)}))
     batch.status, batch.cancelling_at = BatchStatus.cancelling, now
 
 
@@ -183,10 +183,11 @@ def finalize(s: Session, storage: Storage, batch: Batch, model: str | None = Non
 def expire(s: Session, batch: Batch) -> None:
     """Past expires_at: queued jobs expire; finalize() then closes the batch as expired output."""
     now = utcnow()
-    n = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == JobStatus.queued)
-                  .values(status=JobStatus.expired, finished_at=now)).rowcount
-    if n:
-        s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values(queued_count=Tenant.queued_count - n))
+    tokens = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == JobStatus.queued)
+                       .values(status=JobStatus.expired, finished_at=now).returning(Job.estimated_tokens)).scalars().all()
+    if tokens:
+        s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values(
+            queued_count=Tenant.queued_count - len(tokens), budget_reserved=Tenant.budget_reserved - sum(tokens)))
     batch.expired_at = now
 
 

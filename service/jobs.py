@@ -1,7 +1,6 @@
 """Job state transitions. Each is a guarded UPDATE (`... WHERE status IN (...)`) plus its side effects
 (tenant counters, usage), executed in the caller's transaction; the caller commits."""
 import secrets
-from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -21,9 +20,11 @@ class Started:
     reason: str | None = None  # "not_queued" | "throttled" | "expired" when lease_token is None
 
 
-def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0) -> None:
+def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0, released: int = 0) -> None:
+    """Move the admission counters; released: budget tokens a finished job no longer holds in reserve."""
     s.execute(update(Tenant).where(Tenant.id == tenant_id)
-              .values(queued_count=Tenant.queued_count + queued, running_count=Tenant.running_count + running))
+              .values(queued_count=Tenant.queued_count + queued, running_count=Tenant.running_count + running,
+                      budget_reserved=Tenant.budget_reserved - released))
 
 
 def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300) -> Started:
@@ -81,10 +82,11 @@ def complete(s: Session, job_id: str, lease_token: str, *, output: str, output_t
                                   output_token_ids=output_token_ids, prompt_tokens=prompt_tokens,
                                   completion_tokens=completion_tokens, finish_reason=finish_reason,
                                   logprobs=logprobs, lease_token=None, lease_expires_at=None)
-                          .returning(Job.tenant_id)).scalar()
+                          .returning(Job.tenant_id, Job.estimated_tokens)).first()
     if tenant_id is None:
         return False
-    _counters(s, tenant_id, running=-1)
+    tenant_id, reserved = tenant_id
+    _counters(s, tenant_id, running=-1, released=reserved)   # the reservation is settled to the actual usage
     _add_usage(s, tenant_id, prompt_tokens, completion_tokens)
     return True
 
@@ -96,11 +98,11 @@ def fail(s: Session, job_id: str, lease_token: str, error: dict, *, retry: bool 
         values.update(status=Q, queued_at=utcnow(), dispatched_at=None, worker=None)
     else:
         values.update(status=JobStatus.failed, finished_at=utcnow())
-    tenant_id = s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
-                          .values(**values).returning(Job.tenant_id)).scalar()
-    if tenant_id is None:
+    row = s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
+                    .values(**values).returning(Job.tenant_id, Job.estimated_tokens)).first()
+    if row is None:
         return False
-    _counters(s, tenant_id, queued=1 if retry else 0, running=-1)
+    _counters(s, row[0], queued=1 if retry else 0, running=-1, released=0 if retry else row[1])
     return True
 
 
@@ -123,10 +125,10 @@ def cancel(s: Session, job_id: str, tenant_id: str | None = None) -> bool:
         stmt = update(Job).where(Job.id == job_id, Job.status == status)
         if tenant_id is not None:
             stmt = stmt.where(Job.tenant_id == tenant_id)
-        owner = s.execute(stmt.values(status=JobStatus.cancelled, finished_at=utcnow(), lease_token=None,
-                                      lease_expires_at=None).returning(Job.tenant_id)).scalar()
-        if owner is not None:
-            _counters(s, owner, **{counter: -1})
+        row = s.execute(stmt.values(status=JobStatus.cancelled, finished_at=utcnow(), lease_token=None,
+                                    lease_expires_at=None).returning(Job.tenant_id, Job.estimated_tokens)).first()
+        if row is not None:
+            _counters(s, row[0], released=row[1], **{counter: -1})
             return True
     return False
 
@@ -137,10 +139,20 @@ def expire_overdue(s: Session, now: datetime | None = None, job_id: str | None =
     stmt = update(Job).where(Job.status == Q, Job.deadline.is_not(None), Job.deadline <= now)
     if job_id is not None:
         stmt = stmt.where(Job.id == job_id)
-    owners = s.execute(stmt.values(status=JobStatus.expired, finished_at=now).returning(Job.tenant_id)).scalars().all()
-    for tenant_id, n in Counter(owners).items():
-        _counters(s, tenant_id, queued=-n)
-    return len(owners)
+    rows = s.execute(stmt.values(status=JobStatus.expired, finished_at=now)
+                     .returning(Job.tenant_id, Job.estimated_tokens)).all()
+    for tenant_id, (n, tokens) in _per_tenant(rows).items():
+        _counters(s, tenant_id, queued=-n, released=tokens)
+    return len(rows)
+
+
+def _per_tenant(rows) -> dict[str, tuple[int, int]]:
+    """(tenant_id, estimated_tokens) rows -> {tenant_id: (jobs, tokens)}."""
+    out: dict[str, tuple[int, int]] = {}
+    for tenant_id, tokens in rows:
+        n, total = out.get(tenant_id, (0, 0))
+        out[tenant_id] = (n + 1, total + (tokens or 0))
+    return out
 
 
 def reclaim_lapsed(s: Session, max_attempts: int = 3, now: datetime | None = None) -> int:

@@ -96,6 +96,8 @@ class Tenant(Base):
     # Admission counters, changed only in the same transaction as the job transitions that move them.
     queued_count: Mapped[int] = mapped_column(Integer, default=0)
     running_count: Mapped[int] = mapped_column(Integer, default=0)
+    # Tokens (prompt estimate + max_tokens) reserved against the monthly budget by jobs not yet finished.
+    budget_reserved: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 def cache_namespace(tenant_id: str, prefix_cache_group: str | None) -> str:

@@ -12,7 +12,7 @@ import time
 from datetime import datetime, timezone
 
 from flask import g, has_request_context
-from sqlalchemy import and_, bindparam, exists, false, func, or_, select, update
+from sqlalchemy import and_, exists, false, func, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -98,22 +98,18 @@ def _seconds_to_next_month(now: datetime) -> int:
     return int((nxt - now).total_seconds()) + 1
 
 
-_USED = (select(func.coalesce(Usage.prompt_tokens + Usage.completion_tokens, 0))
-         .where(Usage.tenant_id == bindparam("tenant_id"), Usage.period == bindparam("period")))
+def _used(tenant_id):
+    """Tokens used this month (one row of the usage roll-up, by its unique index)."""
+    return (select(func.coalesce(Usage.prompt_tokens + Usage.completion_tokens, 0))
+            .where(Usage.tenant_id == tenant_id, Usage.period == period()).scalar_subquery())
 
 
-def check_budget(s: Session | Connection, quota: Quota, tokens: int) -> None:
-    """Tokens used this month (one row of the usage roll-up, by its unique index) plus this request's
-    estimate must fit the budget. Only read when the tenant has a budget."""
-    if quota.monthly_token_budget is None:
-        return
+def _budget_refusal(tenant_id: str, budget: int, used: int, reserved: int, tokens: int) -> APIError:
     now = datetime.now(timezone.utc)
-    used = s.scalar(_USED, {"tenant_id": quota.tenant_id, "period": period(now)}) or 0
-    if used + tokens > quota.monthly_token_budget:
-        quota_rejected(quota.tenant_id, "insufficient_quota")
-        raise APIError(429, f"Monthly token budget exhausted: {used} of {quota.monthly_token_budget} tokens "
-                            f"used, this request needs up to {tokens}.", "insufficient_quota",
-                       retry_after=_seconds_to_next_month(now))
+    quota_rejected(tenant_id, "insufficient_quota")
+    return APIError(429, f"Monthly token budget exhausted: {used} of {budget} tokens used and {reserved} reserved "
+                         f"by unfinished jobs; this request needs up to {tokens}.", "insufficient_quota",
+                    retry_after=_seconds_to_next_month(now))
 
 
 def _key_id(key_id: int | None) -> int | None:
@@ -122,33 +118,40 @@ def _key_id(key_id: int | None) -> int | None:
     return key_id
 
 
-def _admissible(tenant_id, n, key_id: int | None):
-    """WHERE clause on the tenant row: enabled, key live, live max_queued not exceeded by n more."""
+def _admissible(tenant_id, n, key_id: int | None, tokens: int = 0):
+    """WHERE clause on the tenant row: enabled, key live, live max_queued not exceeded by n more, and the
+    monthly budget not exceeded by this month's usage plus every unfinished job's reservation plus tokens."""
     live_max = select(Quota.max_queued).where(Quota.tenant_id == tenant_id).scalar_subquery()
+    budget = select(Quota.monthly_token_budget).where(Quota.tenant_id == tenant_id).scalar_subquery()
     conds = [Tenant.id == tenant_id, or_(Tenant.disabled.is_(None), Tenant.disabled == false()),
-             or_(live_max.is_(None), Tenant.queued_count + n <= live_max)]
+             or_(live_max.is_(None), Tenant.queued_count + n <= live_max),
+             or_(budget.is_(None), func.coalesce(_used(tenant_id), 0) + Tenant.budget_reserved + tokens <= budget)]
     if key_id is not None:
         conds.append(exists().where(ApiKey.id == key_id, ApiKey.tenant_id == Tenant.id,
                                     ApiKey.revoked_at.is_(None)))
     return and_(*conds)
 
 
-def reserve_queued(s: Session, quota: Quota, n: int, key_id: int | None = None) -> None:
-    """Count n more queued jobs against max_queued in one conditional UPDATE (row-locked until commit).
+def reserve_queued(s: Session, quota: Quota, n: int, key_id: int | None = None, tokens: int = 0) -> None:
+    """Count n more queued jobs against max_queued, and reserve their tokens (prompt estimate + max_tokens)
+    against the monthly budget, in one conditional UPDATE (row-locked until commit). The reservation is settled
+    to the actual usage when a job completes and released when it fails, is cancelled or expires (jobs.py).
     key_id (by default the authenticated request's key) must still be unrevoked."""
     key_id = _key_id(key_id)
-    stmt = (update(Tenant).where(_admissible(quota.tenant_id, n, key_id))
-            .values(queued_count=Tenant.queued_count + n).execution_options(synchronize_session=False))
+    stmt = (update(Tenant).where(_admissible(quota.tenant_id, n, key_id, tokens))
+            .values(queued_count=Tenant.queued_count + n, budget_reserved=Tenant.budget_reserved + tokens)
+            .execution_options(synchronize_session=False))
     if s.execute(stmt).rowcount != 1:
-        refused(s, quota.tenant_id, n, key_id)
+        refused(s, quota.tenant_id, n, key_id, tokens)
 
 
-def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None) -> None:
+def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None, tokens: int = 0) -> None:
     """Why the admission UPDATE matched no row, as the error the client gets: a revoked key (401) or a
     disabled tenant (403), found by the database rather than the cached authentication, which is dropped;
     otherwise max_queued (429)."""
-    row = s.execute(select(Tenant.disabled, Quota.max_queued).join(Quota, Quota.tenant_id == Tenant.id)
-                    .where(Tenant.id == tenant_id)).first()
+    row = s.execute(select(Tenant.disabled, Quota.max_queued, Quota.monthly_token_budget, Tenant.budget_reserved,
+                           func.coalesce(_used(tenant_id), 0))
+                    .join(Quota, Quota.tenant_id == Tenant.id).where(Tenant.id == tenant_id)).first()
     live_key = key_id is None or s.scalar(select(ApiKey.id).where(
         ApiKey.id == key_id, ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))) is not None
     if row is None or not live_key or row[0]:
@@ -158,6 +161,9 @@ def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None)
         if row is None or not live_key:
             raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
         raise APIError(403, "This tenant is disabled.", "tenant_disabled")
+    budget, reserved, used = row[2], row[3], row[4]
+    if budget is not None and used + reserved + tokens > budget:
+        raise _budget_refusal(tenant_id, budget, used, reserved, tokens)
     quota_rejected(tenant_id, "max_queued")
     raise APIError(429, f"Too many queued jobs: this tenant may have at most {row[1]} "
                         f"queued and this request adds {n}.", "max_queued", retry_after=1)
@@ -169,11 +175,15 @@ def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None)
 # has that xmin (nobody touched it since) or has left the queued state.
 _ADMIT_PG = """
 WITH admitted AS (
-    UPDATE tenants SET queued_count = tenants.queued_count + %(n)s
+    UPDATE tenants SET queued_count = tenants.queued_count + %(n)s,
+                       budget_reserved = tenants.budget_reserved + %(tokens)s
     FROM quotas
     WHERE tenants.id = %(tenant_id)s AND quotas.tenant_id = tenants.id
       AND tenants.disabled IS NOT TRUE
       AND (quotas.max_queued IS NULL OR tenants.queued_count + %(n)s <= quotas.max_queued)
+      AND (quotas.monthly_token_budget IS NULL OR tenants.budget_reserved + %(tokens)s + coalesce((
+          SELECT usage.prompt_tokens + usage.completion_tokens FROM usage
+           WHERE usage.tenant_id = tenants.id AND usage.period = %(period)s), 0) <= quotas.monthly_token_budget)
       AND (%(key_id)s::integer IS NULL OR EXISTS (
           SELECT 1 FROM api_keys WHERE api_keys.id = %(key_id)s::integer
              AND api_keys.tenant_id = tenants.id AND api_keys.revoked_at IS NULL))
@@ -204,7 +214,8 @@ def _params(jobs: list, key_id: int | None) -> dict:
              "metadata": j.metadata_, "idempotency_key": j.idempotency_key, "request_hash": j.request_hash,
              "estimated_tokens": j.estimated_tokens, "deadline": _iso(j.deadline), "created_at": _iso(j.created_at),
              "queued_at": _iso(j.queued_at)} for j in jobs]
-    return {"n": len(jobs), "tenant_id": jobs[0].tenant_id, "key_id": key_id, "rows": json.dumps(rows)}
+    return {"n": len(jobs), "tenant_id": jobs[0].tenant_id, "key_id": key_id, "rows": json.dumps(rows),
+            "tokens": sum(j.estimated_tokens for j in jobs), "period": period()}
 
 
 def admit_pg(conn: Connection, jobs: list, key_id: int | None) -> dict[str, str] | None:
@@ -222,12 +233,12 @@ def admit_one(conn: Connection, job, key_id: int | None = None) -> str | None:
     if conn.dialect.name == "postgresql":
         admitted = admit_pg(conn, [job], key_id)
         if admitted is None:
-            refused(conn, job.tenant_id, 1, key_id)
+            refused(conn, job.tenant_id, 1, key_id, job.estimated_tokens)
         return admitted[job.id]
-    bump = (update(Tenant).where(_admissible(job.tenant_id, 1, key_id))
-            .values(queued_count=Tenant.queued_count + 1))
+    bump = (update(Tenant).where(_admissible(job.tenant_id, 1, key_id, job.estimated_tokens))
+            .values(queued_count=Tenant.queued_count + 1, budget_reserved=Tenant.budget_reserved + job.estimated_tokens))
     if conn.execute(bump).rowcount != 1:
-        refused(conn, job.tenant_id, 1, key_id)
+        refused(conn, job.tenant_id, 1, key_id, job.estimated_tokens)
     conn.execute(Job.__table__.insert().values(
         id=job.id, tenant_id=job.tenant_id, sla_class=job.sla_class, status=job.status, endpoint=job.endpoint,
         request=job.request, metadata=job.metadata_, idempotency_key=job.idempotency_key,

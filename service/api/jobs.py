@@ -9,7 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from .. import bodies, jobs as transitions, logprobs, quotas
 from ..auth import tenant_required
 from ..config import SLA_CLASSES
-from ..db import autocommit, session
+from ..db import session
 from ..errors import APIError, bad_request, not_found
 from ..logging import log_job
 from ..models import Job, JobStatus, SlaClass, new_id, utcnow
@@ -87,13 +87,10 @@ def create_job():
               endpoint=endpoint, request=checked.body, metadata_=metadata, idempotency_key=key,
               request_hash=request_hash, estimated_tokens=checked.estimated_tokens, deadline=deadline, attempts=0,
               created_at=now, queued_at=now)
-    if quota.monthly_token_budget is not None:
-        with autocommit() as conn:
-            quotas.check_budget(conn, quota, checked.estimated_tokens)
     quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
     try:
-        # Counts the job against max_queued (checking, in the database, that the key is live and the tenant
-        # enabled) and inserts it; committed before this returns. On Postgres one statement, shared with
+        # Counts the job against max_queued and reserves its tokens against the monthly budget (checking, in
+        # the database, that the key is live and the tenant enabled) and inserts it; committed before this returns. On Postgres one statement, shared with
         # the same key's concurrent submissions (quotas.GroupAdmission).
         xmin = quotas.admit(job)
     except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the insert

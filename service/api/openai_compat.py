@@ -2,6 +2,7 @@
 with `sla_class`), dispatched like any other and answered from the worker's token stream; the ledger
 stays the source of truth for the final text, finish reason and usage."""
 import json
+import logging
 import time
 
 from flask import Blueprint, Response, g
@@ -19,6 +20,7 @@ from . import cfg, ext, json_body
 bp = Blueprint("openai", __name__)
 ONLINE = ("realtime", "interactive")
 QUIET = 1.0   # seconds without an event before the ledger is consulted (and an SSE keep-alive is sent)
+log = logging.getLogger("tidepool.online")
 
 
 def _hub():
@@ -57,6 +59,7 @@ def chat_completions():
 
 
 def _serve(endpoint: str):
+    marks = {"recv": time.time()}
     body = json_body()
     stream, options = body.pop("stream", None), body.pop("stream_options", None)
     if stream not in (None, True, False):
@@ -72,19 +75,21 @@ def _serve(endpoint: str):
                            max_tokens_cap=quota.max_tokens_per_request)
     quotas.check_class(quota, sla)
     s = session()
-    quotas.check_budget(s, quota, checked.estimated_tokens)
     quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
+    marks["valid"] = time.time()
     now = utcnow()
     job = Job(tenant_id=g.tenant.id, sla_class=SlaClass(sla), status=JobStatus.queued, endpoint=endpoint,
               request=checked.body, estimated_tokens=checked.estimated_tokens, attempts=0, created_at=now,
               queued_at=now)
     s.add(job)
     s.flush()
-    quotas.reserve_queued(s, quota, 1)
+    quotas.reserve_queued(s, quota, 1, tokens=checked.estimated_tokens)
     s.commit()
+    marks["insert"] = time.time()
     sub = _hub().subscribe(job.id)       # before dispatch, so no event can be missed
     ext("dispatcher").publish([(job.id, sla)])
-    waiter = _Waiter(ext("sessions"), sub, job.id, conf.extra.get("online_timeout", 600.0))
+    marks["publish"] = time.time()
+    waiter = _Waiter(ext("sessions"), sub, job.id, conf.extra.get("online_timeout", 600.0), marks)
     fmt = _Format(endpoint, job.id, int(now.timestamp()), body.get("model") or conf.served_model_name,
                   bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body))
     try:
@@ -105,8 +110,9 @@ def _serve(endpoint: str):
 class _Waiter:
     """Events for one job from the token stream, with the ledger as fallback when it goes quiet."""
 
-    def __init__(self, sessions, sub, job_id: str, timeout: float):
+    def __init__(self, sessions, sub, job_id: str, timeout: float, marks: dict | None = None):
         self.sessions, self.sub, self.job_id = sessions, sub, job_id
+        self.marks = marks if marks is not None else {}   # stage timestamps up to the first token written
         self.deadline = time.monotonic() + timeout
         self.closed = False
 
@@ -119,6 +125,8 @@ class _Waiter:
         while True:
             ev = self.sub.get(QUIET)
             if ev is not None:
+                if "ts" in ev and "event" not in self.marks:
+                    self.marks.update(ev["ts"], event=time.time())
                 return ev
             job = self._load()
             if job.status in TERMINAL:
@@ -143,6 +151,8 @@ class _Waiter:
             return
         self.closed = True
         self.sub.close()
+        if "write" in self.marks and log.isEnabledFor(logging.INFO):
+            log.info("online.ttft %s", json.dumps({"job": self.job_id, **self.marks}, separators=(",", ":")))
         if cancel:   # the client went away (or we gave up): free the engine slot
             with self.sessions() as s:
                 if transitions.cancel(s, self.job_id):
@@ -225,6 +235,7 @@ def _sse(waiter: _Waiter, fmt: _Format, first: dict):
                 entries, at = ev.get("l") or [], ev.get("i", 0)
                 entries = entries[sent_lps - at:] if fmt.want_logprobs and at <= sent_lps < at + len(entries) else []
                 if piece or entries:
+                    waiter.marks.setdefault("write", time.time())
                     sent += len(piece)
                     sent_lps += len(entries)
                     yield fmt.chunk(piece, entries=entries)
