@@ -1,6 +1,7 @@
 """Periodic upkeep that keeps the ledger and the broker consistent: the sweeper and the batch finaliser.
 Plain functions over a service app (ledger engine, dispatcher, storage, redis); `tidepool beat` runs
 them as Celery beat tasks, embedded mode runs them on a thread."""
+import json
 import logging
 import time
 
@@ -13,16 +14,19 @@ from service.models import Batch, BatchStatus, Job, JobStatus, utcnow
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"
+ORPHAN_GRACE = 10.0   # seconds a taken message may wait for its worker's first heartbeat
 
 
 def _ext(app, name):
     return app.extensions[f"tidepool.{name}"]
 
 
-def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_timeout: float | None = None) -> dict:
+def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_timeout: float | None = None,
+          orphan_grace: float = ORPHAN_GRACE) -> dict:
     """Requeue (or fail) running jobs whose lease lapsed, expire overdue jobs and batches, return
     unacked messages of dead consumers to their queues, and republish what never reached the broker."""
-    done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "restored_broker": 0, "republished": 0}
+    done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "restored_broker": 0, "restored_orphans": 0,
+            "republished": 0}
     with Session(_ext(app, "engine")) as s:
         done["reclaimed"] = jobs.reclaim_lapsed(s, max_attempts=max_attempts)
         done["expired"] = jobs.expire_overdue(s)
@@ -33,6 +37,7 @@ def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_
         s.commit()
     if visibility_timeout is not None:
         _restore_visible(app, visibility_timeout)
+    done["restored_orphans"] = restore_orphans(app, grace=orphan_grace)
     done["restored_broker"] = _check_broker_epoch(app)
     done["republished"] = _ext(app, "dispatcher").republish_undispatched(older_than=republish_after)
     if any(done.values()):
@@ -47,6 +52,45 @@ def _restore_visible(app, visibility_timeout: float) -> None:
         return
     with Connection(url, transport_options=transport_options(visibility_timeout)) as conn:
         conn.default_channel.qos.restore_visible(num=1000, interval=1)
+
+
+def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
+    """Unacked messages (taken more than `grace` seconds ago) of a worker whose heartbeat is gone, or belongs
+    to a later start of a worker of that name, go back to the front of their queues now: a worker killed
+    between taking a message and claiming its job would otherwise strand the job until the visibility
+    timeout (6 h). A message of a live worker restored by mistake costs a duplicate, dropped at claim."""
+    from workers.broker import OWNERS_KEY
+    from workers.worker import HEARTBEAT_KEY, transport_options
+    client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
+    if client is None or not url.startswith("redis"):
+        return 0
+    restored = 0
+    with Connection(url, transport_options=transport_options(6 * 3600)) as conn:
+        qos = conn.default_channel.qos
+        tags = client.zrangebyscore(qos.unacked_index_key, 0, time.time() - grace)
+        owners = client.hmget(OWNERS_KEY, tags) if tags else []
+        started: dict[str, float | None] = {}
+        for tag, owner in zip(tags, owners):
+            if owner is None:
+                continue
+            name, started_at = json.loads(owner)
+            if name not in started:
+                beat = client.get(HEARTBEAT_KEY.format(name))
+                started[name] = json.loads(beat).get("started_at") if beat else None
+            if started[name] != started_at:
+                qos.restore_by_tag(tag, client, leftmost=True)
+                client.hdel(OWNERS_KEY, tag)
+                restored += 1
+        # owners of messages acked (or restored) meanwhile
+        known = client.hkeys(OWNERS_KEY)
+        if known:
+            live = client.hmget(qos.unacked_key, known)
+            gone = [tag for tag, payload in zip(known, live) if payload is None]
+            if gone:
+                client.hdel(OWNERS_KEY, *gone)
+    if restored:
+        log.warning("returned %d unacked messages of dead workers to their queues", restored)
+    return restored
 
 
 def _check_broker_epoch(app) -> int:

@@ -15,14 +15,21 @@ from kombu.transport import virtual
 from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
-# KEYS: the queue's lists in priority order, then unacked, unacked_index; ARGV[1]: now (the index score).
+# Which worker took each unacked message (delivery tag -> JSON [worker name, its started_at]), so beat can
+# return the messages of a worker whose heartbeat is gone (workers/beat.py restore_orphans) at once instead of
+# after the visibility timeout.
+OWNERS_KEY = "tidepool:unacked_owner"
+
+# KEYS: the queue's lists in priority order, then unacked, unacked_index, owners; ARGV[1]: now (the index
+# score), ARGV[2]: the taking worker ('' for none).
 _TAKE = """
-local n = #KEYS - 2
+local n = #KEYS - 3
 for i = 1, n do
   local raw = redis.call('RPOP', KEYS[i])
   if raw then
     local props = cjson.decode(raw)['properties']
     local info = props['delivery_info']
+    if ARGV[2] ~= '' then redis.call('HSET', KEYS[n + 3], props['delivery_tag'], ARGV[2]) end
     redis.call('ZADD', KEYS[n + 2], ARGV[1], props['delivery_tag'])
     redis.call('HSET', KEYS[n + 1], props['delivery_tag'],
                '[' .. raw .. ',' .. cjson.encode(info['exchange']) .. ',' .. cjson.encode(info['routing_key']) .. ']')
@@ -41,14 +48,16 @@ def _redis_channel(channel) -> bool:
     return isinstance(channel, kombu_redis.Channel) and not channel.global_keyprefix
 
 
-def take(queue, accept: list[str]):
-    """Like `queue.get(no_ack=False, accept=accept)`: the next message of a bound queue, or None."""
+def take(queue, accept: list[str], owner: str = ""):
+    """Like `queue.get(no_ack=False, accept=accept)`: the next message of a bound queue, or None. owner
+    (JSON [worker name, started_at]) is recorded with the unacked message on Redis."""
     channel = queue.channel
     if not _redis_channel(channel):
         return queue.get(no_ack=False, accept=accept)
     keys = [channel._q_for_pri(queue.name, pri) for pri in channel.priority_steps]
     with channel.conn_or_acquire() as client:
-        raw = client.eval(_TAKE, len(keys) + 2, *keys, channel.unacked_key, channel.unacked_index_key, time.time())
+        raw = client.eval(_TAKE, len(keys) + 3, *keys, channel.unacked_key, channel.unacked_index_key, OWNERS_KEY,
+                          time.time(), owner)
     if raw is None:
         return None
     message = channel.Message(loads(bytes_to_str(raw)), channel=channel)

@@ -329,7 +329,7 @@ class Worker:
             while len(self.inflight) < self.cfg.max_inflight:
                 if not online and not self._has_room():
                     return got       # no spare capacity: leave offline work in the broker
-                message = take(self._queues[name], accept=["json"])
+                message = take(self._queues[name], accept=["json"], owner=json.dumps([self.cfg.name, self.started_at]))
                 if message is None:
                     break
                 got = True
