@@ -1,6 +1,10 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right HTTP status."""
 from flask import jsonify
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
+from sqlalchemy.exc import InterfaceError, OperationalError
 from werkzeug.exceptions import HTTPException
+
+OUTAGE_RETRY_AFTER = 5   # seconds a client is asked to wait when the database or the broker is unreachable
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
@@ -42,6 +46,20 @@ def init_app(app) -> None:
     def _http_error(exc: HTTPException):
         code = {413: "file_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.code)
         return error_response(exc.code or 500, exc.description or exc.name, code)
+
+    @app.errorhandler(OperationalError)
+    @app.errorhandler(InterfaceError)
+    def _database_down(exc):
+        app.logger.warning("database unavailable: %s", str(exc).splitlines()[0] if str(exc) else exc)
+        return error_response(503, "The database is unavailable; retry shortly.", "database_unavailable",
+                              retry_after=OUTAGE_RETRY_AFTER)
+
+    @app.errorhandler(RedisConnectionError)
+    @app.errorhandler(RedisTimeoutError)
+    def _broker_down(exc):
+        app.logger.warning("broker unavailable: %s", exc)
+        return error_response(503, "The message broker is unavailable; retry shortly.", "broker_unavailable",
+                              retry_after=OUTAGE_RETRY_AFTER)
 
     @app.errorhandler(Exception)
     def _internal(exc: Exception):

@@ -6,6 +6,7 @@ import logging
 import time
 
 from flask import Blueprint, Response, g
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import undefer
 
 from workers import token_stream
@@ -94,11 +95,14 @@ def _serve(endpoint: str):
                   bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body))
     try:
         first = waiter.next_event(keepalive=False)
+        final = waiter.finish() if not stream or first["t"] == "end" else None
+    except LedgerUnavailable:   # the job lives on: the client is told its id, to fetch it instead of resubmitting
+        waiter.close()
+        raise
     except BaseException:
         waiter.close(cancel=True)
         raise
-    if not stream or first["t"] == "end":
-        final = waiter.finish()
+    if final is not None:
         if final.status != JobStatus.completed:
             raise _job_error(final)
         if not stream:
@@ -107,8 +111,20 @@ def _serve(endpoint: str):
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
+class LedgerUnavailable(APIError):
+    def __init__(self, job_id: str):
+        super().__init__(503, f"The database is unavailable. Job '{job_id}' was accepted and is not lost: fetch "
+                              f"its result with GET /v1/jobs/{job_id} instead of sending the request again.",
+                         "database_unavailable", retry_after=5)
+        self.job_id = job_id
+
+
+LEDGER_PATIENCE = 30.0   # seconds a waiting request retries ledger reads before answering 503
+
+
 class _Waiter:
-    """Events for one job from the token stream, with the ledger as fallback when it goes quiet."""
+    """Events for one job from the token stream, with the ledger as fallback when it goes quiet. Ledger
+    reads are retried with backoff through a database outage of up to LEDGER_PATIENCE seconds."""
 
     def __init__(self, sessions, sub, job_id: str, timeout: float, marks: dict | None = None):
         self.sessions, self.sub, self.job_id = sessions, sub, job_id
@@ -117,8 +133,16 @@ class _Waiter:
         self.closed = False
 
     def _load(self, full: bool = False) -> Job:
-        with self.sessions() as s:
-            return s.get(Job, self.job_id, options=[undefer(Job.logprobs)] if full else None)
+        give_up, pause = time.monotonic() + LEDGER_PATIENCE, 0.1
+        while True:
+            try:
+                with self.sessions() as s:
+                    return s.get(Job, self.job_id, options=[undefer(Job.logprobs)] if full else None)
+            except (OperationalError, InterfaceError):
+                if time.monotonic() + pause > give_up:
+                    raise LedgerUnavailable(self.job_id) from None
+                time.sleep(pause)
+                pause = min(pause * 2, 2.0)
 
     def next_event(self, keepalive: bool) -> dict | None:
         """The next event; None (keepalive=True) after a quiet second, so the caller can write a ping."""
@@ -154,9 +178,12 @@ class _Waiter:
         if "write" in self.marks and log.isEnabledFor(logging.INFO):
             log.info("online.ttft %s", json.dumps({"job": self.job_id, **self.marks}, separators=(",", ":")))
         if cancel:   # the client went away (or we gave up): free the engine slot
-            with self.sessions() as s:
-                if transitions.cancel(s, self.job_id):
-                    s.commit()
+            try:
+                with self.sessions() as s:
+                    if transitions.cancel(s, self.job_id):
+                        s.commit()
+            except (OperationalError, InterfaceError):   # ledger down: the job runs on, billed as usual
+                log.warning("could not cancel job %s: the database is unavailable", self.job_id)
 
 
 def _job_error(job: Job) -> APIError:
@@ -220,40 +247,68 @@ def _data(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _error_event(err: APIError) -> str:
+    return _data({"error": {"message": err.message, "type": "api_error", "param": err.param, "code": err.code}})
+
+
+def _restarted(job_id: str) -> APIError:
+    return APIError(500, f"Job '{job_id}' was restarted after a worker failure and its new output differs from what "
+                         f"this stream already sent; its result will be at GET /v1/jobs/{job_id}.", "job_restarted")
+
+
 def _sse(waiter: _Waiter, fmt: _Format, first: dict):
-    sent, sent_lps, done = 0, 0, False     # characters and logprobs entries the client has
+    """The job's events as SSE chunks. A rerun of the job (a new attempt after a worker died) streams from
+    offset 0 again: it continues this stream only while its text extends exactly what the client has, else
+    the stream ends with a job_restarted error, never a splice of two attempts. Every stream ends with
+    [DONE], after an error event when it did not complete."""
+    sent, sent_lps, done = "", 0, False     # text and logprobs entries the client has
+    attempt = ""                            # the streaming attempt's text, as far as it arrived in order
     try:
-        if fmt.chat:
-            yield fmt.chunk(role=True)
-        ev = first
-        while ev is None or ev["t"] != "end":
-            if ev is None:
-                yield ": keep-alive\n\n"      # also how a closed connection is noticed
-            elif ev["t"] == "tok":
-                # A redelivered job replays from the start; only what the client lacks is sent.
-                piece = ev["d"][sent - ev["p"]:] if ev["p"] <= sent < ev["p"] + len(ev["d"]) else ""
-                entries, at = ev.get("l") or [], ev.get("i", 0)
-                entries = entries[sent_lps - at:] if fmt.want_logprobs and at <= sent_lps < at + len(entries) else []
-                if piece or entries:
-                    waiter.marks.setdefault("write", time.time())
-                    sent += len(piece)
-                    sent_lps += len(entries)
-                    yield fmt.chunk(piece, entries=entries)
-            ev = waiter.next_event(keepalive=True)
-        job = waiter.finish()
-        if job.status != JobStatus.completed:
-            err = _job_error(job)
-            yield _data({"error": {"message": err.message, "type": "api_error", "param": err.param,
-                                   "code": err.code}})
-        else:
-            rest = (job.output or "")[sent:]
-            rest_lps = (job.logprobs or [])[sent_lps:] if fmt.want_logprobs else []
-            if rest or rest_lps:
-                yield fmt.chunk(rest, entries=rest_lps)
-            usage = _usage(job)
-            yield fmt.chunk(finish_reason=job.finish_reason, usage=None if fmt.include_usage else usage)
-            if fmt.include_usage:
-                yield fmt.usage_chunk(usage)
+        try:
+            if fmt.chat:
+                yield fmt.chunk(role=True)
+            ev = first
+            while ev is None or ev["t"] != "end":
+                if ev is None:
+                    yield ": keep-alive\n\n"      # also how a closed connection is noticed
+                elif ev["t"] == "tok" and ev["p"] <= len(attempt):   # p == 0: a new attempt; beyond: a gap
+                    attempt = attempt[:ev["p"]] + ev["d"]
+                    if not attempt.startswith(sent):
+                        if not sent.startswith(attempt):
+                            raise _restarted(waiter.job_id)
+                        piece = ""                     # a rerun replaying what the client has
+                    else:
+                        piece = attempt[len(sent):]
+                    entries, at = ev.get("l") or [], ev.get("i", 0)
+                    entries = entries[sent_lps - at:] if fmt.want_logprobs and at <= sent_lps < at + len(entries) \
+                        else []
+                    if piece or entries:
+                        waiter.marks.setdefault("write", time.time())
+                        sent += piece
+                        sent_lps += len(entries)
+                        yield fmt.chunk(piece, entries=entries)
+                ev = waiter.next_event(keepalive=True)
+            job = waiter.finish()
+            output = job.output or ""
+            if job.status != JobStatus.completed:
+                yield _error_event(_job_error(job))
+            elif not output.startswith(sent):
+                yield _error_event(_restarted(job.id))
+            else:
+                rest = output[len(sent):]
+                rest_lps = (job.logprobs or [])[sent_lps:] if fmt.want_logprobs else []
+                if rest or rest_lps:
+                    yield fmt.chunk(rest, entries=rest_lps)
+                usage = _usage(job)
+                yield fmt.chunk(finish_reason=job.finish_reason, usage=None if fmt.include_usage else usage)
+                if fmt.include_usage:
+                    yield fmt.usage_chunk(usage)
+        except APIError as err:          # restarted, ledger unavailable, timed out: the job id is in the message
+            yield _error_event(err)
+        except Exception:                # a bug: the client still gets an error and the end of the stream
+            log.exception("stream of job %s failed", waiter.job_id)
+            yield _error_event(APIError(500, f"The stream of job '{waiter.job_id}' failed; its result will be at "
+                                             f"GET /v1/jobs/{waiter.job_id}.", "stream_failed"))
         yield "data: [DONE]\n\n"
         done = True
     finally:
