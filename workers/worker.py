@@ -43,6 +43,10 @@ ONLINE = ("realtime", "interactive")
 QUEUES = {"gpu": ("realtime", "interactive", "batch", "deferrable"), "cpu": ("deferrable",)}
 HEARTBEAT_KEY = "tidepool:worker:{}"
 RUNNING: dict[str, "Worker"] = {}   # workers of this process, by name (embedded mode, admin panel)
+# A result the ledger refused (e.g. during a database restart) is written again in place, the pause doubling
+# from WRITE_RETRY_FIRST to WRITE_RETRY_MAX seconds, for up to WRITE_PATIENCE seconds: the write is guarded by
+# the lease, so it lands exactly once, or not at all if the sweeper has requeued the job meanwhile.
+WRITE_RETRY_FIRST, WRITE_RETRY_MAX, WRITE_PATIENCE = 0.25, 4.0, 300.0
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -178,6 +182,8 @@ class Worker:
         self._broker_errors: tuple = (OSError,)
         self._queues: dict[str, Queue] = {}
         self._held: list[tuple[str, object]] = []      # messages waiting for an earlier attempt to leave
+        self._unwritten: list[tuple[Inflight, object, float]] = []   # results the ledger refused: (inf, out, since)
+        self._retry_at, self._retry_pause = 0.0, WRITE_RETRY_FIRST
         self._next_check = self._next_renew = self._next_beat = 0.0
         self.started_at = time.time()
 
@@ -416,6 +422,8 @@ class Worker:
                 del self.inflight[inf.job_id]
                 self.preempted[inf.sla_class] += out.num_preemptions
                 done.append((inf, out))
+        if self._unwritten and (done or time.monotonic() >= self._retry_at):
+            done = [(inf, out) for inf, out, _ in self._unwritten] + done
         if not done:
             return False
         try:
@@ -423,8 +431,15 @@ class Worker:
         except Exception:  # one bad row must not sink the others: retry one transaction each
             log.exception("worker %s: writing %d results failed; retrying one by one", self.cfg.name, len(done))
             statuses = [self._write_one(item) for item in done]
-        for (inf, _), status in zip(done, statuses):
-            if status is None:    # not in the ledger: no ack; the lease lapses and the sweeper requeues the job
+        since = {inf.job_id: at for inf, _, at in self._unwritten}
+        self._unwritten, now = [], time.monotonic()
+        for (inf, out), status in zip(done, statuses):
+            if status is None:    # not in the ledger (database down?): retried in place, with backoff
+                first = since.get(inf.job_id, now)
+                if now - first < WRITE_PATIENCE:
+                    self._unwritten.append((inf, out, first))
+                else:             # given up: no ack; the lease lapses and the sweeper requeues the job
+                    log.error("worker %s: gave up writing the result of %s", self.cfg.name, inf.job_id)
                 continue
             self.counters[{"completed": "completed", "lost": "dropped"}.get(status, "aborted")] += 1
             if status == "released":
@@ -432,6 +447,11 @@ class Worker:
             else:
                 self._ack(inf)        # only now: the result (or the cancellation) is in the ledger
             self._publish_end(inf, "queued" if status == "released" else status)
+        if self._unwritten:
+            self._retry_at = now + self._retry_pause
+            self._retry_pause = min(self._retry_pause * 2, WRITE_RETRY_MAX)
+        else:
+            self._retry_pause = WRITE_RETRY_FIRST
         return True
 
     def _write_one(self, item) -> str | None:
