@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install services browser model test run bench clean
+.PHONY: install services browser model test run up bench clean
 MODEL_DIR := models/smollm2-135m
 
 $(BIN)/python:
@@ -38,6 +38,12 @@ test: install services browser model
 
 run: install model
 	$(BIN)/tidepool serve
+
+# The Procfile stack (web on $PORT, default 8000; gpu, cpu, beat) with the venv's commands on PATH.
+# Needs TIDEPOOL_DATABASE_URL, TIDEPOOL_REDIS_URL, TIDEPOOL_MODEL and TIDEPOOL_ADMIN_TOKEN: see README, Production.
+PORT ?= 8000
+up: install
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/honcho start --no-colour -p $(PORT)
 
 bench: install model
 	$(BIN)/python benchmarks/engine_throughput.py --model $(MODEL_DIR)

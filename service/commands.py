@@ -35,9 +35,17 @@ def _config():
 
 
 def _db_upgrade(args) -> int:
+    import sys
+
     from service import migrate
-    migrate.upgrade(_config().database_url)
-    print(json.dumps({"upgraded": "head"}))
+    url = _config().database_url
+    try:
+        created = migrate.ensure_database(url)
+    except RuntimeError as exc:
+        print(f"tidepool db upgrade: {exc}", file=sys.stderr)
+        return 1
+    migrate.upgrade(url)
+    print(json.dumps({"upgraded": "head", "created": created}))
     return 0
 
 

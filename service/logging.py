@@ -1,5 +1,5 @@
-"""Structured logs: one JSON object per line. Lines about a job carry job_id, tenant and sla_class;
-API keys, bearer tokens and the admin token are scrubbed from every line before it is written."""
+"""Structured logs: one JSON object per line (plain lines with TIDEPOOL_LOG_FORMAT=text). Lines about a job carry
+job_id, tenant and sla_class; API keys, bearer tokens and the admin token are scrubbed from every line."""
 import json
 import logging
 import re
@@ -45,16 +45,69 @@ class JsonFormatter(logging.Formatter):
         return scrub(json.dumps(line, default=str))
 
 
-def configure(level: str | int = "INFO", stream=None) -> logging.Handler:
-    """Send the root logger to JSON lines on stream (stderr); idempotent."""
+class TextFormatter(logging.Formatter):
+    """TIDEPOOL_LOG_FORMAT=text: one plain line (no colours), the context fields as key=value, scrubbed too."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        extra = " ".join(f"{name}={getattr(record, name)}" for name in FIELDS if getattr(record, name, None) is not None)
+        line = f"{ts} {record.levelname} {record.name}: {record.getMessage()}" + (f" [{extra}]" if extra else "")
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return scrub(line)
+
+
+# Third-party loggers that speak at INFO on every request or tick (werkzeug's request lines, Celery beat's
+# "Sending due task" every few seconds): kept at WARNING unless TIDEPOOL_LOG_LEVEL is DEBUG.
+CHATTY = ("werkzeug", "celery", "kombu", "amqp", "alembic", "waitress", "gunicorn.access")
+
+
+def _spurious(record: logging.LogRecord) -> bool:
+    # kombu warns on every in-process memory:// connection, which has no host by design
+    return not record.getMessage().startswith("No hostname was supplied")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (so a replaced stderr never leaves a closed stream here)."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+def configure(level: str | int | None = None, stream=None, fmt: str | None = None) -> logging.Handler:
+    """Send the root logger to JSON lines (TIDEPOOL_LOG_FORMAT=text: plain lines) on stream (stderr), at
+    TIDEPOOL_LOG_LEVEL (INFO); idempotent. Every process calls it first (the CLI, gunicorn's app module)."""
+    import os
     root = logging.getLogger()
-    for h in root.handlers:
-        if isinstance(h.formatter, JsonFormatter):
-            return h
-    handler = logging.StreamHandler(stream or sys.stderr)
-    handler.setFormatter(JsonFormatter())
-    root.handlers = [handler]
+    ours = [h for h in root.handlers if isinstance(h.formatter, (JsonFormatter, TextFormatter))]
+    if ours and stream is None:
+        return ours[0]
+    level = level or os.environ.get("TIDEPOOL_LOG_LEVEL", "INFO").upper()
+    fmt = (fmt or os.environ.get("TIDEPOOL_LOG_FORMAT") or "json").lower()
+    if fmt not in ("json", "text"):
+        raise ValueError(f"TIDEPOOL_LOG_FORMAT must be json or text, got {fmt!r}")
+    handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    # basicConfig's (and our earlier) stream handlers go; others (a test runner's capture) stay
+    root.handlers = [h for h in root.handlers if type(h) is not logging.StreamHandler and h not in ours] + [handler]
     root.setLevel(level)
+    debug = logging.getLevelName(root.level) == "DEBUG"
+    for name in CHATTY:
+        logger = logging.getLogger(name)
+        logger.handlers = []
+        logger.propagate = True
+        if not debug:
+            logger.setLevel(logging.WARNING)
+    logging.getLogger("kombu.connection").addFilter(_spurious)
+    logging.captureWarnings(True)
     return handler
 
 

@@ -61,6 +61,13 @@ def main_beat(args) -> int:
     """`tidepool beat`: Celery beat embedded in a one-thread worker that runs the upkeep tasks."""
     from pathlib import Path
     Path(os.environ.get("TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule")).parent.mkdir(parents=True, exist_ok=True)
+    import logging
+
+    from celery.apps import worker as celery_worker
+    from celery.signals import setup_logging
+    setup_logging.connect(lambda **_: None, weak=False)   # Celery keeps to the root logger `tidepool` configured
+    # its shutdown notice is printed straight to stdout; make it a log line like every other
+    celery_worker.safe_say = lambda msg, f=None: logging.getLogger("tidepool.beat").info(msg.strip())
     app = make_celery()
     if app.conf.broker_url.startswith("memory"):
         raise SystemExit("tidepool beat needs TIDEPOOL_REDIS_URL; embedded mode (tidepool serve) runs upkeep itself")

@@ -15,7 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from service.logging import configure
+
     args = build_parser().parse_args(argv)
+    configure()
     return int(args.func(args) or 0)
 
 

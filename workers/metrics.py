@@ -74,9 +74,9 @@ class SnapshotStore:
 
 class EngineMetrics:
     def __init__(self, registry: CollectorRegistry | None = None, worker: str = "worker",
-                 store: SnapshotStore | None = None, device: str | None = None):
+                 store: SnapshotStore | None = None, device: str | None = None, model: str | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.worker, self.store, self.device = worker, store, device
+        self.worker, self.store, self.device, self.model = worker, store, device, model
         r = self.registry
         self.ttft = Histogram("tidepool:time_to_first_token_seconds", "Time to first token (engine arrival to "
                               "first token).", ["sla_class"], buckets=TTFT_BUCKETS, registry=r)
@@ -171,7 +171,7 @@ class EngineMetrics:
             prompt_rate = max(0, prompt - last[1]) / dt
             gen_rate = max(0, gen - last[2]) / dt
         self._rate[worker] = (now, prompt, gen)
-        return {"worker": worker, "device": self.device, "ts": now,
+        return {"worker": worker, "device": self.device, "model": self.model, "ts": now,
                 "running": stats.get("running", 0), "waiting": stats.get("waiting", 0),
                 "by_class": stats.get("by_class", {}), "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
                 "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0),
@@ -186,6 +186,21 @@ class EngineMetrics:
 def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0"):
     """Serve `registry` on http://addr:port/metrics from a daemon thread; returns (server, thread)."""
     return start_http_server(port, addr=addr, registry=registry)
+
+
+DEFAULT_PORTS = {"gpu": 9101, "cpu": 9102}     # per worker kind; a taken port moves on to the next free one
+
+
+def bind_metrics_server(port: int, registry: CollectorRegistry, tries: int = 32, addr: str = "0.0.0.0") -> int:
+    """Serve `registry` on the first free port from `port` on (at most `tries` ports); returns the bound port."""
+    error = None
+    for candidate in range(port, port + tries):
+        try:
+            start_metrics_server(candidate, registry, addr)
+            return candidate
+        except OSError as exc:
+            error = exc
+    raise OSError(f"no free port in {port}..{port + tries - 1}: {error}")
 
 
 def metrics_wsgi_app(registry: CollectorRegistry):

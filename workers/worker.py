@@ -35,7 +35,7 @@ from service.db import make_engine
 from service.models import Job, JobStatus, Tenant, cache_namespace, utcnow
 from workers import token_stream
 from workers.broker import take
-from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
+from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
 from workers.openai_bodies import CHAT, logprob_entries, prompt_ids, sampling_params
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class Worker:
         self.redis = redis_client
         self.stream = token_stream.for_redis(redis_client)
         # Gauges and counters move in the engine thread; the dashboard snapshot goes out with the heartbeat.
-        self.metrics = EngineMetrics(worker=cfg.name, device=cfg.device)
+        self.metrics = EngineMetrics(worker=cfg.name, device=cfg.device, model=cfg.model)
         self.snapshots = SnapshotStore(redis_client)
         self.inflight: dict[str, Inflight] = {}
         self.counters = {"claimed": 0, "completed": 0, "failed": 0, "aborted": 0, "dropped": 0, "throttled": 0}
@@ -186,6 +186,7 @@ class Worker:
         self._retry_at, self._retry_pause = 0.0, WRITE_RETRY_FIRST
         self._next_check = self._next_renew = self._next_beat = 0.0
         self.started_at = time.time()
+        self.metrics_port: int | None = None     # its own /metrics (process mode), shown in the heartbeat
 
     # -- public -----------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -196,7 +197,8 @@ class Worker:
             engine = {}
         return {"name": self.cfg.name, "kind": self.cfg.kind, "device": self.cfg.device, "model": self.cfg.model,
                 "queues": list(self.cfg.queues), "inflight": len(self.inflight), "started_at": self.started_at,
-                "at": time.time(), **self.counters, "preempted_by_class": dict(self.preempted), "engine": engine}
+                "at": time.time(), "metrics_port": self.metrics_port, **self.counters,
+                "preempted_by_class": dict(self.preempted), "engine": engine}
 
     def stop(self) -> None:
         self._stop.set()
@@ -586,18 +588,25 @@ def workers_from_redis(client) -> list[dict]:
 
 
 def main(args) -> int:
-    logging.basicConfig(level=os.environ.get("TIDEPOOL_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = WorkerConfig.from_env(kind=args.kind, device=args.device)
+    cfg.engine.update(getattr(args, "engine", None) or {})     # --kv-blocks etc. over the TIDEPOOL_* knobs
+    log.info("worker %s: loading %s on %s (the engine is ready when the next line says so)", cfg.name, cfg.model,
+             cfg.device, extra={"worker": cfg.name, "event": "worker.loading"})
+    started = time.perf_counter()
     worker = Worker(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
-    port = int(os.environ.get("TIDEPOOL_METRICS_PORT", "9101"))
+    port = int(os.environ.get("TIDEPOOL_METRICS_PORT") or DEFAULT_PORTS[cfg.kind])
     if port:
         try:
-            start_metrics_server(port, worker.metrics.registry)
+            port = bind_metrics_server(port, worker.metrics.registry)
         except OSError as exc:
-            log.warning("worker %s: no /metrics on port %d: %s", cfg.name, port, exc)
+            log.warning("worker %s: no /metrics: %s", cfg.name, exc, extra={"worker": cfg.name})
+            port = None
+    worker.metrics_port = port
+    log.info("worker %s: engine up in %.1f s, consuming %s, /metrics on port %s", cfg.name,
+             time.perf_counter() - started, ",".join(cfg.queues), port,
+             extra={"worker": cfg.name, "event": "worker.ready"})
     print(json.dumps({"worker": cfg.name, "kind": cfg.kind, "device": cfg.device, "model": cfg.model,
                       "queues": list(cfg.queues), "metrics_port": port}), flush=True)
     worker.run()

@@ -52,10 +52,23 @@ def test_openapi_documents_exactly_the_url_map(embedded_app):
     assert len(ROUTES) == len(documented)
 
 
-def test_health_and_readiness(client, tmp_path, pg_url):
+def test_health_and_readiness(client, tmp_path, pg_url, redis_url):
+    from service import create_app
+    from workers.metrics import EngineMetrics, SnapshotStore
     assert client.get("/healthz").get_json() == {"status": "ok"}
-    r = client.get("/readyz")
-    assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok", "broker": "ok"}
+    app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path),
+                      "model": str(tmp_path / "models" / "m1")})
+    store = SnapshotStore(app.extensions["tidepool.redis"])
+    store.clear()
+    r = app.test_client().get("/readyz")       # no worker has its engine up yet
+    assert r.status_code == 503 and "engine no worker with its engine up yet for m1" in r.get_json()["error"]["message"]
+    store.put(EngineMetrics(worker="w-ready", model="/elsewhere/other-model").snapshot({}))
+    assert app.test_client().get("/readyz").status_code == 503     # a worker for another model does not count
+    store.put(EngineMetrics(worker="w-ready", model="models/m1").snapshot({}))
+    r = app.test_client().get("/readyz")
+    assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok", "broker": "ok", "engine": "ok"}
+    store.clear()
+    app.extensions["tidepool.engine"].dispose()
     from service import create_app
     down = create_app({"database_url": pg_url, "redis_url": "redis://127.0.0.1:1/0", "storage_dir": str(tmp_path)})
     r = down.test_client().get("/readyz")
