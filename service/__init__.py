@@ -8,6 +8,7 @@ def create_app(test_config: dict | Config | None = None) -> Flask:
     import redis as redis_lib
 
     from . import db, errors, logging, metrics, panel
+    from . import api
     from .api import admin, batches, files, health, jobs, openai_compat
     from .dispatch import Dispatcher, make_celery
     from .quotas import MemoryLimiter, RedisLimiter
@@ -34,6 +35,7 @@ def create_app(test_config: dict | Config | None = None) -> Flask:
                                                        cfg.dispatch_chunk_size)
     for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp):
         app.register_blueprint(bp)
+    api.init_app(app)
     metrics.init_app(app)
     logging.init_app(app)
     panel.init_app(app)

@@ -49,7 +49,12 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
             custom_id = item.get("custom_id")
             if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
                 errors.append(_line_error(lineno, "missing_required_parameter",
-                                          "'custom_id' must be a non-empty string.", "custom_id"))
+                                          "'custom_id' must be a non-empty string of at most 512 characters.",
+                                          "custom_id"))
+                continue
+            if bodies.bad_text(custom_id):
+                errors.append(_line_error(lineno, "invalid_value", f"'custom_id' {bodies.bad_text(custom_id)}.",
+                                          "custom_id"))
                 continue
             if custom_id in seen:
                 errors.append(_line_error(lineno, "duplicate_custom_id",

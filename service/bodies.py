@@ -23,6 +23,36 @@ ALLOWED = {COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "best_of"},
 NATIVE_EXTRA = {"sla_class", "deadline", "metadata"}
 
 
+def bad_text(value: str) -> str | None:
+    """Why a string cannot be stored (Postgres text holds no NUL) or encoded (a lone surrogate is not valid
+    Unicode); None when it is fine."""
+    if "\x00" in value:
+        return "must not contain NUL characters"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must not contain lone surrogates (invalid Unicode)"
+    return None
+
+
+def check_text(value, param: str) -> None:
+    """Every string in a JSON value (keys included), as bad_text; the 400 names where the bad one is."""
+    if isinstance(value, str):
+        why = bad_text(value)
+        if why:
+            raise bad_request(f"'{param}' {why}.", param)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            where = f"{param}.{k}" if param else str(k)
+            if isinstance(k, str) and bad_text(k):
+                raise bad_request(f"'{param or 'body'}' has a key that {bad_text(k)}.", param or None)
+            check_text(v, where)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if not isinstance(v, int):
+                check_text(v, f"{param}[{i}]")
+
+
 @dataclass
 class Checked:
     endpoint: str
@@ -105,6 +135,7 @@ def _check_stop(body):
 def check_metadata(meta, param="metadata"):
     if meta is None:
         return None
+    check_text(meta, param)
     if not isinstance(meta, dict) or len(meta) > 16 or not all(
             isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items()):
         raise bad_request("'metadata' must be an object of at most 16 string keys (≤64 chars) "
@@ -135,6 +166,7 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
           extra_allowed=frozenset()) -> Checked:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
+    check_text(body, "")
     unknown = sorted(set(body) - ALLOWED[endpoint] - set(extra_allowed))
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")

@@ -4,6 +4,7 @@ from datetime import datetime
 from flask import current_app, request
 
 from ..config import Config
+from ..bodies import bad_text
 from ..errors import bad_request
 
 
@@ -44,3 +45,15 @@ def page(rows: list, limit: int, render) -> dict:
     data = [render(r) for r in rows[:limit]]
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit}
+
+
+def check_arguments() -> None:
+    """Path ids and query parameters must be text the ledger can compare (no NUL, no lone surrogates)."""
+    for name, value in [*(request.view_args or {}).items(), *request.args.items(multi=True)]:
+        why = bad_text(name) or (bad_text(value) if isinstance(value, str) else None)
+        if why:
+            raise bad_request(f"'{name}' {why}.", name if not bad_text(name) else None)
+
+
+def init_app(app) -> None:
+    app.before_request(check_arguments)

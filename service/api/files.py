@@ -1,8 +1,12 @@
 """OpenAI Files API: bytes stream to the storage folder, the ledger keeps the metadata."""
+import re
+import unicodedata
+
 from flask import Blueprint, g, request, send_file
 from sqlalchemy import select
 
 from ..auth import tenant_required
+from ..bodies import bad_text
 from ..db import session
 from ..errors import APIError, bad_request, not_found
 from ..models import File, new_id, utcnow
@@ -11,6 +15,14 @@ from . import cfg, ext, limit_arg, page, ts
 bp = Blueprint("files", __name__)
 PURPOSES = ("batch",)
 MULTIPART_SLACK = 64 * 1024
+
+
+def safe_filename(name: str | None) -> str:
+    """A client's file name as stored and echoed in Content-Disposition: the last path component, control
+    characters and quoting/separator characters replaced, at most 255 characters."""
+    name = re.split(r"[\\/]", name or "")[-1]
+    name = "".join("_" if unicodedata.category(c)[0] == "C" or c in '"\';' else c for c in name).strip(" .")
+    return name[:255] or "upload"
 
 
 def file_json(f: File) -> dict:
@@ -45,13 +57,22 @@ def upload_file():
     upload = request.files.get("file")
     if upload is None:
         raise bad_request("'file' is required.", "file", "missing_required_parameter")
+    why = bad_text(upload.filename or "")
+    if why:
+        raise bad_request(f"The file name {why}.", "file")
     file_id = new_id("file-")
-    size = ext("storage").save(file_id, upload.stream, limit)
-    f = File(id=file_id, tenant_id=g.tenant.id, purpose=purpose, filename=(upload.filename or "upload")[:255],
+    storage = ext("storage")
+    size = storage.save(file_id, upload.stream, limit)
+    f = File(id=file_id, tenant_id=g.tenant.id, purpose=purpose, filename=safe_filename(upload.filename),
              bytes=size, created_at=utcnow())
     s = session()
-    s.add(f)
-    s.commit()
+    try:
+        s.add(f)
+        s.commit()
+    except BaseException:   # no bytes on disk without their row
+        s.rollback()
+        storage.delete(file_id)
+        raise
     return file_json(f)
 
 
@@ -84,7 +105,7 @@ def get_file(file_id):
 def file_content(file_id):
     f = own_file(file_id)
     return send_file(ext("storage").path(f.id), mimetype="application/jsonl", as_attachment=True,
-                     download_name=f.filename)
+                     download_name=safe_filename(f.filename))
 
 
 @bp.delete("/v1/files/<file_id>")

@@ -74,8 +74,9 @@ def create_job():
     key = request.headers.get("Idempotency-Key")
     request_hash = find = None
     if key is not None:
-        if not key or len(key) > 255:
-            raise bad_request("Idempotency-Key must be 1 to 255 characters.", "Idempotency-Key")
+        if not key or len(key) > 255 or bodies.bad_text(key):
+            raise bad_request("Idempotency-Key must be 1 to 255 characters, with no NUL or lone surrogates.",
+                              "Idempotency-Key")
         request_hash = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
         find = select(Job).where(Job.tenant_id == g.tenant.id, Job.idempotency_key == key)
         replay = _replay(session().scalar(find), request_hash)
