@@ -13,7 +13,16 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT)
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: 512}
-MAX_PROMPT_TOKEN_IDS = 1 << 20
+# Bounds on every list and string of a request (README "Request limits"); beyond them, a 400 naming the field.
+MAX_PROMPT_TOKEN_IDS = 1 << 20     # ids in a token-id prompt
+MAX_TOKEN_ID = (1 << 31) - 1       # largest token id (prompt, stop_token_ids)
+MAX_PROMPT_CHARS = 1 << 21         # characters of a prompt, or of all messages' text together
+MAX_MESSAGES = 2048                # messages in a chat request
+MAX_CONTENT_PARTS = 256            # text parts of one message
+MAX_NAME_CHARS = 256               # model, user, a message's name
+MAX_STOP = 16                      # stop strings
+MAX_STOP_CHARS = 256               # characters of one stop string
+MAX_STOP_TOKEN_IDS = 256           # stop_token_ids
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -85,10 +94,14 @@ def _check_prompt(prompt) -> int:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty.", "prompt")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise bad_request(f"'prompt' has {len(prompt)} characters; at most {MAX_PROMPT_CHARS} are allowed.",
+                              "prompt", "string_above_max_length")
         return _estimate_text(prompt)
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
-        if len(prompt) > MAX_PROMPT_TOKEN_IDS:
-            raise bad_request("'prompt' has too many token ids.", "prompt")
+    if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_TOKEN_IDS:
+        raise bad_request(f"'prompt' has {len(prompt)} token ids; at most {MAX_PROMPT_TOKEN_IDS} are allowed.",
+                          "prompt", "array_above_max_length")
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in prompt):
         return len(prompt)
     raise bad_request("'prompt' must be a non-empty string or a non-empty list of token ids "
                       "(one prompt per request).", "prompt")
@@ -97,7 +110,10 @@ def _check_prompt(prompt) -> int:
 def _check_messages(messages) -> int:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list.", "messages")
-    total = 0
+    if len(messages) > MAX_MESSAGES:
+        raise bad_request(f"'messages' has {len(messages)} messages; at most {MAX_MESSAGES} are allowed.",
+                          "messages", "array_above_max_length")
+    total = chars = 0
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -109,6 +125,9 @@ def _check_messages(messages) -> int:
             raise bad_request(f"'{where}.role' must be one of {list(ROLES)}.", f"{where}.role")
         content = m.get("content")
         if isinstance(content, list):
+            if len(content) > MAX_CONTENT_PARTS:
+                raise bad_request(f"'{where}.content' has more than {MAX_CONTENT_PARTS} parts.", f"{where}.content",
+                                  "array_above_max_length")
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
                 raise bad_request(f"'{where}.content' parts must be {{'type': 'text', 'text': str}}.",
@@ -116,20 +135,29 @@ def _check_messages(messages) -> int:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise bad_request(f"'{where}.content' must be a string or a list of text parts.", f"{where}.content")
-        if "name" in m and not isinstance(m["name"], str):
-            raise bad_request(f"'{where}.name' must be a string.", f"{where}.name")
+        if "name" in m and (not isinstance(m["name"], str) or len(m["name"]) > MAX_NAME_CHARS):
+            raise bad_request(f"'{where}.name' must be a string of at most {MAX_NAME_CHARS} characters.",
+                              f"{where}.name")
+        chars += len(content)
+        if chars > MAX_PROMPT_CHARS:
+            raise bad_request(f"'messages' hold more than {MAX_PROMPT_CHARS} characters.", "messages",
+                              "string_above_max_length")
         total += _estimate_text(content) + 4 if content else 4
     return total
 
 
 def _check_stop(body):
     stop = body.get("stop")
-    if stop is not None and not isinstance(stop, str) and (
-            not isinstance(stop, list) or len(stop) > 16 or not all(isinstance(s, str) and s for s in stop)):
-        raise bad_request("'stop' must be a string or a list of at most 16 non-empty strings.", "stop")
+    if stop is not None and not (isinstance(stop, str) and len(stop) <= MAX_STOP_CHARS) and (
+            not isinstance(stop, list) or len(stop) > MAX_STOP
+            or not all(isinstance(s, str) and s and len(s) <= MAX_STOP_CHARS for s in stop)):
+        raise bad_request(f"'stop' must be a string or a list of at most {MAX_STOP} non-empty strings, each of at "
+                          f"most {MAX_STOP_CHARS} characters.", "stop")
     ids = body.get("stop_token_ids")
-    if ids is not None and (not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids)):
-        raise bad_request("'stop_token_ids' must be a list of token ids.", "stop_token_ids")
+    if ids is not None and (not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS
+                            or not all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in ids)):
+        raise bad_request(f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids.",
+                          "stop_token_ids")
 
 
 def check_metadata(meta, param="metadata"):
@@ -171,8 +199,8 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("'model' must be a string.", "model")
+    if model is not None and (not isinstance(model, str) or len(model) > MAX_NAME_CHARS):
+        raise bad_request(f"'model' must be a string of at most {MAX_NAME_CHARS} characters.", "model")
     if model is not None and served_model and model != served_model:
         raise bad_request(f"The model '{model}' does not exist; this service serves '{served_model}'.",
                           "model", "model_not_found")
@@ -209,8 +237,8 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
         raise bad_request("'n' must be 1.", "n", "unsupported_value")
     if body.get("stream") not in (None, False):
         raise bad_request("'stream' is not supported for queued jobs.", "stream", "unsupported_value")
-    if "user" in body and not isinstance(body["user"], str):
-        raise bad_request("'user' must be a string.", "user")
+    if "user" in body and (not isinstance(body["user"], str) or len(body["user"]) > MAX_NAME_CHARS):
+        raise bad_request(f"'user' must be a string of at most {MAX_NAME_CHARS} characters.", "user")
 
     clean = {k: v for k, v in body.items() if k not in extra_allowed and v is not None}
     max_tokens = clean.pop("max_completion_tokens", None) or clean.get("max_tokens") \

@@ -18,6 +18,10 @@ def audit(s: Session, actor: str, action: str, target: str | None, details: dict
     s.add(AuditLog(actor=actor, action=action, target=target, details=details, at=utcnow()))
 
 
+_QUOTA_MAX = {"monthly_token_budget": (1 << 63) - 1, "max_file_bytes": (1 << 63) - 1}   # BIGINT columns
+MAX_WEIGHT = 1e6
+
+
 def check_quota_fields(values: dict) -> dict:
     if not isinstance(values, dict):
         raise bad_request("quota must be an object", "quota")
@@ -26,10 +30,12 @@ def check_quota_fields(values: dict) -> dict:
         if name not in QUOTA_FIELDS:
             raise bad_request(f"Unknown quota field '{name}'.", name, "unknown_parameter")
         if name == "allowed_sla_classes":
-            if not isinstance(value, list) or any(v not in SLA_CLASSES for v in value):
+            if not isinstance(value, list) or len(value) > len(SLA_CLASSES) or any(v not in SLA_CLASSES for v in value):
                 raise bad_request(f"allowed_sla_classes must be a list drawn from {list(SLA_CLASSES)}.", name)
-        elif value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise bad_request(f"{name} must be a non-negative integer or null.", name)
+        elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                    or not 0 <= value <= _QUOTA_MAX.get(name, (1 << 31) - 1)):
+            raise bad_request(f"{name} must be an integer in [0, {_QUOTA_MAX.get(name, (1 << 31) - 1)}] or null.",
+                              name)
         out[name] = value
     return out
 
@@ -38,8 +44,8 @@ ONLINE_CLASSES = ("realtime", "interactive")
 
 
 def _check_weight(weight) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
-        raise bad_request("weight must be a positive number.", "weight")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= MAX_WEIGHT:
+        raise bad_request(f"weight must be a number in (0, {MAX_WEIGHT:g}].", "weight")
     return float(weight)
 
 
