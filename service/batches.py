@@ -196,5 +196,15 @@ def expire(s: Session, batch: Batch) -> None:
     batch.expired_at = now
 
 
+def fail_stale_validating(s: Session, older_than: timedelta) -> int:
+    """Batches still validating long after creation (left by a server that stopped mid-validation before
+    validation and creation were one transaction) fail with an error saying so; they hold no jobs."""
+    now = utcnow()
+    error = [_line_error(None, "validation_interrupted", "Validation of this batch was interrupted (the server "
+                                "stopped); create the batch again.")]
+    return s.execute(update(Batch).where(Batch.status == BatchStatus.validating, Batch.created_at < now - older_than)
+                     .values(status=BatchStatus.failed, failed_at=now, errors=error)).rowcount
+
+
 def default_expiry(created):
     return created + timedelta(hours=24)

@@ -4,6 +4,7 @@ them as Celery beat tasks, embedded mode runs them on a thread."""
 import json
 import logging
 import time
+from datetime import timedelta
 
 from kombu import Connection
 from sqlalchemy import select, update
@@ -14,6 +15,7 @@ from service.models import Batch, BatchStatus, Job, JobStatus, utcnow
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"
+STALE_VALIDATING = 600.0   # seconds after which a batch still validating is failed
 ORPHAN_GRACE = 10.0   # seconds a taken message may wait for its worker's first heartbeat
 
 
@@ -25,11 +27,12 @@ def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_
           orphan_grace: float = ORPHAN_GRACE) -> dict:
     """Requeue (or fail) running jobs whose lease lapsed, expire overdue jobs and batches, return
     unacked messages of dead consumers to their queues, and republish what never reached the broker."""
-    done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "restored_broker": 0, "restored_orphans": 0,
+    done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "batches_failed": 0, "restored_broker": 0, "restored_orphans": 0,
             "republished": 0}
     with Session(_ext(app, "engine")) as s:
         done["reclaimed"] = jobs.reclaim_lapsed(s, max_attempts=max_attempts)
         done["expired"] = jobs.expire_overdue(s)
+        done["batches_failed"] = batches.fail_stale_validating(s, timedelta(seconds=STALE_VALIDATING))
         for batch in s.scalars(select(Batch).where(Batch.status == BatchStatus.in_progress,
                                                    Batch.expired_at.is_(None), Batch.expires_at <= utcnow())):
             batches.expire(s, batch)

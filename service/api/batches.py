@@ -64,7 +64,7 @@ def create_batch():
                   sla_class=SlaClass(sla), status=BatchStatus.validating, metadata_=metadata, total=0, completed=0,
                   failed=0, created_at=now, expires_at=ledger.default_expiry(now))
     s.add(batch)
-    s.commit()
+    s.flush()   # committed with its jobs, or failed, never left validating: a crash here leaves no row
     try:
         errors, created = ledger.load_jobs(s, ext("storage"), batch, quota, served_model=conf.served_model_name,
                                            max_lines=conf.max_batch_lines, chunk_size=conf.batch_chunk_size)
@@ -73,6 +73,7 @@ def create_batch():
     if errors:
         s.rollback()
         batch.status, batch.failed_at, batch.errors = BatchStatus.failed, utcnow(), errors
+        s.add(batch)
         s.commit()
         return batch_json(batch)
     batch.status, batch.in_progress_at, batch.total = BatchStatus.in_progress, utcnow(), len(created)
