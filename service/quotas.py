@@ -7,11 +7,13 @@ disabled tenant or past a lowered max_queued. The row lock it takes serializes o
 until commit, which is what makes max_queued hold under concurrency."""
 import copy
 import json
+import logging
 import threading
 import time
 from datetime import datetime, timezone
 
 from flask import g, has_request_context
+from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 from sqlalchemy import and_, exists, false, func, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
@@ -22,6 +24,7 @@ from .metrics import quota_rejected
 from .models import ApiKey, Job, Quota, Tenant, Usage
 
 WINDOW = 60
+log = logging.getLogger(__name__)
 
 _LUA = """
 local r = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -37,17 +40,25 @@ _REASONS = {1: ("requests_per_minute", "requests per minute"), 2: ("tokens_per_m
 
 
 class RedisLimiter:
-    """Fixed one-minute windows; the check and both increments are one Lua call, so it is atomic."""
+    """Fixed one-minute windows; the check and both increments are one Lua call, so it is atomic.
+
+    While Redis is unreachable the limits fail open within a bound: each web process counts the same windows
+    in memory, so a tenant gets at most (web processes) x its limit during an outage, and nobody gets a 5xx."""
 
     def __init__(self, client):
         self.client = client
         self.script = client.register_script(_LUA)
+        self.fallback = MemoryLimiter()
 
     def hit(self, tenant_id: str, rpm: int | None, tpm: int | None, tokens: int, now: float) -> int:
         window = int(now // WINDOW)
         keys = [f"tp:rl:{{{tenant_id}}}:req:{window}", f"tp:rl:{{{tenant_id}}}:tok:{window}"]
-        return int(self.script(keys=keys, args=[-1 if rpm is None else rpm, -1 if tpm is None else tpm,
-                                                tokens, WINDOW * 2]))
+        try:
+            return int(self.script(keys=keys, args=[-1 if rpm is None else rpm, -1 if tpm is None else tpm,
+                                                    tokens, WINDOW * 2]))
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("rate limits counted in this process: Redis is unreachable (%s)", exc)
+            return self.fallback.hit(tenant_id, rpm, tpm, tokens, now)
 
 
 class MemoryLimiter:
