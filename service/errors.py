@@ -45,7 +45,11 @@ def init_app(app) -> None:
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):
         code = {413: "file_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.code)
-        return error_response(exc.code or 500, exc.description or exc.name, code)
+        resp = error_response(exc.code or 500, exc.description or exc.name, code)
+        for name, value in exc.get_headers():   # e.g. Allow on a 405
+            if name.lower() != "content-type":
+                resp.headers[name] = value
+        return resp
 
     @app.errorhandler(OperationalError)
     @app.errorhandler(InterfaceError)

@@ -1,4 +1,5 @@
 """OpenAPI 3 document for every route; tests/service/test_openapi.py keeps it equal to the URL map."""
+from . import bodies
 from .bodies import ALLOWED, CHAT, COMPLETIONS
 from .config import SLA_CLASSES
 from .models import BatchStatus, JobStatus
@@ -25,7 +26,8 @@ ROUTES = [
      "Tenant"),
     ("get", "/v1/admin/tenants", "List tenants", "adminToken", None, 200, "List"),
     ("get", "/v1/admin/tenants/{tenant_id}", "Get a tenant", "adminToken", None, 200, "Tenant"),
-    ("patch", "/v1/admin/tenants/{tenant_id}", "Change weight or default online SLA class", "adminToken",
+    ("patch", "/v1/admin/tenants/{tenant_id}", "Change weight, default online SLA class or prefix-cache group",
+     "adminToken",
      "TenantUpdate", 200, "Tenant"),
     ("post", "/v1/admin/tenants/{tenant_id}/disable", "Disable a tenant", "adminToken", None, 200, "Tenant"),
     ("post", "/v1/admin/tenants/{tenant_id}/enable", "Enable a tenant", "adminToken", None, 200, "Tenant"),
@@ -33,106 +35,199 @@ ROUTES = [
     ("post", "/v1/admin/tenants/{tenant_id}/keys", "Issue an API key (shown once)", "adminToken", None, 201,
      "ApiKey"),
     ("get", "/v1/admin/tenants/{tenant_id}/keys", "List a tenant's keys", "adminToken", None, 200, "List"),
-    ("post", "/v1/admin/keys/{prefix}/revoke", "Revoke an API key by prefix", "adminToken", None, 200, None),
+    ("post", "/v1/admin/keys/{prefix}/revoke", "Revoke an API key by prefix", "adminToken", None, 200, "Revoked"),
     ("get", "/v1/admin/jobs", "List jobs across tenants", "adminToken", None, 200, "JobList"),
     ("get", "/v1/admin/batches", "List batches across tenants", "adminToken", None, 200, "List"),
-    ("get", "/v1/admin/queues", "Broker queue depths per SLA class", "adminToken", None, 200, None),
+    ("get", "/v1/admin/queues", "Broker queue depths per SLA class", "adminToken", None, 200, "Queues"),
     ("get", "/v1/admin/audit", "Admin audit log", "adminToken", None, 200, "List"),
     ("post", "/v1/completions", "OpenAI completion (stream: true for server-sent events)", "apiKey",
-     "OnlineCreate", 200, "Completion"),
+     "CompletionCreate", 200, "Completion"),
     ("post", "/v1/chat/completions", "OpenAI chat completion (stream: true for server-sent events)", "apiKey",
-     "OnlineCreate", 200, "Completion"),
+     "ChatCreate", 200, "Completion"),
     ("get", "/v1/models", "The served model", "apiKey", None, 200, "List"),
     ("get", "/v1/models/{model_id}", "Get the served model", "apiKey", None, 200, "Model"),
 ]
 
 _ERROR_CODES = {"400": "Bad input", "401": "Bad or revoked key", "403": "Not allowed", "404": "Not found",
-                "409": "Conflict", "413": "Too large", "429": "Over quota (Retry-After)"}
+                "409": "Conflict", "413": "Too large", "429": "Over quota (Retry-After)",
+                "503": "Database or broker unavailable (Retry-After)"}
+_EXTRA_CODES = {"/v1/files": {"415": "Not multipart/form-data"},
+                "/readyz": {},
+                "/v1/completions": {"500": "The job failed", "504": "Timed out or expired"},
+                "/v1/chat/completions": {"500": "The job failed", "504": "Timed out or expired"}}
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
 _NUM = {"type": "number"}
+_BOOL = {"type": "boolean"}
+_NULL_STR = {"type": ["string", "null"]}
 _DEFAULT_CLASS = {"enum": ["realtime", "interactive", None], "description": "class of online requests that name none"}
 _TS = {"type": ["integer", "null"], "description": "Unix seconds"}
 
-_SAMPLING = {name: _NUM for name in sorted(ALLOWED[COMPLETIONS] | ALLOWED[CHAT])}
-_SAMPLING.update(model=_STR, user=_STR, stop={"oneOf": [_STR, {"type": "array", "items": _STR}]},
-                 prompt={"oneOf": [_STR, {"type": "array", "items": _INT}]},
-                 messages={"type": "array", "items": {"type": "object", "properties": {
-                     "role": _STR, "content": {"oneOf": [_STR, {"type": "array"}]}}}},
-                 ignore_eos={"type": "boolean"}, stream={"type": "boolean"}, echo={"type": "boolean"},
-                 logprobs={"oneOf": [_INT, {"type": "boolean"}]})
+
+def _int(lo, hi) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi}
+
+
+def _num(lo, hi, lo_open=False) -> dict:
+    return {"type": "number", ("exclusiveMinimum" if lo_open else "minimum"): lo, "maximum": hi}
+
+
+def _nullable(schema: dict) -> dict:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+_TOKEN_ID = _int(0, bodies.MAX_TOKEN_ID)
+_NAME = {"type": "string", "maxLength": bodies.MAX_NAME_CHARS}
+_TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+              "properties": {"type": {"const": "text"}, "text": _STR}}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+    "role": {"enum": list(bodies.ROLES)}, "name": _NAME,
+    "content": {"oneOf": [_STR, {"type": "array", "maxItems": bodies.MAX_CONTENT_PARTS, "items": _TEXT_PART}]}}}
+_FIELDS = {   # every body field bodies.check accepts, with its bounds; null means "not given"
+    "model": _NAME, "user": _NAME,
+    "max_tokens": _int(1, 1 << 20), "max_completion_tokens": _int(1, 1 << 20),
+    "temperature": _num(0, 2), "top_p": _num(0, 1, lo_open=True), "min_p": _num(0, 1),
+    "top_k": _int(-1, 1 << 20), "seed": _int(-(1 << 63), (1 << 64) - 1),
+    "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2),
+    "repetition_penalty": _num(0, 10, lo_open=True),
+    "stop": {"oneOf": [{"type": "string", "maxLength": bodies.MAX_STOP_CHARS},
+                       {"type": "array", "maxItems": bodies.MAX_STOP,
+                        "items": {"type": "string", "minLength": 1, "maxLength": bodies.MAX_STOP_CHARS}}]},
+    "stop_token_ids": {"type": "array", "maxItems": bodies.MAX_STOP_TOKEN_IDS, "items": _TOKEN_ID},
+    "ignore_eos": _BOOL, "n": {"const": 1}, "stream": _BOOL, "echo": {"const": False}, "best_of": {"const": 1},
+    "top_logprobs": _int(0, 20),
+}
+_PROMPT = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": bodies.MAX_PROMPT_CHARS},
+                     {"type": "array", "minItems": 1, "maxItems": bodies.MAX_PROMPT_TOKEN_IDS, "items": _TOKEN_ID}]}
+_MESSAGES = {"type": "array", "minItems": 1, "maxItems": bodies.MAX_MESSAGES, "items": _MESSAGE}
+_METADATA = _nullable({"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                       "additionalProperties": {"type": "string", "maxLength": 512}})
+
+
+def _request(endpoint: str, extra: dict, stream=None) -> dict:
+    """The body schema of one endpoint: exactly the fields bodies.check allows, plus extra."""
+    props = {name: _nullable(_FIELDS[name]) for name in sorted(ALLOWED[endpoint]) if name in _FIELDS}
+    if endpoint == COMPLETIONS:
+        props.update(prompt=_PROMPT, logprobs=_nullable(_int(0, 20)))
+    else:
+        props.update(messages=_MESSAGES, logprobs=_nullable(_BOOL))
+    if stream is not None:
+        props["stream"] = stream
+    return {"type": "object", "additionalProperties": False, "required": ["prompt" if endpoint == COMPLETIONS
+                                                                          else "messages"],
+            "properties": {**props, **extra}}
+
+
+_JOB_EXTRA = {"sla_class": {"enum": list(SLA_CLASSES), "default": "interactive"},
+              "deadline": _nullable({"oneOf": [{"type": "string", "format": "date-time"}, _NUM]}),
+              "metadata": _METADATA}
+_ONLINE_EXTRA = {"sla_class": _nullable({"enum": ["realtime", "interactive"]}),
+                 "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}})}
+_QUOTA = {name: _nullable(_int(0, (1 << 63) - 1 if name in ("monthly_token_budget", "max_file_bytes") else (1 << 31) - 1))
+          for name in ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued",
+                       "monthly_token_budget", "max_tokens_per_request", "max_file_bytes")}
+_WEIGHT = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6}
+_CACHE_GROUP = {"type": ["string", "null"], "minLength": 1, "maxLength": 64,
+                "description": "tenants of one group share cached prompt prefixes"}
+_LIST_FIELDS = {"object": {"const": "list"}, "data": {"type": "array"}, "first_id": _NULL_STR,
+                "last_id": _NULL_STR, "has_more": _BOOL}
 
 SCHEMAS = {
-    "Error": {"type": "object", "properties": {"error": {"type": "object", "properties": {
-        "message": _STR, "type": _STR, "param": {"type": ["string", "null"]},
-        "code": {"type": ["string", "null"]}}}}},
+    "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "properties": {
+        "message": _STR, "type": _STR, "param": _NULL_STR, "code": _NULL_STR}}}},
     "Status": {"type": "object", "properties": {"status": _STR, "checks": {"type": "object"}}},
-    "List": {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array"},
-                                              "first_id": _STR, "last_id": _STR, "has_more": {"type": "boolean"}}},
-    "Deleted": {"type": "object", "properties": {"id": _STR, "object": _STR, "deleted": {"type": "boolean"}}},
-    "JobCreate": {"type": "object", "additionalProperties": False, "properties": {
-        **_SAMPLING, "sla_class": {"enum": list(SLA_CLASSES), "default": "interactive"},
-        "deadline": {"oneOf": [_STR, _NUM]}, "metadata": {"type": "object"}}},
+    "List": {"type": "object", "required": ["object", "data"], "properties": _LIST_FIELDS},
+    "Deleted": {"type": "object", "properties": {"id": _STR, "object": _STR, "deleted": _BOOL}},
+    "JobCreate": {"oneOf": [_request(COMPLETIONS, _JOB_EXTRA, stream=_nullable({"const": False})),
+                            _request(CHAT, _JOB_EXTRA, stream=_nullable({"const": False}))]},
     "Job": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "job"}, "status": {"enum": [s.value for s in JobStatus]},
         "sla_class": {"enum": list(SLA_CLASSES)}, "endpoint": _STR, "request": {"type": "object"},
-        "metadata": {"type": ["object", "null"]}, "batch_id": _STR, "custom_id": _STR, "deadline": _TS,
+        "metadata": {"type": ["object", "null"]}, "batch_id": _NULL_STR, "custom_id": _NULL_STR, "deadline": _TS,
         "created_at": _TS, "queued_at": _TS, "dispatched_at": _TS, "started_at": _TS, "first_token_at": _TS,
-        "finished_at": _TS, "attempts": _INT, "worker": _STR, "usage": {"type": ["object", "null"]},
-        "output": {"type": ["object", "null"]}, "finish_reason": _STR, "error": {"type": ["object", "null"]}}},
-    "JobList": {"allOf": [{"$ref": "#/components/schemas/List"},
-                          {"type": "object", "properties": {"next_cursor": {"type": ["string", "null"]}}}]},
+        "finished_at": _TS, "attempts": _INT, "worker": _NULL_STR, "usage": {"type": ["object", "null"]},
+        "output": {"type": ["object", "null"]}, "finish_reason": _NULL_STR, "error": {"type": ["object", "null"]},
+        "tenant_id": _STR}},
+    "JobList": {"type": "object", "required": ["object", "data"],
+                "properties": {**_LIST_FIELDS, "data": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},
+                               "next_cursor": _NULL_STR}},
     "FileUpload": {"type": "object", "required": ["file", "purpose"], "properties": {
         "file": {"type": "string", "format": "binary"}, "purpose": {"enum": ["batch"]}}},
     "File": {"type": "object", "properties": {"id": _STR, "object": {"const": "file"}, "bytes": _INT,
                                               "created_at": _INT, "filename": _STR, "purpose": _STR,
-                                              "status": _STR}},
-    "BatchCreate": {"type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
+                                              "status": _STR, "status_details": {"type": "null"},
+                                              "expires_at": {"type": "null"}}},
+    "BatchCreate": {"type": "object", "additionalProperties": False,
+                    "required": ["input_file_id", "endpoint", "completion_window"],
                     "properties": {"input_file_id": _STR, "endpoint": {"enum": [COMPLETIONS, CHAT]},
-                                   "completion_window": {"enum": ["24h"]}, "metadata": {"type": "object"},
+                                   "completion_window": {"const": "24h"}, "metadata": _METADATA,
                                    "sla_class": {"enum": ["batch", "deferrable"], "default": "batch"}}},
     "Batch": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "batch"}, "endpoint": _STR, "input_file_id": _STR,
+        "completion_window": _STR, "sla_class": {"enum": ["batch", "deferrable"]},
         "status": {"enum": [s.value for s in BatchStatus]}, "errors": {"type": ["object", "null"]},
-        "output_file_id": _STR, "error_file_id": _STR, "request_counts": {"type": "object", "properties": {
-            "total": _INT, "completed": _INT, "failed": _INT}}, "created_at": _INT, "expires_at": _INT}},
-    "TenantCreate": {"type": "object", "required": ["name"], "properties": {
-        "name": _STR, "weight": _NUM, "quota": {"$ref": "#/components/schemas/Quota"},
-        "default_sla_class": _DEFAULT_CLASS}},
-    "TenantUpdate": {"type": "object", "properties": {"weight": _NUM, "default_sla_class": _DEFAULT_CLASS}},
-    "Tenant": {"type": "object", "properties": {"id": _STR, "name": _STR, "weight": _NUM,
-                                                "default_sla_class": _DEFAULT_CLASS,
-                                                "disabled": {"type": "boolean"}, "api_key": _STR,
-                                                "quota": {"$ref": "#/components/schemas/Quota"}}},
-    "Quota": {"type": "object", "properties": {
-        "requests_per_minute": _INT, "tokens_per_minute": _INT, "max_running": _INT, "max_queued": _INT,
-        "monthly_token_budget": _INT, "max_tokens_per_request": _INT, "max_file_bytes": _INT,
-        "allowed_sla_classes": {"type": "array", "items": {"enum": list(SLA_CLASSES)}}}},
-    "OnlineCreate": {"type": "object", "properties": {
-        **_SAMPLING, "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-        "sla_class": {"enum": ["realtime", "interactive"], "default": "interactive"}}},
+        "output_file_id": _NULL_STR, "error_file_id": _NULL_STR, "request_counts": {"type": "object", "properties": {
+            "total": _INT, "completed": _INT, "failed": _INT}}, "metadata": {"type": ["object", "null"]},
+        **{f: _TS for f in ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
+                            "failed_at", "expired_at", "cancelling_at", "cancelled_at")}}},
+    "TenantCreate": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 200}, "weight": _WEIGHT,
+        "quota": {"$ref": "#/components/schemas/Quota"}, "default_sla_class": _DEFAULT_CLASS}},
+    "TenantUpdate": {"type": "object", "additionalProperties": False, "properties": {
+        "weight": _WEIGHT, "default_sla_class": _DEFAULT_CLASS, "prefix_cache_group": _CACHE_GROUP}},
+    "Tenant": {"type": "object", "properties": {"id": _STR, "object": {"const": "tenant"}, "name": _STR,
+                                                "weight": _NUM, "default_sla_class": _DEFAULT_CLASS,
+                                                "prefix_cache_group": _CACHE_GROUP, "disabled": _BOOL,
+                                                "created_at": _INT, "queued_jobs": _INT, "running_jobs": _INT,
+                                                "api_key": _STR, "quota": {"$ref": "#/components/schemas/Quota"}}},
+    "Quota": {"type": "object", "additionalProperties": False, "properties": {
+        **_QUOTA, "allowed_sla_classes": {"type": "array", "maxItems": len(SLA_CLASSES),
+                                          "items": {"enum": list(SLA_CLASSES)}}}},
+    "CompletionCreate": _request(COMPLETIONS, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
+    "ChatCreate": _request(CHAT, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
     "Completion": {"type": "object", "description": "text_completion or chat.completion; with stream: true, "
                    "text/event-stream chunks ending in 'data: [DONE]'", "properties": {
-                       "id": _STR, "object": _STR, "created": _INT, "model": _STR, "choices": {"type": "array"},
+                       "id": _STR, "object": _STR, "created": _INT, "model": _NULL_STR, "choices": {"type": "array"},
                        "usage": {"type": "object", "properties": {
                            "prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}}},
     "Model": {"type": "object", "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT,
                                                "owned_by": _STR}},
-    "ApiKey": {"type": "object", "properties": {"prefix": _STR, "api_key": _STR, "tenant_id": _STR}},
+    "ApiKey": {"type": "object", "properties": {"prefix": _STR, "api_key": _STR, "tenant_id": _STR,
+                                                "created_at": _TS, "revoked_at": _TS, "last_used_at": _TS}},
+    "Revoked": {"type": "object", "properties": {"prefix": _STR, "revoked": {"const": True}}},
+    "Queues": {"type": "object", "properties": {"object": {"const": "queue_depths"},
+                                                "queues": {"type": "object", "additionalProperties": _INT}}},
+}
+
+_CURSOR = {"type": "string"}
+_QUERY = {   # query parameters each listing reads
+    ("get", "/v1/jobs"): {"status": {"enum": [s.value for s in JobStatus]}, "sla_class": {"enum": list(SLA_CLASSES)},
+                          "cursor": _CURSOR, "limit": _int(1, 1000)},
+    ("get", "/v1/files"): {"purpose": _STR, "after": _CURSOR, "order": {"enum": ["asc", "desc"]},
+                           "limit": _int(1, 10_000)},
+    ("get", "/v1/batches"): {"after": _CURSOR, "limit": _int(1, 100)},
+    ("get", "/v1/admin/jobs"): {"tenant_id": _STR, "batch_id": _STR, "status": {"enum": [s.value for s in JobStatus]},
+                                "sla_class": {"enum": list(SLA_CLASSES)}, "cursor": _CURSOR, "limit": _int(1, 1000)},
+    ("get", "/v1/admin/batches"): {"tenant_id": _STR, "after": _CURSOR, "limit": _int(1, 100)},
+    ("get", "/v1/admin/audit"): {"limit": _int(1, 1000)},
 }
 
 
 def _operation(method, path, summary, security, req, status, resp) -> dict:
     params = [{"name": seg[1:-1], "in": "path", "required": True, "schema": _STR}
               for seg in path.split("/") if seg.startswith("{")]
+    params += [{"name": name, "in": "query", "required": False, "schema": schema}
+               for name, schema in _QUERY.get((method, path), {}).items()]
     if path == "/v1/jobs" and method == "post":
-        params.append({"name": "Idempotency-Key", "in": "header", "required": False, "schema": _STR})
+        params.append({"name": "Idempotency-Key", "in": "header", "required": False,
+                       "schema": {"type": "string", "minLength": 1, "maxLength": 255}})
+    codes = {**_ERROR_CODES, **_EXTRA_CODES.get(path, {})}
     op = {"summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '')}"
           .replace("}", "").replace(".", "_"), "parameters": params, "responses": {
               str(status): {"description": "OK", **({"content": {"application/json": {
                   "schema": {"$ref": f"#/components/schemas/{resp}"}}}} if resp else {})},
               **{code: {"description": text, "content": {"application/json": {
-                  "schema": {"$ref": "#/components/schemas/Error"}}}} for code, text in _ERROR_CODES.items()}}}
+                  "schema": {"$ref": "#/components/schemas/Error"}}}} for code, text in codes.items()}}}
     if security:
         op["security"] = [{security: []}]
     if req:

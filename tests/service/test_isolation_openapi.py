@@ -1,0 +1,140 @@
+"""The OpenAPI document agrees with the server: every status a route answers is documented for it, every JSON
+response validates against its documented schema, request bodies the schema accepts are accepted and ones it
+rejects get a 400; a 405 names the allowed methods."""
+import io
+import json
+
+import jsonschema
+import pytest
+
+from service.openapi import spec
+
+from .conftest import ADMIN, Admin
+
+SPEC = spec()
+
+
+def _validator(schema: dict) -> jsonschema.Draft202012Validator:
+    return jsonschema.Draft202012Validator({**schema, "components": SPEC["components"]})
+
+
+def _op(method: str, path: str) -> dict:
+    return SPEC["paths"][path][method]
+
+
+def check(resp, method: str, path: str):
+    """resp is documented for (method, path): its status, and its JSON body against that status's schema."""
+    op = _op(method, path)
+    status = str(resp.status_code)
+    assert status in op["responses"], (method, path, status, resp.get_data(as_text=True)[:300])
+    content = op["responses"][status].get("content")
+    if content and resp.is_json:
+        errors = sorted(_validator(content["application/json"]["schema"]).iter_errors(resp.get_json()), key=str)
+        assert not errors, (method, path, status, [e.message for e in errors[:3]])
+    return resp
+
+
+def _body_ok(path: str, body: dict) -> bool:
+    schema = _op("post", path)["requestBody"]["content"]["application/json"]["schema"]
+    return _validator(schema).is_valid(body)
+
+
+def test_every_route_answers_as_documented(app):
+    client = app.test_client()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    tenant_id, key = Admin(client).tenant()
+    job = check(client.post("/v1/jobs", json={"prompt": "x", "metadata": {"a": "b"}}, headers=key),
+                "post", "/v1/jobs").get_json()
+    check(client.post("/v1/jobs", json={"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+                      headers=key), "post", "/v1/jobs")
+    check(client.post("/v1/jobs", json={"prompt": ""}, headers=key), "post", "/v1/jobs")
+    for method, path, url, kwargs in [
+        ("get", "/healthz", "/healthz", {}), ("get", "/readyz", "/readyz", {}),
+        ("get", "/v1/jobs", "/v1/jobs?limit=1", {"headers": key}),
+        ("get", "/v1/jobs", "/v1/jobs?limit=0", {"headers": key}),
+        ("get", "/v1/jobs", "/v1/jobs", {}),
+        ("get", "/v1/jobs/{job_id}", f"/v1/jobs/{job['id']}", {"headers": key}),
+        ("get", "/v1/jobs/{job_id}", "/v1/jobs/job_nope", {"headers": key}),
+        ("post", "/v1/jobs/{job_id}/cancel", f"/v1/jobs/{job['id']}/cancel", {"headers": key}),
+        ("post", "/v1/jobs/{job_id}/cancel", f"/v1/jobs/{job['id']}/cancel", {"headers": key}),
+        ("get", "/v1/files", "/v1/files", {"headers": key}),
+        ("post", "/v1/files", "/v1/files", {"headers": key, "data": b"x", "content_type": "text/plain"}),
+        ("get", "/v1/batches", "/v1/batches", {"headers": key}),
+        ("get", "/v1/models", "/v1/models", {"headers": key}),
+        ("get", "/v1/models/{model_id}", "/v1/models/nope", {"headers": key}),
+        ("get", "/v1/admin/tenants", "/v1/admin/tenants", {"headers": admin}),
+        ("get", "/v1/admin/tenants/{tenant_id}", f"/v1/admin/tenants/{tenant_id}", {"headers": admin}),
+        ("patch", "/v1/admin/tenants/{tenant_id}", f"/v1/admin/tenants/{tenant_id}",
+         {"headers": admin, "json": {"weight": 2, "prefix_cache_group": "g"}}),
+        ("patch", "/v1/admin/tenants/{tenant_id}/quota", f"/v1/admin/tenants/{tenant_id}/quota",
+         {"headers": admin, "json": {"max_queued": 100, "allowed_sla_classes": ["batch"]}}),
+        ("post", "/v1/admin/tenants/{tenant_id}/disable", f"/v1/admin/tenants/{tenant_id}/disable", {"headers": admin}),
+        ("post", "/v1/admin/tenants/{tenant_id}/enable", f"/v1/admin/tenants/{tenant_id}/enable", {"headers": admin}),
+        ("post", "/v1/admin/tenants/{tenant_id}/keys", f"/v1/admin/tenants/{tenant_id}/keys", {"headers": admin}),
+        ("get", "/v1/admin/tenants/{tenant_id}/keys", f"/v1/admin/tenants/{tenant_id}/keys", {"headers": admin}),
+        ("get", "/v1/admin/jobs", "/v1/admin/jobs", {"headers": admin}),
+        ("get", "/v1/admin/batches", "/v1/admin/batches", {"headers": admin}),
+        ("get", "/v1/admin/queues", "/v1/admin/queues", {"headers": admin}),
+        ("get", "/v1/admin/audit", "/v1/admin/audit", {"headers": admin}),
+        ("post", "/v1/admin/keys/{prefix}/revoke", "/v1/admin/keys/tp_nope/revoke", {"headers": admin}),
+    ]:
+        check(getattr(client, method)(url, **kwargs), method, path)
+    line = json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}).encode()
+    f = check(client.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(line), "in.jsonl")},
+                          headers=key), "post", "/v1/files").get_json()
+    check(client.get(f"/v1/files/{f['id']}", headers=key), "get", "/v1/files/{file_id}")
+    b = check(client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                               "completion_window": "24h"}, headers=key),
+              "post", "/v1/batches").get_json()
+    check(client.get(f"/v1/batches/{b['id']}", headers=key), "get", "/v1/batches/{batch_id}")
+    check(client.post(f"/v1/batches/{b['id']}/cancel", headers=key), "post", "/v1/batches/{batch_id}/cancel")
+    check(client.delete(f"/v1/files/{f['id']}", headers=key), "delete", "/v1/files/{file_id}")
+    created = check(client.post("/v1/admin/tenants", json={"name": "t-new", "quota": {"max_queued": 1}},
+                                headers=admin), "post", "/v1/admin/tenants").get_json()
+    prefix = "_".join(created["api_key"].split("_")[:2])
+    check(client.post(f"/v1/admin/keys/{prefix}/revoke", headers=admin), "post", "/v1/admin/keys/{prefix}/revoke")
+
+
+ACCEPTED = [
+    ("/v1/jobs", {"prompt": [1, 2], "max_tokens": 1, "temperature": 0, "top_p": 1, "stop": ["a"],
+                  "stop_token_ids": [2], "n": 1, "seed": -5, "logprobs": 0, "user": "u", "sla_class": "batch"}),
+    ("/v1/jobs", {"messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]},
+                               {"role": "user", "content": "x", "name": "n"}], "top_logprobs": 2,
+                  "max_completion_tokens": 3, "stream": False, "metadata": None}),
+    ("/v1/jobs", {"prompt": "x", "temperature": None, "deadline": "2999-01-01T00:00:00Z"}),
+]
+REJECTED = [
+    ("/v1/jobs", {}), ("/v1/jobs", {"prompt": "x", "messages": []}), ("/v1/jobs", {"prompt": "x", "bogus": 1}),
+    ("/v1/jobs", {"prompt": "x", "max_tokens": 0}), ("/v1/jobs", {"prompt": "x", "max_tokens": 1.5}),
+    ("/v1/jobs", {"prompt": "x", "top_p": 0}), ("/v1/jobs", {"prompt": "x", "n": 2}),
+    ("/v1/jobs", {"prompt": "x", "stream": True}), ("/v1/jobs", {"prompt": "x", "echo": True}),
+    ("/v1/jobs", {"prompt": [-1]}), ("/v1/jobs", {"prompt": "x", "stop": [""]}),
+    ("/v1/jobs", {"prompt": "x", "metadata": {"k": 1}}), ("/v1/jobs", {"prompt": "x", "sla_class": "gold"}),
+    ("/v1/jobs", {"messages": [{"role": "robot", "content": "x"}]}),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "x", "extra": 1}]}),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}),
+    ("/v1/completions", {"prompt": "x", "sla_class": "batch"}), ("/v1/completions", {"messages": []}),
+    ("/v1/chat/completions", {"prompt": "x"}), ("/v1/completions", {"prompt": "x", "stream": "yes"}),
+]
+
+
+@pytest.mark.parametrize("path,body", ACCEPTED)
+def test_bodies_the_schema_accepts_are_accepted(client, admin, path, body):
+    assert _body_ok(path, body)
+    _, key = admin.tenant()
+    r = client.post(path, json=body, headers=key)
+    assert r.status_code == 202, r.get_json()
+
+
+@pytest.mark.parametrize("path,body", REJECTED)
+def test_bodies_the_schema_rejects_are_400(client, admin, path, body):
+    assert not _body_ok(path, body)
+    _, key = admin.tenant()
+    r = check(client.post(path, json=body, headers=key), "post", path)
+    assert r.status_code == 400, r.get_json()
+
+
+def test_405_names_the_allowed_methods(client):
+    r = client.delete("/v1/jobs")
+    assert r.status_code == 405 and set(r.headers["Allow"].split(", ")) >= {"GET", "POST"}
+    assert r.get_json()["error"]["code"] == "method_not_allowed"
