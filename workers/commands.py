@@ -14,8 +14,7 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", required=True, help="output JSONL (OpenAI Batch output format)")
     p.add_argument("--model", default=None, help="model folder (default: $TIDEPOOL_MODEL)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_engine_flags(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_batch)
 
@@ -36,6 +35,7 @@ def register_processes(sub) -> None:
     p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
                    help="gpu: all four queues, offline ones only with spare capacity; cpu: deferrable only")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    add_engine_flags(p)
     p.set_defaults(func=lambda args: _run("workers.worker", "main", args))
     p = sub.add_parser("beat", help="Celery beat + upkeep: sweeper and batch finaliser (needs Redis)")
     p.set_defaults(func=lambda args: _run("workers.celery_app", "main_beat", args))
@@ -43,11 +43,41 @@ def register_processes(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    add_engine_flags(p)
     p.set_defaults(func=lambda args: _run("workers.embedded", "main", args))
+
+
+# Engine knobs shared by worker, serve and run-batch: flag, else environment variable, else the engine's default.
+ENGINE_FLAGS = (("--kv-blocks", "num_kv_blocks", "TIDEPOOL_KV_BLOCKS", "KV pool size in blocks (default: sized "
+                 "from max_num_seqs x max_model_len, capped by memory)"),
+                ("--max-num-seqs", "max_num_seqs", "TIDEPOOL_MAX_NUM_SEQS", "sequences in one batch (256)"),
+                ("--max-num-batched-tokens", "max_num_batched_tokens", "TIDEPOOL_MAX_BATCHED_TOKENS",
+                 "tokens in one step (2048)"),
+                ("--max-model-len", "max_model_len", "TIDEPOOL_MAX_MODEL_LEN",
+                 "longest prompt + output (the model's context)"))
+
+
+def add_engine_flags(p) -> None:
+    for flag, _, env, help_text in ENGINE_FLAGS:
+        p.add_argument(flag, type=int, default=None, help=f"{help_text}; default ${env}")
+
+
+def engine_overrides(args) -> dict:
+    """EngineConfig fields from the flags, else from their TIDEPOOL_* variables; unset ones are left out."""
+    import os
+    out = {}
+    for flag, field, env, _ in ENGINE_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is None and os.environ.get(env):
+            value = int(os.environ[env])
+        if value is not None:
+            out[field] = value
+    return out
 
 
 def _run(module: str, func: str, args) -> int:
     import importlib
+    args.engine = engine_overrides(args)
     return getattr(importlib.import_module(module), func)(args)
 
 
@@ -92,8 +122,7 @@ def run_batch(args) -> int:
         print("no model: pass --model DIR or set TIDEPOOL_MODEL", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = LLMEngine(EngineConfig(model=model, device=device, max_num_seqs=args.max_num_seqs,
-                                    max_num_batched_tokens=args.max_num_batched_tokens))
+    engine = LLMEngine(EngineConfig(model=model, device=device, **engine_overrides(args)))
     counts = run_batch(engine, args.input, args.output, Path(model).name, progress=not args.no_progress)
     print(json.dumps(counts))
     return 0

@@ -80,7 +80,12 @@ def main(args) -> int:
 
     device = args.device or default_device()
     kinds = [("gpu", device)] + ([("cpu", "cpu")] if device != "cpu" else [])
-    workers = [Worker(WorkerConfig.from_env(kind=kind, device=dev, name=f"embedded-{kind}")) for kind, dev in kinds]
+    workers = []
+    for kind, dev in kinds:
+        wcfg = WorkerConfig.from_env(kind=kind, device=dev, name=f"embedded-{kind}")
+        wcfg.engine.update(args.engine)
+        log.info("loading %s on %s for the %s worker", model, dev, kind)
+        workers.append(Worker(wcfg))
     stop = threading.Event()
     threads = [threading.Thread(target=w.run, name=w.cfg.name, daemon=True) for w in workers]
     threads.append(threading.Thread(target=beat.run_forever, args=(app,), daemon=True,

@@ -1,5 +1,7 @@
 """Owns the model weights and the KV-cache pool; turns a scheduled batch into tensors and logits."""
+import logging
 import os
+import time
 
 import torch
 
@@ -11,6 +13,22 @@ from workers.engine.models.llama import AttentionContext
 from workers.engine.models.loader import load_model
 from workers.engine.scheduler import ScheduledBatch
 
+log = logging.getLogger(__name__)
+CPU_KV_SHARE = 0.10     # CPU default pool: at most this share of *available* memory (pages touched lazily)
+
+
+def available_memory() -> int:
+    """Bytes the OS could hand out now (MemAvailable), else physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
@@ -19,12 +37,21 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.backend = resolve_backend(self.device, config.attention_backend)
+        started = time.perf_counter()
         self.model = load_model(config.model, model_config, self.dtype, self.device, config.max_model_len)
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
+        log.info("loaded %s (%s, %s) in %.1f s", config.model, self.dtype, self.device, time.perf_counter() - started)
+        self.num_kv_blocks, why = ((config.num_kv_blocks, "num_kv_blocks") if config.num_kv_blocks
+                                   else self._blocks_from_budget())
         shape = (self.num_kv_blocks, config.block_size, model_config.num_key_value_heads, model_config.head_dim)
+        # empty, not zeros: no slot is read before it is written, and on the CPU untouched pages cost no memory
         for layer in self.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        log.info("KV pool: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; max_num_seqs %d, max_model_len %d)",
+                 self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
+                 self.num_kv_blocks * self.bytes_per_block / 2**20, why, config.max_num_seqs, config.max_model_len)
+        if self.device.type == "cpu" and self.backend == "torch":
+            self._prepare_cpu_kernel()
         self.decode_graphs = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = self.make_decode_graphs(capture=True)
@@ -44,18 +71,37 @@ class ModelRunner:
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * m.num_hidden_layers * self.config.block_size * m.num_key_value_heads * m.head_dim * element
 
-    def _blocks_from_budget(self) -> int:
+    def _blocks_from_budget(self) -> tuple[int, str]:
         budget = self.config.kv_cache_memory_bytes
+        why = "kv_cache_memory_bytes"
         if budget is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * self.config.gpu_memory_utilization)
+                why = f"{self.config.gpu_memory_utilization:.0%} of free GPU memory"
             else:
-                budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+                budget = int(available_memory() * CPU_KV_SHARE)
+                why = f"{CPU_KV_SHARE:.0%} of available memory"
         blocks = budget // self.bytes_per_block
         # No point in a pool beyond what max_num_seqs full-length sequences could use.
         cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
-        return max(1, min(int(blocks), cap))
+        if cap <= blocks:
+            return max(1, cap), "max_num_seqs x max_model_len"
+        return max(1, int(blocks)), why
+
+    def _prepare_cpu_kernel(self) -> None:
+        """Build (first time, 10-20 s) or load the native decode kernel now, not on the first request."""
+        from kernels import cpu_ops
+        head_dim = self.model_config.head_dim
+        if not cpu_ops.enabled() or head_dim % 8 or head_dim > 256:
+            return
+        started = time.perf_counter()
+        log.info("native CPU decode kernel: loading (the first build on this machine takes 10-20 s)")
+        if cpu_ops.paged_decode_op() is not None:
+            log.info("native CPU decode kernel ready in %.1f s", time.perf_counter() - started)
+        else:
+            log.info("native CPU decode kernel unavailable (%s): decode uses the torch path",
+                     cpu_ops.unavailable_reason())
 
     def _prepare(self, batch: ScheduledBatch) -> dict:
         """The step's inputs as host lists: new tokens flattened over sequences, and per-sequence tables."""
