@@ -130,6 +130,7 @@ class Inflight:
     queue_time: float | None = None   # seconds between queued and started in the ledger
     pos: int = 0                      # characters streamed so far
     first_token_at: float | None = None
+    marks: dict = field(default_factory=dict)   # online: stage timestamps, sent with the first token
     first_recorded: bool = False
     aborted: bool = False
 
@@ -177,6 +178,7 @@ class Worker:
         self._firsts: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._step_at = 0.0      # when the engine's current step began (engine thread)
         self._error: BaseException | None = None
         self._conn = self._channel = None
         self._broker_errors: tuple = (OSError,)
@@ -260,6 +262,7 @@ class Worker:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
+                self._step_at = time.time()
                 for out in self.engine.step():
                     if out.finished:
                         self._observe(out)
@@ -291,6 +294,9 @@ class Worker:
         new_lps = out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else None
         if inf.online and (out.delta_text or new_lps):
             event = {"t": "tok", "d": ledger_text(out.delta_text), "p": inf.pos}
+            if inf.marks:
+                event["ts"] = {**inf.marks, "step": self._step_at, "tok": inf.first_token_at, "pub": time.time()}
+                inf.marks = {}
             if new_lps:
                 event.update(l=logprob_entries(self.engine.tokenizer, new_lps), i=len(out.token_ids) - len(new_lps))
             try:
@@ -341,12 +347,12 @@ class Worker:
                 if message is None:
                     break
                 got = True
-                self._accept(name, message)
+                self._accept(name, message, taken_at=time.time())
                 if not online:
                     break            # one offline message per pass, then look at the online queues again
         return got
 
-    def _accept(self, queue_name: str, message) -> None:
+    def _accept(self, queue_name: str, message, taken_at: float | None = None) -> None:
         try:
             job_id = message.decode()[0][0]
         except Exception:
@@ -374,6 +380,7 @@ class Worker:
         except Exception:  # ledger unreachable: the message goes back to the queue, not into limbo here
             self._requeue(job_id, message)
             raise
+        claimed_at = time.time()
         if started.lease_token is None:
             self.counters["throttled" if started.reason == "throttled" else "dropped"] += 1
             message.ack()        # duplicate, cancelled, expired or throttled: nothing to run
@@ -384,12 +391,16 @@ class Worker:
                       if job.started_at is not None and job.queued_at is not None else None)
         inf = Inflight(job_id, started.lease_token, sla, message, online=sla in ONLINE, tenant=job.tenant_id,
                        queue_time=queue_time)
+        if inf.online and taken_at is not None:
+            inf.marks = {"take": taken_at, "claim": claimed_at}
         try:
             prompt, params = build_request(self.engine.tokenizer, job.endpoint, job.request)
             self.inflight[job_id] = inf
             self.engine.add_request(inf.request_id, prompt, params, sla_class=sla, tenant=job.tenant_id,
                                     weight=weight or 1.0, on_token=partial(self._on_token, inf),
                                     cache_namespace=cache_namespace(job.tenant_id, group))
+            if inf.marks:
+                inf.marks["add"] = time.time()
         except ValueError as exc:
             self.inflight.pop(job_id, None)
             code = "context_length_exceeded" if "at most" in str(exc) else "invalid_prompt"
