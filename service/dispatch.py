@@ -25,6 +25,7 @@ from kombu.utils.json import dumps as kombu_dumps
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
+from . import doorbell
 from .models import Job, JobStatus, utcnow
 
 TASK = "tidepool.run_job"
@@ -168,13 +169,18 @@ def _flush_at_exit() -> None:
                 pass
 
 
-def _lpush(client, key: str, value: str) -> None:
+def _lpush(client, key: str, value: str, ring: bool = False) -> None:
     """client.lpush(key, value) on one pooled connection without redis-py's per-command wrappers (retry,
-    observability), about half its CPU; a connection that failed is disconnected before it goes back."""
+    observability), about half its CPU; a connection that failed is disconnected before it goes back.
+    ring: PUBLISH on the workers' doorbell too, in the same round trip."""
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
-        conn.send_command("LPUSH", key, value)
+        if ring:
+            conn.send_packed_command(conn.pack_commands([("LPUSH", key, value), ("PUBLISH", doorbell.CHANNEL, key)]))
+            conn.read_response()
+        else:
+            conn.send_command("LPUSH", key, value)
         conn.read_response()
     except BaseException:
         conn.disconnect()
@@ -216,10 +222,11 @@ class Dispatcher:
         if client is None:
             return self.publish([(job_id, queue)]) == 1
         try:
-            _lpush(client, queue, task_message(job_id, queue))
+            _lpush(client, queue, task_message(job_id, queue), ring=True)
         except Exception:  # the broker is down: the row stays undispatched and the sweeper retries
             log.exception("publishing job %s failed", job_id)
             return False
+        doorbell.ring_local()
         self.marks.add(job_id, xmin)
         return True
 
@@ -235,11 +242,21 @@ class Dispatcher:
                     with producer.batch(max_size=self.chunk_size):
                         for job_id, sla_class in chunk:
                             _publish_task(producer, job_id, sla_class)
+                    self._ring()
                     self._mark([job_id for job_id, _ in chunk])
                     sent += len(chunk)
         except Exception:  # the broker is down: the rows stay undispatched and the sweeper retries
             log.exception("publishing %d jobs failed; %d published", len(jobs), sent)
         return sent
+
+    def _ring(self) -> None:
+        doorbell.ring_local()
+        client = self._direct_client()
+        if client is not None:
+            try:
+                client.publish(doorbell.CHANNEL, "")
+            except Exception:  # workers fall back to polling their queues
+                pass
 
     def _mark(self, ids: list[str]) -> None:
         with self.engine.begin() as conn:

@@ -30,7 +30,7 @@ from kombu import Connection, Queue
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service import jobs
+from service import doorbell, jobs
 from service.db import make_engine
 from service.models import Job, JobStatus, Tenant, cache_namespace, utcnow
 from workers import token_stream
@@ -82,7 +82,7 @@ class WorkerConfig:
     visibility_timeout: float = 6 * 3600  # longer than the longest job
     low_water: int = 4                   # offline work is pulled while fewer than this (+ free slots) wait
     max_inflight: int = 512
-    poll_interval: float = 0.02
+    poll_interval: float = 0.1           # idle intake looks at its queues this often even if no doorbell rang
     check_interval: float = 0.5          # cancellations reach the engine within this (plus one step)
     heartbeat_interval: float = 2.0
     engine: dict = field(default_factory=dict)   # EngineConfig overrides
@@ -177,7 +177,7 @@ class Worker:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._firsts: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wake = threading.Event()      # wakes the intake loop: doorbell, finished requests, first tokens, stop
         self._step_at = 0.0      # when the engine's current step began (engine thread)
         self._error: BaseException | None = None
         self._conn = self._channel = None
@@ -211,11 +211,15 @@ class Worker:
         RUNNING[self.cfg.name] = self
         engine_thread = threading.Thread(target=self._engine_loop, name=f"{self.cfg.name}-engine", daemon=True)
         engine_thread.start()
+        doorbell.register(self._wake)
+        if self.cfg.broker_url.startswith(("redis://", "rediss://", "unix://")):
+            doorbell.listen(self.cfg.broker_url, self._wake, self._stop)
         log.info("worker %s: %s on %s, queues %s", self.cfg.name, self.cfg.model, self.cfg.device, self.cfg.queues)
         try:
             self._connect()
             while not self._stop.is_set():
                 busy = False
+                self._wake.clear()            # a ring from here on makes the wait below return at once
                 try:
                     busy = self._pull()       # online first: bookkeeping of offline work can wait
                 except self._broker_errors as exc:  # broker gone (restart, network): reconnect, carry on
@@ -236,10 +240,10 @@ class Worker:
                     log.exception("worker %s: ledger update failed", self.cfg.name)
                     time.sleep(1.0)
                 if not busy:
-                    time.sleep(self.cfg.poll_interval)
+                    self._wake.wait(self.cfg.poll_interval)
         finally:
             self._stop.set()
-            self._wake.set()
+            doorbell.unregister(self._wake)
             engine_thread.join(10)
             self._release_all()
             RUNNING.pop(self.cfg.name, None)
@@ -259,14 +263,14 @@ class Worker:
         try:
             while not self._stop.is_set():
                 if not self.engine.has_unfinished():
-                    self._wake.wait(0.05)
-                    self._wake.clear()
+                    self.engine.wait_for_work(0.25)   # add_request wakes it; the timeout only notices stop()
                     continue
                 self._step_at = time.time()
                 for out in self.engine.step():
                     if out.finished:
                         self._observe(out)
                         self._done.put(out)
+                        self._wake.set()
                 self.metrics.update_from_stats(self.engine.stats())
         except BaseException as exc:  # a broken engine ends the worker; leases lapse, jobs are requeued
             log.exception("worker %s: engine loop failed", self.cfg.name)
@@ -290,6 +294,7 @@ class Worker:
             inf.first_token_at = out.first_token_time or time.time()
             if inf.online:    # offline first tokens go into the completion transaction instead
                 self._firsts.put(inf)
+                self._wake.set()
         # Logprobs of this step's tokens ride along; "i" is the first one's index in the output.
         new_lps = out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else None
         if inf.online and (out.delta_text or new_lps):
@@ -411,7 +416,6 @@ class Worker:
             self.inflight.pop(job_id, None)
             self._finish_failed(inf, {"code": "internal_error", "message": "The worker could not start this request."})
             return
-        self._wake.set()
 
     # -- ledger -----------------------------------------------------------------------------------
     def _finish_failed(self, inf: Inflight, error: dict) -> None:
@@ -538,7 +542,6 @@ class Worker:
             if rows.get(inf.job_id) != inf.lease_token and not inf.aborted:
                 inf.aborted = True
                 self.engine.abort(inf.request_id)
-                self._wake.set()
 
     def _heartbeat(self) -> None:
         try:

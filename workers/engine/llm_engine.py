@@ -63,6 +63,7 @@ class LLMEngine:
         self._inbox: list[_Request] = []
         self._aborts: list[str] = []
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)    # notified by add_request
         self._totals = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "schedule_s": 0.0,
                         "model_s": 0.0, "sample_s": 0.0, "finished": 0, "aborted": 0}
         self._last_step = {"tokens": 0, "seqs": 0, "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
@@ -91,11 +92,17 @@ class LLMEngine:
             if request_id in self.requests or any(r.seq.request_id == request_id for r in self._inbox):
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._inbox.append(request)
+            self._work.notify_all()
 
     def abort(self, request_id: str) -> None:
         """Stop a request (thread-safe); it finishes with reason "abort" at the next step."""
         with self._lock:
             self._aborts.append(request_id)
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Block until has_unfinished() (thread-safe); False if the timeout passed first."""
+        with self._lock:
+            return bool(self._work.wait_for(lambda: self.requests or self._inbox, timeout))
 
     def has_unfinished(self) -> bool:
         with self._lock:
