@@ -13,9 +13,8 @@ from workers import token_stream
 
 from .. import bodies, jobs as transitions, logprobs, quotas
 from ..auth import tenant_required
-from ..db import session
 from ..errors import APIError, bad_request
-from ..models import TERMINAL, Job, JobStatus, SlaClass, utcnow
+from ..models import TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
 from . import cfg, ext, json_body
 
 bp = Blueprint("openai", __name__)
@@ -75,20 +74,16 @@ def _serve(endpoint: str):
     checked = bodies.check(body, endpoint, served_model=conf.served_model_name,
                            max_tokens_cap=quota.max_tokens_per_request)
     quotas.check_class(quota, sla)
-    s = session()
     quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
     marks["valid"] = time.time()
     now = utcnow()
-    job = Job(tenant_id=g.tenant.id, sla_class=SlaClass(sla), status=JobStatus.queued, endpoint=endpoint,
-              request=checked.body, estimated_tokens=checked.estimated_tokens, attempts=0, created_at=now,
-              queued_at=now)
-    s.add(job)
-    s.flush()
-    quotas.reserve_queued(s, quota, 1, tokens=checked.estimated_tokens)
-    s.commit()
+    job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), status=JobStatus.queued,
+              endpoint=endpoint, request=checked.body, metadata_=None, idempotency_key=None, request_hash=None,
+              estimated_tokens=checked.estimated_tokens, deadline=None, attempts=0, created_at=now, queued_at=now)
+    xmin = quotas.admit(job)    # counted against max_queued and the budget, inserted and committed: one statement
     marks["insert"] = time.time()
     sub = _hub().subscribe(job.id)       # before dispatch, so no event can be missed
-    ext("dispatcher").publish([(job.id, sla)])
+    ext("dispatcher").publish_one(job.id, sla, xmin)
     marks["publish"] = time.time()
     waiter = _Waiter(ext("sessions"), sub, job.id, conf.extra.get("online_timeout", 600.0), marks)
     fmt = _Format(endpoint, job.id, int(now.timestamp()), body.get("model") or conf.served_model_name,
