@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install services browser model test run up bench clean
+.PHONY: install services browser model test chaos run up bench clean
 MODEL_DIR := models/smollm2-135m
 
 $(BIN)/python:
@@ -35,6 +35,10 @@ model: $(MODEL_DIR)/config.json
 
 test: install services browser model
 	$(BIN)/python -m pytest
+
+# The chaos suite: Postgres and Redis restarts under load, kill -9 of web and workers (a few minutes).
+chaos: install services
+	$(BIN)/python -m pytest -m chaos -s tests/workers/test_chaos.py
 
 run: install model
 	$(BIN)/tidepool serve
