@@ -27,9 +27,11 @@ def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0, rel
                       budget_reserved=Tenant.budget_reserved - released))
 
 
-def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300) -> Started:
+def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300, token: str | None = None,
+          at: datetime | None = None) -> Started:
     """queued → running, unless the tenant already runs max_running jobs (then nothing changes)
-    or the job is past its deadline (then it expires)."""
+    or the job is past its deadline (then it expires). token: the lease token to use (default: a new one);
+    at: when the attempt entered the engine, if it did before this claim (default: now)."""
     row = s.execute(select(Job.tenant_id, Job.deadline, Quota.max_running)
                     .join(Quota, Quota.tenant_id == Job.tenant_id).where(Job.id == job_id, Job.status == Q)).first()
     if row is None:
@@ -43,9 +45,9 @@ def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300) -> S
         bump = bump.where(Tenant.running_count < max_running)
     if s.execute(bump).rowcount != 1:
         return Started(None, "throttled")
-    token, now = secrets.token_hex(16), utcnow()
+    token, now = token or secrets.token_hex(16), utcnow()
     res = s.execute(update(Job).where(Job.id == job_id, Job.status == Q).values(
-        status=R, attempts=Job.attempts + 1, lease_token=token, worker=worker, started_at=now,
+        status=R, attempts=Job.attempts + 1, lease_token=token, worker=worker, started_at=at or now,
         first_token_at=None, lease_expires_at=now + timedelta(seconds=lease_seconds)))
     if res.rowcount != 1:
         _counters(s, tenant_id, queued=1, running=-1)

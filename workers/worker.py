@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import signal
 import socket
 import threading
@@ -133,6 +134,13 @@ class Inflight:
     marks: dict = field(default_factory=dict)   # online: stage timestamps, sent with the first token
     first_recorded: bool = False
     aborted: bool = False
+    # An online attempt enters the engine before its claim commits: its stream events wait in `held` until
+    # the claim succeeded (claimed), and a refused claim drops the attempt unseen (dropped, then aborted).
+    claimed: bool = True
+    dropped: bool = False
+    entered_at: float | None = None   # when an early attempt was added to the engine
+    held: list = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def request_id(self) -> str:
@@ -284,7 +292,7 @@ class Worker:
 
     def _observe(self, out) -> None:
         inf = self._attempt(out.request_id)
-        if inf is not None:
+        if inf is not None and not inf.dropped:
             self.metrics.observe_request(out, inf.sla_class, inf.tenant, queue_time=inf.queue_time)
 
     def _on_token(self, inf: Inflight, out) -> None:
@@ -304,11 +312,18 @@ class Worker:
                 inf.marks = {}
             if new_lps:
                 event.update(l=logprob_entries(self.engine.tokenizer, new_lps), i=len(out.token_ids) - len(new_lps))
-            try:
-                self.stream.publish(inf.job_id, event)
-            except Exception:  # the waiter falls back to the ledger
-                pass
             inf.pos += len(out.delta_text)
+            with inf.lock:
+                if inf.claimed:
+                    self._publish_tok(inf, event)
+                elif not inf.dropped:
+                    inf.held.append(event)
+
+    def _publish_tok(self, inf: Inflight, event: dict) -> None:
+        try:
+            self.stream.publish(inf.job_id, event)
+        except Exception:  # the waiter falls back to the ledger
+            pass
 
     # -- broker -----------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -369,9 +384,13 @@ class Worker:
             # message (unacked) and claim it once that attempt is gone.
             self._held.append((queue_name, message))
             return
+        token, early = secrets.token_hex(16), None
         try:
             with Session(self.db, expire_on_commit=False) as s:
-                started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds)
+                if queue_name in ONLINE:     # prefill and claim overlap
+                    early = self._start_early(s, job_id, token, message, taken_at)
+                started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds, token=token,
+                                     at=_dt(early.entered_at) if early is not None else None)
                 job = weight = group = None
                 if started.lease_token is not None:
                     job = s.get(Job, job_id)
@@ -383,10 +402,14 @@ class Worker:
                               .values(dispatched_at=None))
                 s.commit()
         except Exception:  # ledger unreachable: the message goes back to the queue, not into limbo here
+            if early is not None:
+                self._drop_early(early)
             self._requeue(job_id, message)
             raise
         claimed_at = time.time()
         if started.lease_token is None:
+            if early is not None:
+                self._drop_early(early)
             self.counters["throttled" if started.reason == "throttled" else "dropped"] += 1
             message.ack()        # duplicate, cancelled, expired or throttled: nothing to run
             return
@@ -394,6 +417,16 @@ class Worker:
         sla = job.sla_class.value
         queue_time = ((job.started_at - job.queued_at).total_seconds()
                       if job.started_at is not None and job.queued_at is not None else None)
+        if early is not None:
+            early.queue_time = queue_time
+            if early.marks:
+                early.marks["claim"] = claimed_at
+            with early.lock:
+                early.claimed = True
+                for event in early.held:
+                    self._publish_tok(early, event)
+                early.held = []
+            return
         inf = Inflight(job_id, started.lease_token, sla, message, online=sla in ONLINE, tenant=job.tenant_id,
                        queue_time=queue_time)
         if inf.online and taken_at is not None:
@@ -417,6 +450,39 @@ class Worker:
             self._finish_failed(inf, {"code": "internal_error", "message": "The worker could not start this request."})
             return
 
+    def _start_early(self, s: Session, job_id: str, token: str, message, taken_at: float | None) -> Inflight | None:
+        """Put a queued job into the engine under the lease token its claim is about to get, unclaimed;
+        None when it is not queued or cannot start (the claim then proceeds as usual)."""
+        row = s.execute(select(Job.status, Job.endpoint, Job.request, Job.sla_class, Job.tenant_id, Tenant.weight,
+                               Tenant.prefix_cache_group).join(Tenant, Tenant.id == Job.tenant_id)
+                        .where(Job.id == job_id)).first()
+        if row is None or row.status != JobStatus.queued:
+            return None
+        sla = row.sla_class.value
+        inf = Inflight(job_id, token, sla, message, online=sla in ONLINE, tenant=row.tenant_id, claimed=False,
+                       marks={"take": taken_at} if taken_at is not None else {})
+        try:
+            prompt, params = build_request(self.engine.tokenizer, row.endpoint, row.request)
+            self.inflight[job_id] = inf
+            inf.entered_at = time.time()
+            self.engine.add_request(inf.request_id, prompt, params, sla_class=sla, tenant=row.tenant_id,
+                                    weight=row.weight or 1.0, on_token=partial(self._on_token, inf),
+                                    cache_namespace=cache_namespace(row.tenant_id, row.prefix_cache_group))
+        except Exception:  # a bad request fails at claim, as it would have without the head start
+            self.inflight.pop(job_id, None)
+            return None
+        if inf.marks:
+            inf.marks["add"] = time.time()
+        return inf
+
+    def _drop_early(self, inf: Inflight) -> None:
+        """The claim of an early attempt was refused (or failed): nothing of it was streamed, nothing will be
+        written; it leaves the engine through an abort and _finish_done forgets it."""
+        with inf.lock:
+            inf.dropped, inf.held = True, []
+        inf.aborted = True
+        self.engine.abort(inf.request_id)
+
     # -- ledger -----------------------------------------------------------------------------------
     def _finish_failed(self, inf: Inflight, error: dict) -> None:
         with Session(self.db) as s:
@@ -437,6 +503,8 @@ class Worker:
             inf = self._attempt(out.request_id)
             if inf is not None:
                 del self.inflight[inf.job_id]
+                if inf.dropped:
+                    continue
                 self.preempted[inf.sla_class] += out.num_preemptions
                 done.append((inf, out))
         if self._unwritten and (done or time.monotonic() >= self._retry_at):
@@ -505,7 +573,7 @@ class Worker:
                 firsts.append(self._firsts.get_nowait())
             except queue.Empty:
                 break
-        pending = [inf for inf in firsts if self.inflight.get(inf.job_id) is inf]
+        pending = [inf for inf in firsts if self.inflight.get(inf.job_id) is inf and inf.claimed and not inf.dropped]
         if not pending:
             return
         with Session(self.db) as s:
