@@ -51,6 +51,8 @@ STAGES = [  # (label, from mark, to mark); "send" and "first_byte" are the clien
     ("web writes chunk", "event", "write"),
     ("first byte at client", "write", "first_byte"),
     ("(claim committed, from take)", "take", "claim"),
+    ("(HTTP accept + auth)", "send", "recv"),
+    ("(validate)", "recv", "valid"),
 ]
 
 
@@ -345,6 +347,7 @@ def main():
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/7")
     ap.add_argument("--database", default="tidepool_bench_online")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--raw", help="also write every request's timestamps (client and stages) to this JSON file")
     args = ap.parse_args()
 
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
@@ -371,6 +374,10 @@ def main():
         idle, steady = measure(Client(args.peer, "none", model, args.max_tokens), idle_prompts, steady_prompts,
                                args.rate, args.gap, warmup)
         runs.append((f"peer {args.peer}", idle, steady, {}))
+
+    if args.raw:
+        Path(args.raw).write_text(json.dumps({"engine": {"idle": eng_idle, "steady": eng_steady}, "runs": [
+            {"name": n, "idle": i, "steady": st, "marks": m} for n, i, st, m in runs]}))
 
     def ttfts(results):
         return [r["first_byte"] - r["send"] for r in results if r and r["first_byte"]]
