@@ -42,6 +42,7 @@ def register_processes(sub) -> None:
     p = sub.add_parser("serve", help="all in one process: web, workers, upkeep (SQLite + in-process queue)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--threads", type=int, default=32, help="HTTP request threads (each open stream holds one)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     add_engine_flags(p)
     p.set_defaults(func=lambda args: _run("workers.embedded", "main", args))

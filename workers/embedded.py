@@ -59,11 +59,15 @@ def _default_key(app, var: Path) -> str:
     return key
 
 
-def main(args) -> int:
-    logging.basicConfig(level=os.environ.get("TIDEPOOL_LOG_LEVEL", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from werkzeug.serving import make_server
+def http_server(app, host: str, port: int, threads: int):
+    """waitress, a production WSGI server, with a bounded pool of request threads (a streaming response holds
+    one for its length) and a bounded number of open connections; `.run()` serves, `.effective_port` is bound."""
+    from waitress.server import create_server
+    return create_server(app, host=host, port=port, threads=threads, connection_limit=max(100, 4 * threads),
+                         channel_timeout=300, ident="tidepool")
 
+
+def main(args) -> int:
     from service import create_app, migrate
     from service.config import Config
     from workers import beat
@@ -93,8 +97,8 @@ def main(args) -> int:
     for t in threads:
         t.start()
 
-    server = make_server(args.host, args.port, app, threaded=True)
-    base = f"http://{args.host}:{server.server_port}"
+    server = http_server(app, args.host, args.port, args.threads)
+    base = f"http://{args.host}:{server.effective_port}"
     name = cfg.served_model_name
     print(f"""
 Tidepool is serving {name} ({model}) on {device}.
@@ -111,11 +115,11 @@ max_tokens=32).choices[0].message.content)'
 """, flush=True)
 
     def _shutdown(*_):
-        threading.Thread(target=server.shutdown, daemon=True).start()
+        raise KeyboardInterrupt     # ends server.run() in the main thread; the finally below stops the workers
 
     signal.signal(signal.SIGTERM, _shutdown)
     try:
-        server.serve_forever()
+        server.run()
     except KeyboardInterrupt:
         pass
     finally:

@@ -36,16 +36,16 @@ def served(tmp_path):
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    log = tmp_path / "serve.log"
+    log, errors = tmp_path / "serve.out", tmp_path / "serve.err"
     proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "serve", "--port", str(port)], cwd=tmp_path,
-                            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                            env=env, stdout=open(log, "w"), stderr=open(errors, "w"))
     try:
         end = time.monotonic() + 90
         while not (key := re.search(r"API key:\s+(\S+)", log.read_text())) and time.monotonic() < end:
-            assert proc.poll() is None, log.read_text()
+            assert proc.poll() is None, log.read_text() + errors.read_text()
             time.sleep(0.2)
-        assert key, log.read_text()
-        yield f"http://127.0.0.1:{port}", key.group(1), tmp_path, log
+        assert key, log.read_text() + errors.read_text()
+        yield f"http://127.0.0.1:{port}", key.group(1), tmp_path, errors
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -109,4 +109,10 @@ def test_batch_files_download_on_pure_defaults(served):
     assert got.status_code == 200 and got.content == client.files.content(batch.output_file_id).content
     got = _panel_get(base, cookie, by_label["errors"])
     assert got.status_code == 200 and b"too-long" in got.content
-    assert "Traceback" not in log.read_text()
+    # The banner goes to stdout; stderr is log lines only, JSON by default, with the engine's start-up lines
+    # and one line per HTTP request (no werkzeug development-server lines, no colours).
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    said = [x["msg"] for x in lines]
+    assert any(m.startswith("KV pool:") for m in said) and any(m.startswith("native CPU decode kernel") for m in said)
+    assert any(x["logger"] == "tidepool.http" and x.get("route") == "/v1/files/<file_id>/content" for x in lines)
+    assert not [x for x in lines if x["logger"].startswith(("werkzeug", "kombu")) or "\x1b[" in x["msg"]]
