@@ -1,4 +1,5 @@
-"""Paged KV-cache book-keeping: ref-counted blocks, prefix caching by chained hash, LRU eviction.
+"""Paged KV-cache book-keeping: ref-counted blocks, prefix caching by chained hash, LRU eviction, and a
+host pool that swapped-out sequences park their blocks in.
 
 Pure Python: it hands out block ids and never touches a tensor.
 """
@@ -22,9 +23,10 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError("num_blocks and block_size must be >= 1")
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
+        if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
+            raise ValueError("num_blocks and block_size must be >= 1, num_host_blocks >= 0")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -34,6 +36,10 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.prefix_queries = 0     # prompt tokens of admitted sequences looked up in the prefix cache
         self.prefix_hits = 0        # of those, found (counted by the scheduler on admission)
+        self.num_host_blocks = num_host_blocks
+        self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        # Host blocks read by this step's swap-ins: reusable once the step's copies are done.
+        self._host_released: list[int] = []
 
     @property
     def num_blocks(self) -> int:
@@ -85,10 +91,11 @@ class BlockManager:
             parent = h
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Make room for num_new_tokens more tokens of seq; False (and nothing changed) if the pool is short."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, keep_free: int = 0) -> bool:
+        """Make room for num_new_tokens more tokens of seq, leaving at least keep_free blocks free;
+        False (and nothing changed) if the pool is short."""
         needed = self.blocks_needed(seq, num_new_tokens)
-        if needed > len(self.free):
+        if needed and needed > len(self.free) - keep_free:
             return False
         seq.block_table.extend(self._take_free() for _ in range(needed))
         return True
@@ -151,7 +158,40 @@ class BlockManager:
         # Tail blocks first, so a sequence's later (less shareable) blocks are evicted before its prefix.
         for block_id in reversed(seq.block_table):
             self._release(block_id)
+        self.host_free.extend(seq.host_block_table)
+        seq.host_block_table = []
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
         seq.num_cached_tokens = 0
+
+    # -- swap -----------------------------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= len(self.host_free)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move seq's blocks to the host pool; returns the (device, host) copies to make before the step."""
+        assert not seq.host_block_table and self.can_swap_out(seq)
+        pairs = [(block_id, self.host_free.pop()) for block_id in seq.block_table]
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.host_block_table = [host for _, host in pairs]
+        seq.block_table = []
+        return pairs
+
+    def can_swap_in(self, seq: Sequence, keep_free: int = 0) -> bool:
+        return len(seq.host_block_table) <= len(self.free) - keep_free
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Give seq fresh device blocks for its host blocks; returns the (host, device) copies to make."""
+        assert not seq.block_table and self.can_swap_in(seq)
+        seq.block_table = [self._take_free() for _ in seq.host_block_table]
+        pairs = list(zip(seq.host_block_table, seq.block_table))
+        self._host_released.extend(seq.host_block_table)
+        seq.host_block_table = []
+        return pairs
+
+    def end_step(self) -> None:
+        """The step's copies are done: host blocks swapped in during it may be reused."""
+        self.host_free.extend(self._host_released)
+        self._host_released = []

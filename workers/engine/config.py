@@ -10,6 +10,23 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
+ONLINE_CLASSES = ("realtime", "interactive")
+DEFAULT_SLA_TARGETS = {"realtime": {"ttft_ms": 200.0, "itl_ms": 50.0},
+                       "interactive": {"ttft_ms": 1000.0, "itl_ms": 100.0}}
+
+
+def sla_targets_from_env(base: dict | None = None) -> dict:
+    """Targets per online class: base (default DEFAULT_SLA_TARGETS), each overridable by
+    TIDEPOOL_SLA_REALTIME_TTFT_MS, TIDEPOOL_SLA_REALTIME_ITL_MS, TIDEPOOL_SLA_INTERACTIVE_TTFT_MS, ..."""
+    targets = {c: dict(t) for c, t in (base or DEFAULT_SLA_TARGETS).items()}
+    for cls in ONLINE_CLASSES:
+        for name in ("ttft_ms", "itl_ms"):
+            raw = os.environ.get(f"TIDEPOOL_SLA_{cls.upper()}_{name.upper()}")
+            if raw:
+                targets.setdefault(cls, {})[name] = float(raw)
+    return targets
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -25,6 +42,13 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None    # CPU default: a quarter of physical memory
     gpu_memory_utilization: float = 0.85        # share of free GPU memory given to the KV pool
     enforce_eager: bool | None = None           # True: no CUDA graphs on GPU; None: TIDEPOOL_ENFORCE_EAGER=1
+    # Online classes' latency targets; None: DEFAULT_SLA_TARGETS with TIDEPOOL_SLA_<CLASS>_<TARGET> overrides.
+    sla_targets: dict | None = None
+    capacity_policy: str | None = None          # "max_utilization" | "no_evict"; None: TIDEPOOL_CAPACITY_POLICY
+    online_reserve: float | None = None         # share of blocks and seats only online work may take (0.1)
+    swap_space_gib: float | None = None         # host pool for swapped blocks; None: TIDEPOOL_SWAP_SPACE_GIB, or
+                                                # 4 on CUDA and 0 on CPU (where the KV pool already is host memory)
+    calibrate: bool = True                      # seed the step cost model with a few timed steps at start
 
     def __post_init__(self):
         path = Path(self.model)
@@ -41,6 +65,7 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         if self.enforce_eager is None:
             self.enforce_eager = os.environ.get("TIDEPOOL_ENFORCE_EAGER", "") in ("1", "true", "yes")
+        self._resolve_scheduling()
         self.model_config = ModelConfig.from_dir(path)
         limit = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
@@ -49,6 +74,29 @@ class EngineConfig:
             self.max_model_len = limit
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model")
+
+    def _resolve_scheduling(self) -> None:
+        env = os.environ.get
+        self.sla_targets = sla_targets_from_env(self.sla_targets) if self.sla_targets is None else self.sla_targets
+        for cls, targets in self.sla_targets.items():
+            if cls not in ONLINE_CLASSES:
+                raise ValueError(f"sla_targets apply to {ONLINE_CLASSES}, not {cls!r}")
+            for name, value in targets.items():
+                if name not in ("ttft_ms", "itl_ms") or not value > 0:
+                    raise ValueError(f"sla_targets[{cls!r}]: ttft_ms and itl_ms must be > 0, got {name}={value!r}")
+        if self.capacity_policy is None:
+            self.capacity_policy = env("TIDEPOOL_CAPACITY_POLICY") or "max_utilization"
+        if self.capacity_policy not in ("max_utilization", "no_evict"):
+            raise ValueError(f"capacity_policy must be 'max_utilization' or 'no_evict', got {self.capacity_policy!r}")
+        if self.online_reserve is None:
+            self.online_reserve = float(env("TIDEPOOL_ONLINE_RESERVE") or 0.1)
+        if not 0 <= self.online_reserve < 1:
+            raise ValueError("online_reserve must be in [0, 1)")
+        if self.swap_space_gib is None:
+            raw = env("TIDEPOOL_SWAP_SPACE_GIB")
+            self.swap_space_gib = float(raw) if raw else 4.0 if torch.device(self.device).type == "cuda" else 0.0
+        if self.swap_space_gib < 0:
+            raise ValueError("swap_space_gib must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -6,11 +6,13 @@ from typing import Callable
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
+from workers.engine.cost_model import CostModel, calibrate
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence
+from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.swap import HostKVPool
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -53,8 +55,24 @@ class LLMEngine:
         self.runner = ModelRunner(config, config.model_config)
         # A sequence may never outgrow the whole pool, or it could never be scheduled again.
         self.max_model_len = min(config.max_model_len, self.runner.num_kv_blocks * config.block_size)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        num_blocks = self.runner.num_kv_blocks
+        num_host_blocks = int(config.swap_space_gib * 2**30 // self.runner.bytes_per_block)
+        self.host_pool = HostKVPool(self.runner.model.layers, num_host_blocks) if num_host_blocks else None
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                          num_host_blocks=num_host_blocks)
+        self.cost_model = CostModel()
+        if config.calibrate:
+            calibrate(self.cost_model, self.runner, num_blocks, config.block_size, config.max_num_seqs,
+                      config.max_num_batched_tokens, self.max_model_len)
+        # The reserve never leaves offline work too little room for one sequence of max_model_len.
+        reserve_blocks = min(int(config.online_reserve * num_blocks),
+                             num_blocks - -(-self.max_model_len // config.block_size))
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, cost_model=self.cost_model,
+            sla_targets=config.sla_targets, reserve_seats=min(int(config.online_reserve * config.max_num_seqs),
+                                                              config.max_num_seqs - 1),
+            reserve_blocks=max(0, reserve_blocks), capacity_policy=config.capacity_policy,
+            max_model_len=self.max_model_len)
         self.sampler = Sampler(self.runner.device)
         self.eos_token_ids = set(config.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
@@ -132,6 +150,8 @@ class LLMEngine:
             return outputs
         prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
                             for s, n in zip(batch.seqs, batch.num_new_tokens))
+        if batch.swap_out or batch.swap_in:
+            self.host_pool.copy(batch.swap_out, batch.swap_in)
         logits = self.runner.run(batch)
         t2 = time.perf_counter()
         ready = self.scheduler.postprocess(batch)
@@ -140,6 +160,7 @@ class LLMEngine:
             for seq, token, lp in zip(ready, tokens, logprobs):
                 outputs.append(self._append_token(self.requests[seq.request_id], token, lp))
         t3 = time.perf_counter()
+        self.cost_model.observe(batch.num_tokens, batch.attended, t3 - t0)
         self._record(batch, prompt_tokens, t1 - t0, t2 - t1, t3 - t2)
         return outputs
 
@@ -209,7 +230,8 @@ class LLMEngine:
         t["model_s"] += model_s
         t["sample_s"] += sample_s
         self._last_step = {"tokens": batch.num_tokens, "seqs": len(batch.seqs), "schedule_s": schedule_s,
-                           "model_s": model_s, "sample_s": sample_s}
+                           "model_s": model_s, "sample_s": sample_s, "predicted_s": batch.predicted_s,
+                           "time_limit_s": batch.time_limit_s}
 
     def stats(self) -> dict:
         bm, sched = self.block_manager, self.scheduler
@@ -227,6 +249,11 @@ class LLMEngine:
             "kv_blocks_total": bm.num_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
             "preemptions": sched.num_preemptions,
+            "preemptions_by_kind": dict(sched.preemptions),
+            "recomputed_tokens": sched.recomputed_tokens,
+            "swapped": sum(s.status == SequenceStatus.SWAPPED for s in sched.waiting),
+            "suspended": sum(s.status == SequenceStatus.SUSPENDED for s in sched.waiting),
+            "cost_model": self.cost_model.as_dict(),
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
             "decode_graph_replays": self.runner.decode_graphs.replays if self.runner.decode_graphs else 0,

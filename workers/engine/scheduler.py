@@ -1,16 +1,34 @@
 """Iteration-level scheduling: which sequences run this step, and how many tokens each computes.
 
-Order: SLA class, then (within a class) running before waiting, tenant fair share (tokens served
-divided by tenant weight) and arrival. Each step fills a token budget up to max_num_seqs; a prompt
-that doesn't fit the budget is prefilled in chunks. When the KV pool runs dry, sequences are
-preempted by recompute: the lowest class first, the latest arrival first, and never one that
-ranks above the sequence that needs the room.
+Order: SLA class, then (within a class) running, then displaced (suspended or swapped), then waiting by
+tenant fair share (tokens served divided by tenant weight) and arrival. A step holds at most max_num_seqs
+sequences and max_num_batched_tokens tokens; a prompt that doesn't fit is prefilled in chunks.
+
+While online work (realtime, interactive) is running or waiting, a step is also bounded in time: the cost
+model predicts it, and offline tokens are trimmed so it stays within the tightest active `itl_ms`
+(stall-free batching, as in Sarathi-Serve). A waiting online prompt goes into the next step, chunked so its
+first token can still meet its `ttft_ms`. Without online work the token budget alone applies.
+
+Preemption keeps work where it can: a sequence displaced for a seat is suspended and keeps its blocks; one
+displaced for memory goes to the host pool when there is one with room (swap), else is recomputed. Victims:
+lowest class first, suspended before running, latest arrival first; never one that ranks above the sequence
+that needs the room. Seats and blocks of the online reserve are never given to offline work. Under the
+`no_evict` capacity policy a sequence is admitted only if it can run to max_tokens without evicting anyone,
+and nothing is ever preempted.
 """
+import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from workers.engine.block_manager import BlockManager
+from workers.engine.cost_model import attended
 from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
+
+CAPACITY_POLICIES = ("max_utilization", "no_evict")
+PREEMPTION_KINDS = ("suspend", "swap", "recompute")
+
+RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
+SUSPENDED, SWAPPED = SequenceStatus.SUSPENDED, SequenceStatus.SWAPPED
 
 
 @dataclass
@@ -18,6 +36,11 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block), before the step
+    swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block), after swap_out
+    attended: int = 0                      # context tokens the step's new tokens attend to
+    predicted_s: float = 0.0               # the cost model's estimate of the step (0 without a model)
+    time_limit_s: float | None = None      # the itl bound it was built under; None: offline runs flat out
 
     @property
     def num_tokens(self) -> int:
@@ -28,18 +51,39 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 cost_model=None, sla_targets: dict | None = None, reserve_seats: int = 0, reserve_blocks: int = 0,
+                 capacity_policy: str = "max_utilization", max_model_len: int | None = None,
+                 clock=time.monotonic):
+        """cost_model: any object with `fixed`, `per_token`, `per_context` (seconds); None: no time bound.
+        sla_targets: {class: {"ttft_ms": .., "itl_ms": ..}} for the online classes."""
+        if capacity_policy not in CAPACITY_POLICIES:
+            raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {capacity_policy!r}")
+        if not 0 <= reserve_seats < max_num_seqs or not 0 <= reserve_blocks < block_manager.num_blocks:
+            raise ValueError("the online reserve must leave offline work at least one seat and one block")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: list[Sequence] = []
+        self.cost_model = cost_model
+        self.sla_targets = sla_targets or {}
+        self.reserve_seats = reserve_seats
+        self.reserve_blocks = reserve_blocks
+        self.capacity_policy = capacity_policy
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting: list[Sequence] = []      # WAITING, SUSPENDED and SWAPPED sequences
         self.running: list[Sequence] = []
         self.served: dict[tuple[int, str], float] = defaultdict(float)   # (class rank, tenant) -> tokens / weight
-        self.num_preemptions = 0
+        self.preemptions = dict.fromkeys(PREEMPTION_KINDS, 0)
+        self.recomputed_tokens = 0             # computed tokens thrown away by recompute and computed again
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     def add(self, seq: Sequence) -> None:
         self._activate_tenant(seq)
-        seq.status = SequenceStatus.WAITING
+        seq.status = WAITING
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -56,7 +100,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and give back its blocks."""
-        if seq in self.running:
+        if seq.status == RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
@@ -71,12 +115,17 @@ class Scheduler:
         by_class_running = defaultdict(list)
         for seq in self.running:
             by_class_running[seq.rank].append(seq)
+        by_class_parked = defaultdict(list)
         by_class_waiting = defaultdict(lambda: defaultdict(deque))
         for seq in sorted(self.waiting, key=lambda s: s.arrival):
-            by_class_waiting[seq.rank][seq.tenant].append(seq)
+            if seq.status == WAITING:
+                by_class_waiting[seq.rank][seq.tenant].append(seq)
+            else:
+                by_class_parked[seq.rank].append(seq)
         for rank in range(len(SLA_CLASSES)):
             yield from sorted(by_class_running.get(rank, ()),
                               key=lambda s: (s.num_uncomputed_tokens > 1, self._share(s), s.arrival))
+            yield from by_class_parked.get(rank, ())
             tenants = by_class_waiting.get(rank, {})
             while tenants:
                 tenant = min(tenants, key=lambda t: (self.served[(rank, t)], tenants[t][0].arrival))
@@ -85,70 +134,228 @@ class Scheduler:
                     del tenants[tenant]
                 yield seq
 
-    def _victim(self, seq: Sequence, scheduled: set[int], strictly_lower: bool) -> Sequence | None:
-        """The running sequence to preempt for seq: lowest class, then latest arrival; None if none may go."""
-        pool = [s for s in self.running if s is not seq and id(s) not in scheduled
-                and (s.rank > seq.rank if strictly_lower else (s.rank, s.arrival) > (seq.rank, seq.arrival))]
-        return max(pool, key=lambda s: (s.rank, s.arrival), default=None)
+    # -- time ---------------------------------------------------------------------------------------
+    def _time_limit(self) -> float | None:
+        """The tightest itl target (seconds) of the online classes with work here; None when there is none."""
+        if self.cost_model is None:
+            return None
+        ranks = {s.rank for s in self.running} | {s.rank for s in self.waiting}
+        limits = [self.sla_targets[c]["itl_ms"] / 1000 for c in SLA_CLASSES
+                  if SLA_CLASSES.index(c) in ranks and "itl_ms" in self.sla_targets.get(c, {})]
+        return min(limits, default=None)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.block_manager.free_sequence(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.append(seq)
+    def _tokens_within(self, seconds: float, start: int, most: int) -> int:
+        """The most new tokens (<= most) of a sequence at `start` whose predicted cost fits in `seconds`."""
+        c = self.cost_model
+        if seconds <= 0:
+            return 0
+        if c.per_context <= 0:
+            return most if c.per_token <= 0 else min(most, int(seconds / c.per_token))
+        # per_token * n + per_context * (n * start + n * (n + 1) / 2) <= seconds, solved for n
+        a, b = c.per_context / 2, c.per_token + c.per_context * (start + 0.5)
+        n = int((-b + (b * b + 4 * a * seconds) ** 0.5) / (2 * a))
+        return max(0, min(most, n))
 
+    def _step_cost(self, start: int, n: int) -> float:
+        c = self.cost_model
+        return c.per_token * n + c.per_context * attended(start, n)
+
+    def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float, now: float) -> int:
+        n = min(seq.num_uncomputed_tokens, budget)
+        if limit is None:
+            return n
+        fit = self._tokens_within(time_left, seq.num_computed_tokens, n)
+        if not seq.is_online:
+            return fit
+        if n <= 1:
+            return n          # an online decode always runs: it is what the bound is for
+        # An online prompt runs in this step; it gets at least the share that still meets its ttft target.
+        ttft = self.sla_targets.get(seq.sla_class, {}).get("ttft_ms")
+        need = n
+        if ttft is not None:
+            steps_left = int((ttft / 1000 - (now - seq.arrival_time)) / limit)
+            need = -(-seq.num_uncomputed_tokens // max(1, steps_left))
+        return min(n, max(fit, need, self.block_manager.block_size))
+
+    # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        bm = self.block_manager
+        bm.end_step()
+        now = self.clock()
+        batch = ScheduledBatch(time_limit_s=self._time_limit())
+        limit = batch.time_limit_s
+        time_used = self.cost_model.fixed if self.cost_model is not None else 0.0
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
+        offline_running = sum(not s.is_online for s in self.running)
+        admitting = True           # once a sequence is kept out, nothing below it may jump the queue
         for seq in list(self._candidates()):
             if budget == 0:
                 break
-            if seq in batch.preempted:
+            if id(seq) in scheduled or any(p is seq for p in batch.preempted):
                 continue   # made room for a higher-ranked sequence in this very step
-            waiting = seq.status == SequenceStatus.WAITING
-            if waiting and any(p.rank <= seq.rank for p in batch.preempted):
-                break      # don't admit work that ranks no higher than what this step just evicted
-            if waiting and len(self.running) >= self.max_num_seqs:
-                victim = self._victim(seq, scheduled, strictly_lower=True)
-                if victim is None:
-                    break
-                self._preempt(victim)
-                batch.preempted.append(victim)
-            if waiting:
-                self.block_manager.match_prefix(seq)
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._make_room(seq, num_new, scheduled, batch):
-                if waiting:
-                    self.block_manager.free_sequence(seq)
-                    break   # nothing below it may jump the queue while it can't get memory
+            time_left = 0.0 if limit is None else limit - time_used
+            if limit is not None and not seq.is_online and \
+                    time_left < self._step_cost(seq.num_computed_tokens, 1):
+                continue   # not even one more offline token fits in the time bound
+            new = seq.status != RUNNING
+            if new:
+                # Don't admit work that ranks no higher than what this step just evicted.
+                admitting = admitting and not any(p.rank <= seq.rank for p in batch.preempted)
+                if not admitting or not self._seat(seq, offline_running, scheduled, batch):
+                    admitting = False
+                    continue
+                n = self._admit(seq, budget, limit, time_left, now, scheduled, batch)
+                if n is None:
+                    admitting = False
+                    continue
+            else:
+                n = self._num_new(seq, budget, limit, time_left, now)
+            if n == 0:
                 continue
-            if waiting:
-                self.block_manager.prefix_queries += seq.num_tokens
-                self.block_manager.prefix_hits += seq.num_cached_tokens
-                self.waiting.remove(seq)
-                self.running.append(seq)
-                seq.status = SequenceStatus.RUNNING
+            if not self._make_room(seq, n, scheduled, batch):
+                if new:
+                    self._unadmit(seq)
+                    admitting = False
+                continue
+            if new:
+                self._start(seq)
+            offline_running = sum(not s.is_online for s in self.running) if new or batch.preempted \
+                else offline_running
             scheduled.add(id(seq))
             batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
-            self.served[(seq.rank, seq.tenant)] += num_new / seq.weight
+            batch.num_new_tokens.append(n)
+            batch.attended += attended(seq.num_computed_tokens, n)
+            if self.cost_model is not None:
+                time_used += self._step_cost(seq.num_computed_tokens, n)
+            budget -= n
+            self.served[(seq.rank, seq.tenant)] += n / seq.weight
+        if self.cost_model is not None and batch:
+            batch.predicted_s = time_used
         return batch
 
-    def _make_room(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
-        while not self.block_manager.allocate(seq, num_new):
-            victim = self._victim(seq, scheduled, strictly_lower=False)
-            if victim is None:
-                if seq.status == SequenceStatus.RUNNING:
-                    self._preempt(seq)
-                    batch.preempted.append(seq)
+    def _seat(self, seq: Sequence, offline_running: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+        """A seat for a sequence that isn't running, suspending a lower-class one if need be."""
+        while True:
+            full = len(self.running) >= self.max_num_seqs
+            offline_full = not seq.is_online and offline_running >= self.max_num_seqs - self.reserve_seats
+            if not full and not offline_full:
+                return True
+            if self.capacity_policy == "no_evict":
                 return False
-            self._preempt(victim)
-            batch.preempted.append(victim)
+            pool = [s for s in self.running if id(s) not in scheduled and s.rank > seq.rank
+                    and (full or not s.is_online)]
+            victim = max(pool, key=lambda s: (s.rank, s.arrival), default=None)
+            if victim is None:
+                return False
+            self.running.remove(victim)
+            victim.status = SUSPENDED
+            self.waiting.append(victim)
+            self._count(victim, "suspend", batch)
+            offline_running -= not victim.is_online
+
+    def _admit(self, seq: Sequence, budget: int, limit: float | None, time_left: float, now: float,
+               scheduled: set[int], batch: ScheduledBatch) -> int | None:
+        """Bring a waiting, suspended or swapped sequence back onto device blocks; returns its token count
+        (0: nothing fits in the time bound), None when memory (or the capacity policy) keeps it out."""
+        bm = self.block_manager
+        keep = 0 if seq.is_online else self.reserve_blocks
+        if seq.status == WAITING:
+            bm.match_prefix(seq)
+            if self.capacity_policy == "no_evict" and \
+                    self._blocks_to_finish(seq) > bm.num_free_blocks - keep - self._future_blocks():
+                bm.free_sequence(seq)
+                return None
+        elif seq.status == SWAPPED:
+            while not bm.can_swap_in(seq, keep):
+                victim = self._memory_victim(seq, scheduled)
+                if victim is None or self.capacity_policy == "no_evict":
+                    return None
+                self._evict(victim, batch)
+            batch.swap_in.extend(bm.swap_in(seq))
+            seq.status = SUSPENDED
+        n = self._num_new(seq, budget, limit, time_left, now)
+        if n == 0 and seq.status == WAITING:
+            bm.free_sequence(seq)
+        return n
+
+    def _unadmit(self, seq: Sequence) -> None:
+        if seq.status == WAITING:
+            self.block_manager.free_sequence(seq)
+
+    def _start(self, seq: Sequence) -> None:
+        bm = self.block_manager
+        if seq.status == WAITING:
+            bm.prefix_queries += seq.num_tokens
+            bm.prefix_hits += seq.num_cached_tokens
+            if seq.num_lost_tokens:
+                self.recomputed_tokens += max(0, seq.num_lost_tokens - seq.num_cached_tokens)
+                seq.num_lost_tokens = 0
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        seq.status = RUNNING
+
+    # -- memory -------------------------------------------------------------------------------------
+    def _make_room(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+        keep = 0 if seq.is_online else self.reserve_blocks
+        while not self.block_manager.allocate(seq, num_new, keep):
+            if self.capacity_policy == "no_evict":
+                return False
+            victim = self._memory_victim(seq, scheduled)
+            if victim is None:
+                if seq.status == RUNNING:
+                    self._evict(seq, batch)
+                return False
+            self._evict(victim, batch)
         return True
+
+    def _memory_victim(self, seq: Sequence, scheduled: set[int]) -> Sequence | None:
+        """The sequence holding device blocks to displace for seq: lowest class, suspended before running,
+        latest arrival; None if none may go."""
+        best, best_key = None, None
+        for s in self.running + [w for w in self.waiting if w.status == SUSPENDED]:
+            if s is seq or id(s) in scheduled or not s.block_table:
+                continue
+            if (s.rank, s.arrival) <= (seq.rank, seq.arrival):
+                continue
+            key = (s.rank, s.status == SUSPENDED, s.arrival)
+            if best_key is None or key > best_key:
+                best, best_key = s, key
+        return best
+
+    def _evict(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Free seq's device blocks: to the host pool when it has room, else by dropping them (recompute)."""
+        bm = self.block_manager
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+            self.waiting.append(seq)
+        if bm.can_swap_out(seq):
+            batch.swap_out.extend(bm.swap_out(seq))
+            seq.status = SWAPPED
+            self._count(seq, "swap", batch)
+        else:
+            lost = seq.num_computed_tokens
+            bm.free_sequence(seq)
+            seq.num_lost_tokens += lost
+            seq.status = WAITING
+            self._count(seq, "recompute", batch)
+
+    def _count(self, seq: Sequence, kind: str, batch: ScheduledBatch) -> None:
+        seq.num_preemptions += 1
+        self.preemptions[kind] += 1
+        batch.preempted.append(seq)
+
+    # -- no_evict -----------------------------------------------------------------------------------
+    def _blocks_to_finish(self, seq: Sequence) -> int:
+        """Blocks seq still needs to reach max_tokens (or max_model_len), beyond those it holds."""
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if self.max_model_len is not None:
+            total = min(total, self.max_model_len)
+        return max(0, -(-total // self.block_manager.block_size) - len(seq.block_table))
+
+    def _future_blocks(self) -> int:
+        return sum(self._blocks_to_finish(s) for s in self.running) + \
+            sum(self._blocks_to_finish(s) for s in self.waiting if s.status == SUSPENDED)
 
     def postprocess(self, batch: ScheduledBatch) -> list[Sequence]:
         """Advance computed counts; returns the sequences whose whole context is now computed (they sample)."""

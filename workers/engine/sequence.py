@@ -1,4 +1,5 @@
 import itertools
+import time
 from enum import Enum, auto
 
 from workers.engine.sampling_params import SamplingParams
@@ -8,9 +9,14 @@ SLA_CLASSES = ("realtime", "interactive", "batch", "deferrable")
 CLASS_RANK = {name: rank for rank, name in enumerate(SLA_CLASSES)}
 
 
+ONLINE_RANKS = (CLASS_RANK["realtime"], CLASS_RANK["interactive"])
+
+
 class SequenceStatus(Enum):
-    WAITING = auto()
-    RUNNING = auto()
+    WAITING = auto()      # not started, or preempted by recompute (no blocks)
+    RUNNING = auto()      # holds a seat and its blocks
+    SUSPENDED = auto()    # displaced from its seat; keeps its blocks and resumes where it stopped
+    SWAPPED = auto()      # displaced for memory; its blocks wait in the host pool
     FINISHED = auto()
 
 
@@ -35,12 +41,15 @@ class Sequence:
         # Seeds the chain hash of the first block: prefix-cache blocks are shared only within one namespace.
         self.cache_root: int | None = None if cache_namespace is None else hash(("namespace", cache_namespace))
         self.arrival = next(Sequence._arrivals)
+        self.arrival_time = time.monotonic()
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []      # chained hashes of the full blocks registered so far
         self.num_computed_tokens = 0           # tokens whose K/V sit in the cache
         self.num_cached_tokens = 0             # of those, taken from the prefix cache at admission
+        self.host_block_table: list[int] = []  # while SWAPPED: host-pool blocks holding block_table's contents
         self.num_preemptions = 0
+        self.num_lost_tokens = 0               # computed tokens thrown away by a recompute preemption
         self.finish_reason: str | None = None
 
     def __len__(self) -> int:
@@ -61,6 +70,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_online(self) -> bool:
+        return self.rank in ONLINE_RANKS
 
     @property
     def is_finished(self) -> bool:

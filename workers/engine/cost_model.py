@@ -1,0 +1,103 @@
+"""Predicted step time: fixed + per_token * new tokens + per_context * context tokens attended.
+
+Fitted from the engine's own measured steps (exponentially weighted least squares, so it follows the
+device's current speed), seeded by a short calibration when the engine starts. The scheduler reads the
+three coefficients only, so a test can hand it any object that has them.
+"""
+import numpy as np
+
+
+def attended(start: int, num_new: int) -> int:
+    """Context tokens the new tokens attend to: token i of the chunk sees start + i + 1 positions."""
+    return num_new * start + num_new * (num_new + 1) // 2
+
+
+class CostModel:
+    def __init__(self, fixed: float = 0.0, per_token: float = 0.0, per_context: float = 0.0,
+                 decay: float = 0.995, prior_weight: float = 0.2):
+        self.fixed, self.per_token, self.per_context = fixed, per_token, per_context
+        self.decay = decay
+        self.prior_weight = prior_weight   # in steps: how many observations the prior counts as
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._prior = np.array([fixed, per_token, per_context])
+        self.observations = 0
+
+    def predict(self, num_tokens: int, num_attended: int) -> float:
+        return self.fixed + self.per_token * num_tokens + self.per_context * num_attended
+
+    def seed(self, fixed: float, per_token: float, per_context: float) -> None:
+        self.fixed, self.per_token, self.per_context = fixed, per_token, per_context
+        self._prior = np.array([fixed, per_token, per_context])
+
+    def observe(self, num_tokens: int, num_attended: int, seconds: float) -> None:
+        if self.observations >= 8:
+            # One step slowed by something outside the engine (another process, a GC pause) must not
+            # drag the fit: clip it to a few times what the model expected.
+            seconds = min(seconds, 3.0 * max(self.predict(num_tokens, num_attended), 1e-6))
+        x = np.array([1.0, float(num_tokens), float(num_attended)])
+        self._xtx = self.decay * self._xtx + np.outer(x, x)
+        self._xty = self.decay * self._xty + x * seconds
+        self.observations += 1
+        self._refit()
+
+    def _refit(self) -> None:
+        # Ridge toward the prior, each coefficient scaled by its feature's typical size so the pull is even.
+        ridge = self.prior_weight * np.diag(np.maximum(np.diag(self._xtx), 1e-9) / self._xtx[0, 0])
+        a = self._xtx + ridge
+        b = self._xty + ridge @ self._prior
+        theta = np.linalg.lstsq(a, b, rcond=None)[0]
+        free = theta > 0
+        if not free.all():                 # no negative costs: refit with those coefficients at zero
+            theta = np.zeros(3)
+            idx = np.flatnonzero(free)
+            if idx.size:
+                theta[idx] = np.linalg.lstsq(a[np.ix_(idx, idx)], b[idx], rcond=None)[0]
+            theta = np.maximum(theta, 0.0)
+        self.fixed, self.per_token, self.per_context = (float(v) for v in theta)
+
+    def as_dict(self) -> dict:
+        return {"fixed_s": self.fixed, "per_token_s": self.per_token, "per_context_s": self.per_context,
+                "observations": self.observations}
+
+
+def calibrate(cost: "CostModel", runner, num_blocks: int, block_size: int, max_num_seqs: int,
+              max_num_batched_tokens: int, max_model_len: int) -> None:
+    """Seed `cost` from a few timed steps of dummy sequences on the (still empty) KV pool: a prompt chunk,
+    a batch of decodes and a single decode. Writes only blocks that no sequence owns yet."""
+    import time
+
+    from workers.engine.sampling_params import SamplingParams
+    from workers.engine.scheduler import ScheduledBatch
+    from workers.engine.sequence import Sequence
+
+    pool = num_blocks * block_size
+
+    def batch_of(shapes):                  # [(context already computed, new tokens)]
+        batch, next_block = ScheduledBatch(), 0
+        for start, n in shapes:
+            seq = Sequence("calibration", [1] * (start + n), SamplingParams())
+            blocks = -(-(start + n) // block_size)
+            seq.block_table = list(range(next_block, next_block + blocks))
+            seq.num_computed_tokens = start
+            next_block += blocks
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            batch.attended += attended(start, n)
+        return batch if next_block <= num_blocks else None
+
+    longest = min(pool, max_model_len)
+    prompt = max(1, min(64, max_num_batched_tokens, longest - 1))
+    width = max(1, min(16, max_num_seqs, max_num_batched_tokens))
+    context = max(1, min(64, pool // width - block_size, longest - 1))
+    shapes = [[(0, prompt)], [(context, 1)] * width, [(min(16, longest - 1), 1)]]
+    runner.run(batch_of([(0, min(16, longest))]))       # warm-up: first calls allocate and build
+    for _ in range(2):
+        for shape in shapes:
+            batch = batch_of(shape)
+            if batch is None:
+                continue
+            t0 = time.perf_counter()
+            runner.run(batch)
+            cost.observe(batch.num_tokens, batch.attended, time.perf_counter() - t0)
+    cost.seed(cost.fixed, cost.per_token, cost.per_context)

@@ -1,0 +1,30 @@
+"""The host pool that swapped-out KV blocks wait in: one tensor [layer, k/v, block, block_size, heads, dim],
+pinned on CUDA. The block manager decides which blocks move; this copies them."""
+import torch
+
+
+class HostKVPool:
+    def __init__(self, layers, num_blocks: int):
+        self.layers = layers              # modules whose self_attn holds k_cache and v_cache
+        cache = layers[0].self_attn.k_cache
+        self.device = cache.device
+        self.num_blocks = num_blocks
+        self.cache = torch.zeros((len(layers), 2, num_blocks, *cache.shape[1:]), dtype=cache.dtype,
+                                 pin_memory=self.device.type == "cuda")
+
+    @torch.inference_mode()
+    def copy(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Device -> host for swap_out (device, host) pairs first, then host -> device for swap_in (host, device):
+        a device block freed by a swap-out may be the target of a swap-in in the same step."""
+        if swap_out:
+            dev, host = (torch.tensor(ids) for ids in zip(*swap_out))
+            dev = dev.to(self.device)
+            for i, layer in enumerate(self.layers):
+                for j, cache in enumerate((layer.self_attn.k_cache, layer.self_attn.v_cache)):
+                    self.cache[i, j].index_copy_(0, host, cache.index_select(0, dev).cpu())
+        if swap_in:
+            host, dev = (torch.tensor(ids) for ids in zip(*swap_in))
+            dev = dev.to(self.device)
+            for i, layer in enumerate(self.layers):
+                for j, cache in enumerate((layer.self_attn.k_cache, layer.self_attn.v_cache)):
+                    cache.index_copy_(0, dev, self.cache[i, j].index_select(0, host).to(self.device))
