@@ -1,7 +1,8 @@
 """`tidepool run-batch`: an OpenAI Batch input file through the engine, straight to an output file.
 
-Lines are read as they are needed (at most `max_in_flight` requests sit in the engine), a bad line
-becomes an error line and the rest of the file still runs.
+Lines are read as they are needed (at most `max_in_flight` lines are read and not yet written), a bad line
+becomes an error line (with its custom_id when that could be read) and the rest of the file still runs. Output
+lines come in input order.
 """
 import json
 import time
@@ -19,30 +20,42 @@ def _error_line(custom_id, code: str, message: str, line: int) -> dict:
             "error": {"code": code, "message": f"line {line}: {message}"}}
 
 
+class LineError(ValueError):
+    def __init__(self, code: str, message: str, custom_id: str | None = None):
+        super().__init__(code, message)
+        self.code, self.message, self.custom_id = code, message, custom_id
+
+
 def _parse(raw: str, line: int, seen: set[str]) -> tuple[str, str, dict]:
-    """-> (custom_id, url, checked body); raises ValueError(code, message)."""
+    """-> (custom_id, url, checked body); raises LineError (carrying the custom_id once it could be read)."""
     try:
         item = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise ValueError("invalid_json", f"not valid JSON ({exc.msg})") from None
+        raise LineError("invalid_json", f"not valid JSON ({exc.msg})") from None
     if not isinstance(item, dict):
-        raise ValueError("invalid_request", "each line must be a JSON object")
+        raise LineError("invalid_request", "each line must be a JSON object")
     custom_id = item.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
-        raise ValueError("missing_custom_id", "'custom_id' must be a non-empty string")
+        raise LineError("missing_custom_id", "'custom_id' must be a non-empty string")
     if custom_id in seen:
-        raise ValueError("duplicate_custom_id", f"custom_id {custom_id!r} appears more than once")
+        raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appears more than once", custom_id)
     seen.add(custom_id)
     if item.get("method", "POST") != "POST":
-        raise ValueError("invalid_method", "'method' must be POST")
+        raise LineError("invalid_method", "'method' must be POST", custom_id)
     url = item.get("url")
     if url not in ENDPOINTS:
-        raise ValueError("invalid_url", f"'url' must be one of {list(ENDPOINTS)}")
+        raise LineError("invalid_url", f"'url' must be one of {list(ENDPOINTS)}", custom_id)
     try:
         body = check(item.get("body"), url, served_model=None, max_tokens_cap=None).body
     except APIError as exc:
-        raise ValueError(exc.code or "invalid_request", exc.message) from None
+        raise LineError(exc.code or "invalid_request", exc.message, custom_id) from None
     return custom_id, url, body
+
+
+def count_lines(path: str | Path) -> int:
+    """Non-blank lines of the input: the progress bar's total (a quick pass over the bytes)."""
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
 
 
 def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path, model_name: str,
@@ -50,29 +63,38 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
     """Returns counts: {"total", "completed", "failed", "generated_tokens", "seconds"}."""
     max_in_flight = max_in_flight or 4 * engine.config.max_num_seqs
     counts = {"total": 0, "completed": 0, "failed": 0, "generated_tokens": 0}
-    pending: dict[str, tuple[str, str]] = {}       # engine request id -> (custom_id, url)
+    pending: dict[str, tuple[int, str, str]] = {}    # engine request id -> (input position, custom_id, url)
+    done: dict[int, dict] = {}                        # finished lines waiting for the ones before them
+    next_out = 0                                      # input position of the next line to write
     seen: set[str] = set()
     started = time.perf_counter()
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(desc="run-batch", unit="req")
+        bar = tqdm(desc="run-batch", unit="req", total=count_lines(input_path))
 
     with open(input_path, encoding="utf-8") as src, open(output_path, "w", encoding="utf-8") as dst:
-        def write(obj: dict) -> None:
-            dst.write(json.dumps(obj, ensure_ascii=False) + "\n")
+        def settle(position: int, obj: dict) -> None:
+            nonlocal next_out
+            done[position] = obj
+            while next_out in done:
+                dst.write(json.dumps(done.pop(next_out), ensure_ascii=False) + "\n")
+                next_out += 1
+            if bar is not None:
+                bar.update(1)
 
         def finish(out: RequestOutput) -> None:
-            custom_id, url = pending.pop(out.request_id)
+            position, custom_id, url = pending.pop(out.request_id)
             body = response_body(url, out.request_id, model_name, out, engine.tokenizer)
-            write({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-                   "response": {"status_code": 200, "request_id": out.request_id, "body": body}, "error": None})
+            settle(position, {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+                              "response": {"status_code": 200, "request_id": out.request_id, "body": body},
+                              "error": None})
             counts["completed"] += 1
 
         line_no = 0
         exhausted = False
         while not exhausted or engine.has_unfinished():
-            while not exhausted and len(pending) < max_in_flight:
+            while not exhausted and counts["total"] - next_out < max_in_flight:
                 raw = src.readline()
                 if not raw:
                     exhausted = True
@@ -80,26 +102,24 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                 line_no += 1
                 if not raw.strip():
                     continue
+                position = counts["total"]
                 counts["total"] += 1
-                custom_id = None
                 try:
                     custom_id, url, body = _parse(raw, line_no, seen)
                     request_id = f"req-{line_no}"
-                    engine.add_request(request_id, prompt_ids(url, body, engine.tokenizer),
-                                       sampling_params(url, body), sla_class="batch")
-                    pending[request_id] = (custom_id, url)
-                except ValueError as exc:
-                    code, message = exc.args if len(exc.args) == 2 else ("invalid_request", str(exc))
-                    write(_error_line(custom_id, code, message, line_no))
+                    try:
+                        prompt = prompt_ids(url, body, engine.tokenizer)
+                        engine.add_request(request_id, prompt, sampling_params(url, body), sla_class="batch")
+                    except ValueError as exc:
+                        raise LineError("invalid_request", str(exc), custom_id) from None
+                    pending[request_id] = (position, custom_id, url)
+                except LineError as exc:
+                    settle(position, _error_line(exc.custom_id, exc.code, exc.message, line_no))
                     counts["failed"] += 1
-                    if bar is not None:
-                        bar.update(1)
             for out in engine.step():
                 counts["generated_tokens"] += len(out.new_token_ids)
                 if out.finished:
                     finish(out)
-                    if bar is not None:
-                        bar.update(1)
             if bar is not None:
                 bar.set_postfix(tok_s=f"{counts['generated_tokens'] / (time.perf_counter() - started):.1f}")
     if bar is not None:

@@ -64,3 +64,32 @@ def test_run_batch_end_to_end(tiny_model_dir, tmp_path, capsys):
             assert body["object"] == "text_completion" and choice["text"] == ref.text
     lp = results["c2"]["body"]["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 5 and all(len(top) == 2 for top in lp["top_logprobs"])
+
+
+def test_run_batch_keeps_input_order_and_custom_ids(tiny_model_dir, tmp_path, capsys):
+    """Long and short requests mixed: the output comes back in input order; an error line carries the custom_id
+    whenever the line had a readable one; the progress bar knows the total up front."""
+    from workers.batch_runner import count_lines
+    model_dir = tiny_model_dir("llama-gqa")
+    lines = []
+    for i in range(12):
+        lines.append(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                                 "body": {"prompt": f"item {i}", "max_tokens": 24 if i % 3 == 0 else 2,
+                                          "ignore_eos": True}}))
+    lines[4] = json.dumps({"custom_id": "r4", "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": "x", "temperature": 9}})
+    lines[7] = json.dumps({"custom_id": "r7", "method": "GET", "url": "/v1/completions", "body": {}})
+    lines[9] = json.dumps({"custom_id": "r9", "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": list(range(3, 2000))}})
+    lines.insert(5, json.dumps({"custom_id": 17, "method": "POST"}))
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n\n")
+    assert count_lines(src) == 13
+    assert main(["run-batch", "-i", str(src), "-o", str(dst), "--model", model_dir, "--no-progress",
+                 "--max-num-seqs", "4"]) == 0
+    capsys.readouterr()
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(5)] + [None] + [f"r{i}" for i in range(5, 12)]
+    errors = {o["custom_id"]: o["error"]["code"] for o in out if o["error"]}
+    assert errors == {"r4": "invalid_value", None: "missing_custom_id", "r7": "invalid_method",
+                      "r9": "invalid_request"}
