@@ -49,14 +49,33 @@ def sign_in() -> None:
     session["csrf"] = secrets.token_urlsafe(32)
 
 
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")
+PLAIN_HTTP = ("This page came over plain HTTP from {host}, so the browser drops the panel's Secure session cookie "
+              "and no form can work (the CSRF check fails). Serve the panel over HTTPS (TLS in front of Tidepool), "
+              "or, for development only, set TIDEPOOL_INSECURE_COOKIES=1 on the server and restart it.")
+
+
+def plain_http_warning() -> str | None:
+    """Why sign-in cannot work here: a Secure cookie over plain HTTP to a host browsers do not treat as local."""
+    if not current_app.config.get("SESSION_COOKIE_SECURE") or request.is_secure:
+        return None
+    if request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower() == "https":
+        return None     # TLS ends at a proxy in front
+    host = request.host.rsplit(":", 1)[0] if not request.host.endswith("]") else request.host
+    if host in LOCAL_HOSTS or host.endswith(".localhost"):
+        return None     # browsers treat these as secure contexts and keep Secure cookies
+    return PLAIN_HTTP.format(host=request.host)
+
+
 @bp.before_request
 def _guard():
     if request.method == "POST":
         sent = request.form.get("csrf_token", "")
         if not sent or not hmac.compare_digest(sent, session.get("csrf", "")):
             return render_template("error.html", title="Form rejected",
-                                   message="This form was missing its security token or it has expired "
-                                           "(CSRF check failed). Reload the page and try again."), 400
+                                   message=plain_http_warning() or
+                                   "This form was missing its security token or it has expired "
+                                   "(CSRF check failed). Reload the page and try again."), 400
     if request.endpoint not in PUBLIC and not signed_in():
         if request.endpoint == "panel.dashboard_data":
             return {"error": {"message": "Sign in to the admin panel.", "code": "signed_out"}}, 401
@@ -111,4 +130,4 @@ def _secs(value) -> str:
 
 @bp.context_processor
 def _context() -> dict:
-    return {"signed_in": signed_in()}
+    return {"signed_in": signed_in(), "plain_http_warning": plain_http_warning()}
