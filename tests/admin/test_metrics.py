@@ -253,3 +253,19 @@ def test_http_requests_are_logged_as_json(client):
     line = json.loads(stream.getvalue().splitlines()[-1])
     assert line["route"] == "/v1/admin/tenants/<tenant_id>" and line["http_status"] == 404
     assert line["method"] == "GET" and line["duration_ms"] >= 0 and ADMIN not in stream.getvalue()
+
+
+def test_worker_metrics_port_moves_to_the_next_free_one():
+    import socket
+    import urllib.request
+
+    from workers.metrics import bind_metrics_server
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        registry = CollectorRegistry()
+        EngineMetrics(registry=registry, worker="second")
+        bound = bind_metrics_server(port, registry)
+        assert bound > port
+        assert "tidepool:kv_cache_usage_perc" in urllib.request.urlopen(f"http://127.0.0.1:{bound}/metrics").read().decode()
