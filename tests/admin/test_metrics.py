@@ -269,3 +269,24 @@ def test_worker_metrics_port_moves_to_the_next_free_one():
         bound = bind_metrics_server(port, registry)
         assert bound > port
         assert "tidepool:kv_cache_usage_perc" in urllib.request.urlopen(f"http://127.0.0.1:{bound}/metrics").read().decode()
+
+
+def test_text_log_format(monkeypatch):
+    import io
+    import logging
+    root = logging.getLogger()
+    saved, level = list(root.handlers), root.level
+    stream = io.StringIO()
+    monkeypatch.setenv("TIDEPOOL_LOG_FORMAT", "text")
+    try:
+        configure("INFO", stream)
+        log_job("job.started", job_id="job_1", tenant="ten_1", sla_class="batch")
+        logging.getLogger("werkzeug").info("127.0.0.1 - - \x1b[32mGET / 200\x1b[0m")     # held at WARNING
+        logging.getLogger("kombu.connection").warning("No hostname was supplied. Reverting to default 'localhost'")
+        logging.getLogger("x").warning("key tp_abcdefghij_SECRETsecret")
+    finally:
+        root.handlers, root.level = saved, level
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 2 and not lines[0].startswith("{")
+    assert "INFO tidepool.jobs: job.started" in lines[0] and "job_id=job_1" in lines[0]
+    assert lines[1].endswith("x: key tp_abcdefghij_[redacted]")
