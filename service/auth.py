@@ -164,7 +164,7 @@ def authenticate() -> None:
 
 # ---- in-process invalidation -----------------------------------------------------------------------------
 
-_COUNTERS = {"queued_count", "running_count", "budget_reserved"}   # moved by every job transition: irrelevant to authentication
+_COUNTERS = {"queued_count", "running_count", "budget_reserved", "budget_used", "budget_period"}   # moved by every job transition: irrelevant to authentication
 _IGNORED = {"tenants": _COUNTERS, "api_keys": {"last_used_at"}, "quotas": set()}
 
 

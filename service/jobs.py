@@ -4,7 +4,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import case, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -20,11 +20,17 @@ class Started:
     reason: str | None = None  # "not_queued" | "throttled" | "expired" when lease_token is None
 
 
-def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0, released: int = 0) -> None:
-    """Move the admission counters; released: budget tokens a finished job no longer holds in reserve."""
-    s.execute(update(Tenant).where(Tenant.id == tenant_id)
-              .values(queued_count=Tenant.queued_count + queued, running_count=Tenant.running_count + running,
-                      budget_reserved=Tenant.budget_reserved - released))
+def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0, released: int = 0,
+              used: int | None = None) -> None:
+    """Move the admission counters; released: budget tokens a finished job no longer holds in reserve; used:
+    the tokens a completed job used, counted against this month's budget."""
+    values = dict(queued_count=Tenant.queued_count + queued, running_count=Tenant.running_count + running,
+                  budget_reserved=Tenant.budget_reserved - released)
+    if used is not None:
+        now = period()
+        values.update(budget_period=now, budget_used=case((Tenant.budget_period == now, Tenant.budget_used + used),
+                                                          else_=used))
+    s.execute(update(Tenant).where(Tenant.id == tenant_id).values(**values))
 
 
 def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300, token: str | None = None,
@@ -88,7 +94,7 @@ def complete(s: Session, job_id: str, lease_token: str, *, output: str, output_t
     if tenant_id is None:
         return False
     tenant_id, reserved = tenant_id
-    _counters(s, tenant_id, running=-1, released=reserved)   # the reservation is settled to the actual usage
+    _counters(s, tenant_id, running=-1, released=reserved, used=prompt_tokens + completion_tokens)  # settled
     _add_usage(s, tenant_id, prompt_tokens, completion_tokens)
     return True
 

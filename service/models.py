@@ -96,8 +96,12 @@ class Tenant(Base):
     # Admission counters, changed only in the same transaction as the job transitions that move them.
     queued_count: Mapped[int] = mapped_column(Integer, default=0)
     running_count: Mapped[int] = mapped_column(Integer, default=0)
-    # Tokens (prompt estimate + max_tokens) reserved against the monthly budget by jobs not yet finished.
+    # The monthly budget's admission counters: tokens (prompt estimate + max_tokens) reserved by jobs not yet
+    # finished, and tokens used in budget_period (as in the usage roll-up), kept on this row so that admission
+    # checks the budget on the row it locks.
     budget_reserved: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    budget_used: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    budget_period: Mapped[str | None] = mapped_column(String(7))
 
 
 def cache_namespace(tenant_id: str, prefix_cache_group: str | None) -> str:

@@ -14,14 +14,14 @@ from datetime import datetime, timezone
 
 from flask import g, has_request_context
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
-from sqlalchemy import and_, exists, false, func, or_, select, update
+from sqlalchemy import and_, case, exists, false, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from .errors import APIError
 from .metrics import quota_rejected
-from .models import ApiKey, Job, Quota, Tenant, Usage
+from .models import ApiKey, Job, Quota, Tenant
 
 WINDOW = 60
 log = logging.getLogger(__name__)
@@ -109,10 +109,9 @@ def _seconds_to_next_month(now: datetime) -> int:
     return int((nxt - now).total_seconds()) + 1
 
 
-def _used(tenant_id):
-    """Tokens used this month (one row of the usage roll-up, by its unique index)."""
-    return (select(func.coalesce(Usage.prompt_tokens + Usage.completion_tokens, 0))
-            .where(Usage.tenant_id == tenant_id, Usage.period == period()).scalar_subquery())
+def _used():
+    """Tokens the tenant row says were used this month (its budget counters, moved with each completion)."""
+    return case((Tenant.budget_period == period(), Tenant.budget_used), else_=0)
 
 
 def _budget_refusal(tenant_id: str, budget: int, used: int, reserved: int, tokens: int) -> APIError:
@@ -136,7 +135,7 @@ def _admissible(tenant_id, n, key_id: int | None, tokens: int = 0):
     budget = select(Quota.monthly_token_budget).where(Quota.tenant_id == tenant_id).scalar_subquery()
     conds = [Tenant.id == tenant_id, or_(Tenant.disabled.is_(None), Tenant.disabled == false()),
              or_(live_max.is_(None), Tenant.queued_count + n <= live_max),
-             or_(budget.is_(None), func.coalesce(_used(tenant_id), 0) + Tenant.budget_reserved + tokens <= budget)]
+             or_(budget.is_(None), _used() + Tenant.budget_reserved + tokens <= budget)]
     if key_id is not None:
         conds.append(exists().where(ApiKey.id == key_id, ApiKey.tenant_id == Tenant.id,
                                     ApiKey.revoked_at.is_(None)))
@@ -161,7 +160,7 @@ def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None,
     disabled tenant (403), found by the database rather than the cached authentication, which is dropped;
     otherwise max_queued (429)."""
     row = s.execute(select(Tenant.disabled, Quota.max_queued, Quota.monthly_token_budget, Tenant.budget_reserved,
-                           func.coalesce(_used(tenant_id), 0))
+                           _used())
                     .join(Quota, Quota.tenant_id == Tenant.id).where(Tenant.id == tenant_id)).first()
     live_key = key_id is None or s.scalar(select(ApiKey.id).where(
         ApiKey.id == key_id, ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))) is not None
@@ -192,9 +191,9 @@ WITH admitted AS (
     WHERE tenants.id = %(tenant_id)s AND quotas.tenant_id = tenants.id
       AND tenants.disabled IS NOT TRUE
       AND (quotas.max_queued IS NULL OR tenants.queued_count + %(n)s <= quotas.max_queued)
-      AND (quotas.monthly_token_budget IS NULL OR tenants.budget_reserved + %(tokens)s + coalesce((
-          SELECT usage.prompt_tokens + usage.completion_tokens FROM usage
-           WHERE usage.tenant_id = tenants.id AND usage.period = %(period)s), 0) <= quotas.monthly_token_budget)
+      AND (quotas.monthly_token_budget IS NULL OR tenants.budget_reserved + %(tokens)s
+           + CASE WHEN tenants.budget_period = %(period)s THEN tenants.budget_used ELSE 0 END
+           <= quotas.monthly_token_budget)
       AND (%(key_id)s::integer IS NULL OR EXISTS (
           SELECT 1 FROM api_keys WHERE api_keys.id = %(key_id)s::integer
              AND api_keys.tenant_id = tenants.id AND api_keys.revoked_at IS NULL))

@@ -106,3 +106,47 @@ def test_online_requests_reserve_too(any_app):
     r = client.post("/v1/completions", json=BODY, headers=key)
     assert r.status_code == 429 and r.get_json()["error"]["code"] == "insufficient_quota"
     assert _reserved(app, tenant_id) == EACH
+
+
+def test_an_admission_waiting_on_a_completion_sees_its_usage(app):
+    """The completion holds the tenant row until it commits; an admission queued behind it must count the
+    tokens that completion used (not a snapshot of usage from before it waited)."""
+    client = app.test_client()
+    tenant_id, key = Admin(client).tenant(monthly_token_budget=1000)
+    job_id = client.post("/v1/jobs", json=BODY, headers=key).get_json()["id"]
+    engine = app.extensions["tidepool.engine"]
+    with Session(engine) as s:
+        token = jobs.start(s, job_id, "w").lease_token
+        s.commit()
+    completing = Session(engine)
+    assert jobs.complete(completing, job_id, token, output="x", output_token_ids=[1], prompt_tokens=1,
+                         completion_tokens=899, finish_reason="length")       # 900 used; not committed yet
+    result = {}
+    waiter = threading.Thread(target=lambda: result.setdefault(
+        "r", app.test_client().post("/v1/jobs", json=BODY, headers=key)))
+    waiter.start()
+    waiter.join(1.0)
+    assert waiter.is_alive()                     # blocked on the tenant row held by the completion
+    completing.commit()
+    completing.close()
+    waiter.join(30)
+    r = result["r"]
+    assert r.status_code == 429 and r.get_json()["error"]["code"] == "insufficient_quota"   # 900 + 101 > 1000
+    assert _reserved(app, tenant_id) == 0
+
+
+def test_a_new_month_starts_from_zero(any_app):
+    app = any_app
+    client = app.test_client()
+    tenant_id, key = Admin(client).tenant(monthly_token_budget=1000)
+    with Session(app.extensions["tidepool.engine"]) as s:      # last month's usage filled the budget
+        s.execute(update(Tenant).where(Tenant.id == tenant_id).values(budget_period="2000-01", budget_used=10 ** 6))
+        s.commit()
+    job_id = client.post("/v1/jobs", json=BODY, headers=key).get_json()["id"]
+    with Session(app.extensions["tidepool.engine"]) as s:
+        token = jobs.start(s, job_id, "w").lease_token
+        jobs.complete(s, job_id, token, output="x", output_token_ids=[1], prompt_tokens=1, completion_tokens=9,
+                      finish_reason="stop")
+        s.commit()
+        t = s.get(Tenant, tenant_id)
+        assert (t.budget_used, t.budget_reserved, len(t.budget_period)) == (10, 0, 7) and t.budget_period != "2000-01"
