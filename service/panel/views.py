@@ -116,7 +116,7 @@ def create_tenant():
             errors[exc.param or "name"] = exc.message
         else:
             flash(f"Tenant '{tenant.name}' created.", "ok")
-            return _tenant_page(tenant.id, new_key=key, status=201)
+            return _show_key_once(tenant.id, key)
     rows = db().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.name)).all()
     return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
                            online_classes=tenants.ONLINE_CLASSES,
@@ -171,9 +171,17 @@ def _tenant_page(tenant_id: str, *, new_key: str | None = None, quota_form: dict
                            usage=_usage_by_tenant().get(tenant_id), recent=recent), status
 
 
+def _show_key_once(tenant_id: str, key: str):
+    """Post/redirect/get: the new key rides in the (signed, HttpOnly) session to the next page view only, so a
+    refresh neither re-submits the form nor shows the key again."""
+    session["new_key"] = {"tenant": tenant_id, "key": key}
+    return redirect(url_for("panel.tenant_page", tenant_id=tenant_id), 303)
+
+
 @bp.get("/tenants/<tenant_id>")
 def tenant_page(tenant_id):
-    return _tenant_page(tenant_id)
+    shown = session.pop("new_key", None)
+    return _tenant_page(tenant_id, new_key=shown["key"] if shown and shown.get("tenant") == tenant_id else None)
 
 
 @bp.post("/tenants/<tenant_id>/scheduling")
@@ -252,7 +260,7 @@ def issue_key(tenant_id):
     row, key = tenants.issue_key(s, tenant_id, actor=ACTOR)
     s.commit()
     flash(f"Key {row.prefix} issued. Copy it now: it is shown only once.", "ok")
-    return _tenant_page(tenant_id, new_key=key, status=201)
+    return _show_key_once(tenant_id, key)
 
 
 @bp.post("/keys/<prefix>/revoke")

@@ -28,8 +28,8 @@ def test_create_with_a_default_class_and_per_field_errors(client, app):
     assert '<option value="batch"' not in page               # only online classes are offered
 
     r = client.post("/admin/tenants", data={"name": "chatty", "weight": "2", "default_sla_class": "realtime",
-                                            "csrf_token": csrf}, base_url=HTTPS)
-    assert r.status_code == 201
+                                            "csrf_token": csrf}, base_url=HTTPS, follow_redirects=True)
+    assert r.status_code == 200
     assert _selected(r.text, "default_sla_class") == "realtime"     # the edit form shows it
     assert _tenant(app, "chatty").default_sla_class == "realtime"
     assert "chatty" in (rows := client.get("/admin/tenants", base_url=HTTPS).text) and "realtime" in rows
@@ -44,12 +44,13 @@ def test_create_with_a_default_class_and_per_field_errors(client, app):
     assert _tenant(app, "offline") is None
 
     r = client.post("/admin/tenants", data={"name": "plain", "weight": "1", "csrf_token": csrf}, base_url=HTTPS)
-    assert r.status_code == 201 and _tenant(app, "plain").default_sla_class is None
+    assert r.status_code == 303 and _tenant(app, "plain").default_sla_class is None
 
 
 def test_edit_default_class_validates_and_audits(client, app):
     csrf = sign_in(client)
-    r = client.post("/admin/tenants", data={"name": "acme", "weight": "1", "csrf_token": csrf}, base_url=HTTPS)
+    r = client.post("/admin/tenants", data={"name": "acme", "weight": "1", "csrf_token": csrf}, base_url=HTTPS,
+                    follow_redirects=True)
     tenant_id = _tenant(app, "acme").id
     assert _selected(r.text, "default_sla_class") == ""
     url = f"/admin/tenants/{tenant_id}/scheduling"
@@ -95,6 +96,7 @@ def test_edit_default_class_validates_and_audits(client, app):
 
 def test_the_scheduling_form_carries_the_csrf_token(client):
     csrf = sign_in(client)
-    r = client.post("/admin/tenants", data={"name": "forms2", "weight": "1", "csrf_token": csrf}, base_url=HTTPS)
+    r = client.post("/admin/tenants", data={"name": "forms2", "weight": "1", "csrf_token": csrf}, base_url=HTTPS,
+                    follow_redirects=True)
     form = re.search(r'<form[^>]*id="scheduling".*?</form>', r.text, re.S).group(0)
     assert csrf_from(form) == csrf and 'name="default_sla_class"' in form

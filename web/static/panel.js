@@ -8,4 +8,13 @@ document.addEventListener("submit", function (ev) {
 document.addEventListener("DOMContentLoaded", function () {
   var key = document.getElementById("new-key-value");
   if (key) { key.addEventListener("focus", function () { key.select(); }); }
+  var copy = document.getElementById("copy-key");
+  if (copy && key) {
+    copy.addEventListener("click", function () {
+      var done = function () { copy.textContent = "Copied"; };
+      if (navigator.clipboard && window.isSecureContext) {
+        navigator.clipboard.writeText(key.value).then(done, function () { key.select(); });
+      } else { key.select(); if (document.execCommand("copy")) { done(); } }
+    });
+  }
 });

@@ -1,0 +1,49 @@
+"""What a newcomer trips on in the panel: a refresh after creating a tenant or issuing a key (post/redirect/get,
+the key shown once, with a copy button), a finished batch without an error file, words broken mid-word."""
+from pathlib import Path
+
+from service import tenants
+from service.models import Batch, BatchStatus, SlaClass
+
+from .conftest import sign_in
+
+HTTPS = "https://localhost"
+WEB = Path(__file__).resolve().parents[2] / "web"
+
+
+def test_new_tenant_and_key_post_redirect_get(client):
+    csrf = sign_in(client)
+    r = client.post("/admin/tenants", data={"name": "prg", "weight": "1", "csrf_token": csrf}, base_url=HTTPS)
+    assert r.status_code == 303 and "/admin/tenants/ten_" in r.headers["Location"]
+    page = client.get(r.headers["Location"], base_url=HTTPS).text
+    assert 'id="new-key-value"' in page and 'id="copy-key"' in page and "Tenant &#39;prg&#39; created." in page
+    key = page.split('id="new-key-value"')[0].rsplit('value="', 1)[1].split('"')[0]
+    assert key.startswith("tp_")
+    again = client.get(r.headers["Location"], base_url=HTTPS).text      # a refresh: no second tenant, no key
+    assert key not in again and 'id="new-key-value"' not in again
+    r = client.post(r.headers["Location"] + "/keys", data={"csrf_token": csrf}, base_url=HTTPS)
+    assert r.status_code == 303
+    page = client.get(r.headers["Location"], base_url=HTTPS).text
+    assert 'id="new-key-value"' in page and "Copy it now" in page
+
+
+def test_finished_batch_without_errors_says_none(client, app):
+    sign_in(client)
+    with app.extensions["tidepool.sessions"]() as s:
+        tenant, _ = tenants.create_tenant(s, "files")
+        done = Batch(tenant_id=tenant.id, endpoint="/v1/completions", input_file_id="file-x", completion_window="24h",
+                     sla_class=SlaClass.batch, status=BatchStatus.completed, output_file_id=None)
+        running = Batch(tenant_id=tenant.id, endpoint="/v1/completions", input_file_id="file-y",
+                        completion_window="24h", sla_class=SlaClass.batch, status=BatchStatus.in_progress)
+        s.add_all([done, running])
+        s.commit()
+        done_id, running_id = done.id, running.id
+    page = client.get(f"/admin/batches/{done_id}", base_url=HTTPS).text
+    assert "none (no request failed)" in page and "written when the batch finishes" not in page
+    page = client.get(f"/admin/batches/{running_id}", base_url=HTTPS).text
+    assert "written when the batch finishes" in page
+
+
+def test_words_do_not_break_mid_word():
+    css = (WEB / "static" / "panel.css").read_text()
+    assert "break-all" not in css and "overflow-wrap: anywhere" in css
