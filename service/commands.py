@@ -14,6 +14,8 @@ def register(sub) -> None:
     p.add_argument("name")
     p.add_argument("--weight", type=float, default=1.0)
     p.set_defaults(func=_tenants_create)
+    p = tenants.add_parser("list", help="list tenants with their active key prefixes, as a JSON array")
+    p.set_defaults(func=_tenants_list)
 
     keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
     p = keys.add_parser("create", help="issue a key for a tenant; prints it as JSON")
@@ -80,6 +82,22 @@ def _tenants_create(args) -> int:
             return _fail(exc)
         s.commit()
         print(json.dumps({"id": tenant.id, "name": tenant.name, "weight": tenant.weight, "api_key": key}))
+    return 0
+
+
+def _tenants_list(args) -> int:
+    from sqlalchemy import select
+
+    from service.models import ApiKey, Tenant
+    with _session() as s:
+        keys: dict[str, list[str]] = {}
+        for tenant_id, prefix in s.execute(select(ApiKey.tenant_id, ApiKey.prefix)
+                                           .where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.id)):
+            keys.setdefault(tenant_id, []).append(prefix)
+        print(json.dumps([{"id": t.id, "name": t.name, "weight": t.weight, "disabled": t.disabled,
+                           "default_sla_class": t.default_sla_class, "created_at": t.created_at.isoformat(),
+                           "key_prefixes": keys.get(t.id, [])}
+                          for t in s.scalars(select(Tenant).order_by(Tenant.name))]))
     return 0
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -109,7 +110,7 @@ Tidepool is serving {name} ({model}) on {device}.
   curl {base}/v1/chat/completions -H "Authorization: Bearer {key}" -H "Content-Type: application/json" \\
     -d '{json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})}'
 
-  python -c 'from openai import OpenAI; c = OpenAI(base_url="{base}/v1", api_key="{key}"); \\
+  {sys.executable} -c 'from openai import OpenAI; c = OpenAI(base_url="{base}/v1", api_key="{key}"); \\
 print(c.chat.completions.create(model="{name}", messages=[{{"role": "user", "content": "Hello!"}}], \\
 max_tokens=32).choices[0].message.content)'
 """, flush=True)

@@ -29,7 +29,19 @@ def _hub():
 
 def _model_json() -> dict:
     name = cfg().served_model_name
-    return {"id": name, "object": "model", "created": 0, "owned_by": "tidepool"}
+    return {"id": name, "object": "model", "created": _model_created(cfg().model), "owned_by": "tidepool"}
+
+
+def _model_created(folder: str | None) -> int:
+    """When the model folder was written (its config.json), else when this process started."""
+    import os
+    try:
+        return int(os.stat(os.path.join(folder, "config.json")).st_mtime)
+    except (OSError, TypeError):
+        return _STARTED
+
+
+_STARTED = int(time.time())
 
 
 @bp.get("/v1/models")

@@ -73,6 +73,8 @@ def _panel_sign_in(base: str, token: str) -> str:
 def test_batch_files_download_on_pure_defaults(served):
     base, key, cwd, log = served
     assert (cwd / "var" / "tidepool.db").is_file() and (cwd / "var" / "storage").is_dir()
+    banner = (cwd / "serve.out").read_text()
+    assert f"{sys.executable} -c 'from openai import OpenAI" in banner     # the venv's python, not `python`
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
     lines = [{"custom_id": f"ok-{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 3}} for i in range(2)]

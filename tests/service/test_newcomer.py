@@ -1,0 +1,42 @@
+"""Small things a newcomer meets: `tidepool tenants list`, a real `created` time in /v1/models."""
+import json
+import os
+
+from workers import cli
+
+
+def test_cli_tenants_list(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TIDEPOOL_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
+    assert cli.main(["db", "upgrade"]) == 0
+    assert cli.main(["tenants", "list"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == []
+    for name in ("zeta", "acme"):
+        assert cli.main(["tenants", "create", name]) == 0
+    acme = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert cli.main(["keys", "create", acme["id"]]) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert cli.main(["keys", "revoke", second["prefix"]]) == 0
+    capsys.readouterr()
+    assert cli.main(["tenants", "list"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in listed] == ["acme", "zeta"]
+    assert listed[0]["id"] == acme["id"] and listed[0]["key_prefixes"] == ["_".join(acme["api_key"].split("_")[:2])]
+    assert listed[0]["weight"] == 1.0 and listed[0]["disabled"] is False
+
+
+def test_models_list_has_a_created_time(pg_url, redis_url, tmp_path):
+    from service import create_app, tenants
+    model = tmp_path / "models" / "m1"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    os.utime(model / "config.json", (1_700_000_000, 1_700_000_000))
+    app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "s"),
+                      "model": str(model)})
+    try:
+        with app.extensions["tidepool.sessions"]() as s:
+            _, key = tenants.create_tenant(s, "models")
+            s.commit()
+        data = app.test_client().get("/v1/models", headers={"Authorization": f"Bearer {key}"}).get_json()["data"]
+        assert data == [{"id": "m1", "object": "model", "created": 1_700_000_000, "owned_by": "tidepool"}]
+    finally:
+        app.extensions["tidepool.engine"].dispose()
