@@ -275,7 +275,8 @@ def _sse(waiter: _Waiter, fmt: _Format, first: dict):
             if fmt.chat:
                 yield fmt.chunk(role=True)
             ev = first
-            while ev is None or ev["t"] != "end":
+            # an end event with status "queued" is an attempt handed back (SIGTERM): its rerun streams on
+            while ev is None or ev["t"] != "end" or ev.get("status") == "queued":
                 if ev is None:
                     yield ": keep-alive\n\n"      # also how a closed connection is noticed
                 elif ev["t"] == "tok" and ev["p"] <= len(attempt):   # p == 0: a new attempt; beyond: a gap

@@ -164,6 +164,7 @@ def test_a_stream_never_splices_two_attempts(outage, second):
     _claim(direct, job_id)
     stream.publish(job_id, {"t": "tok", "d": "Hello", "p": 0})      # attempt 1 streams, then its worker dies
     thread.join(30)
+    stream.publish(job_id, {"t": "end", "status": "queued"})        # (a SIGTERM hands the attempt back)
     token = _rerun(direct, job_id)
     text = "Hello world" if second == "same" else "Howdy there"    # sampled: a rerun may differ
     stream.publish(job_id, {"t": "tok", "d": text[:5], "p": 0})
