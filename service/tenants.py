@@ -3,6 +3,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from . import keys
+from .bodies import bad_text
 from .config import SLA_CLASSES
 from .errors import APIError, bad_request
 from .models import ApiKey, AuditLog, Quota, Tenant, utcnow
@@ -65,8 +66,9 @@ def _check_cache_group(value) -> str | None:
 
 def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None = None,
                   actor: str = "admin", default_sla_class: str | None = None) -> tuple[Tenant, str]:
-    if not isinstance(name, str) or not name.strip() or len(name) > 200:
-        raise bad_request("name must be a non-empty string of at most 200 characters.", "name")
+    if not isinstance(name, str) or not name.strip() or len(name) > 200 or bad_text(name):
+        raise bad_request("name must be a non-empty string of at most 200 characters, with no NUL or lone "
+                          "surrogates.", "name")
     weight = _check_weight(weight)
     default_sla_class = _check_default_class(default_sla_class)
     if s.scalar(select(Tenant.id).where(Tenant.name == name)) is not None:

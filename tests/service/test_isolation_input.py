@@ -103,3 +103,10 @@ def test_a_batch_line_with_a_nul_custom_id_fails_the_batch_cleanly(any_app):
     b = r.get_json()
     assert b["status"] == "failed"
     assert [(e["line"], e["param"]) for e in b["errors"]["data"]] == [(1, "custom_id"), (2, "body.prompt")]
+
+
+@pytest.mark.parametrize("bad", BAD, ids=["nul", "surrogate"])
+def test_a_tenant_name_with_bad_text_is_400(any_app, bad):
+    r = any_app.test_client().post("/v1/admin/tenants", data=json.dumps({"name": bad}),
+                                   content_type="application/json", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "name"
