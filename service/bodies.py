@@ -191,7 +191,7 @@ def parse_deadline(value) -> datetime | None:
 
 
 def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int | None,
-          extra_allowed=frozenset()) -> Checked:
+          extra_allowed=frozenset(), context_len: int | None = None) -> Checked:
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
     check_text(body, "")
@@ -241,10 +241,17 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
         raise bad_request(f"'user' must be a string of at most {MAX_NAME_CHARS} characters.", "user")
 
     clean = {k: v for k, v in body.items() if k not in extra_allowed and v is not None}
+    asked = clean.get("max_completion_tokens") or clean.get("max_tokens")
     max_tokens = clean.pop("max_completion_tokens", None) or clean.get("max_tokens") \
         or min(DEFAULT_MAX_TOKENS[endpoint], max_tokens_cap or DEFAULT_MAX_TOKENS[endpoint])
     if max_tokens_cap is not None and max_tokens > max_tokens_cap:
         raise bad_request(f"'max_tokens' is {max_tokens}; this tenant allows at most {max_tokens_cap}.",
                           "max_tokens", "max_tokens_exceeded")
+    if context_len is not None and max_tokens >= context_len and not asked:
+        max_tokens = max(1, context_len - 1)      # a default never asks for more than the context holds
+    elif context_len is not None and max_tokens >= context_len:
+        raise bad_request(f"'max_tokens' is {max_tokens}, but this model's context is {context_len} tokens for the "
+                          f"prompt and the output together; ask for fewer (output stops at the context with "
+                          f"finish_reason 'length').", "max_tokens", "context_length_exceeded")
     clean["max_tokens"] = max_tokens
     return Checked(endpoint, clean, prompt_tokens + max_tokens)

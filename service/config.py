@@ -1,6 +1,8 @@
 """Service configuration: one typed dataclass, read from the environment and checked when built."""
+import json
 import os
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
 
 SLA_CLASSES = ("realtime", "interactive", "batch", "deferrable")
@@ -37,6 +39,21 @@ class Config:
         for name in ("max_file_bytes", "max_batch_lines", "batch_chunk_size", "dispatch_chunk_size", "page_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+
+    @cached_property
+    def context_len(self) -> int | None:
+        """Longest prompt + output the workers accept: TIDEPOOL_MAX_MODEL_LEN, else the model's own context (its
+        config.json, capped at a sliding window); None when the model folder cannot be read here."""
+        if os.environ.get("TIDEPOOL_MAX_MODEL_LEN"):
+            return int(os.environ["TIDEPOOL_MAX_MODEL_LEN"])
+        if not self.model:
+            return None
+        try:
+            raw = json.loads((Path(self.model) / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        limits = [raw.get("max_position_embeddings"), raw.get("sliding_window")]
+        return min((v for v in limits if isinstance(v, int) and v > 0), default=None)
 
     @property
     def embedded(self) -> bool:

@@ -63,7 +63,8 @@ def create_job():
         raise bad_request("Send either 'prompt' or 'messages', not both.", "messages")
     endpoint = bodies.CHAT if "messages" in body else bodies.COMPLETIONS
     checked = bodies.check(body, endpoint, served_model=conf.served_model_name,
-                           max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA)
+                           max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA,
+                           context_len=conf.context_len)
     sla = body.get("sla_class", "interactive")
     if sla not in SLA_CLASSES:
         raise bad_request(f"'sla_class' must be one of {list(SLA_CLASSES)}.", "sla_class")

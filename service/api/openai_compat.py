@@ -84,7 +84,7 @@ def _serve(endpoint: str):
                           "/v1/jobs or /v1/batches.", "sla_class")
     quota, conf = g.quota, cfg()
     checked = bodies.check(body, endpoint, served_model=conf.served_model_name,
-                           max_tokens_cap=quota.max_tokens_per_request)
+                           max_tokens_cap=quota.max_tokens_per_request, context_len=conf.context_len)
     quotas.check_class(quota, sla)
     quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
     marks["valid"] = time.time()

@@ -40,3 +40,31 @@ def test_models_list_has_a_created_time(pg_url, redis_url, tmp_path):
         assert data == [{"id": "m1", "object": "model", "created": 1_700_000_000, "owned_by": "tidepool"}]
     finally:
         app.extensions["tidepool.engine"].dispose()
+
+
+def test_max_tokens_past_the_context_is_a_400(pg_url, redis_url, tmp_path):
+    from service import create_app, tenants
+    model = tmp_path / "models" / "small"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "s"),
+                      "model": str(model)})
+    try:
+        with app.extensions["tidepool.sessions"]() as s:
+            _, key = tenants.create_tenant(s, "ctx")
+            s.commit()
+        client, auth = app.test_client(), {"Authorization": f"Bearer {key}"}
+        r = client.post("/v1/chat/completions", headers=auth, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000})
+        err = r.get_json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+        assert "context is 256 tokens" in err["message"]
+        r = client.post("/v1/jobs", headers=auth, json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_completion_tokens": 256})
+        assert r.status_code == 400 and r.get_json()["error"]["code"] == "context_length_exceeded"
+        r = client.post("/v1/jobs", headers=auth, json={"prompt": "hi", "max_tokens": 200})
+        assert r.status_code == 202
+        r = client.post("/v1/jobs", headers=auth, json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 202 and r.get_json()["request"]["max_tokens"] == 255    # default fits the context
+    finally:
+        app.extensions["tidepool.engine"].dispose()
