@@ -4,7 +4,7 @@ import json
 import sys
 from datetime import timedelta
 
-from flask import current_app, render_template
+from flask import current_app, render_template, request
 from sqlalchemy import func, select
 
 from workers.metrics import SNAPSHOT_TTL, SnapshotStore
@@ -42,6 +42,34 @@ def _latency() -> dict:
     return {c: {"n": len(v["e2e"]), "ttft_p50": percentile(v["ttft"], 0.5), "ttft_p99": percentile(v["ttft"], 0.99),
                 "e2e_p50": percentile(v["e2e"], 0.5), "e2e_p99": percentile(v["e2e"], 0.99)}
             for c, v in samples.items()}
+
+
+HISTORY_WINDOW, HISTORY_STEP = timedelta(minutes=3), timedelta(seconds=10)
+
+
+def history() -> list[dict]:
+    """What the ledger remembers of the last few minutes, to seed the charts on a page load: generated tokens/s and
+    TTFT / end-to-end p99 per class of the jobs completed in each step (queue depth, KV use and sequences are
+    live readings: their charts start at the first poll)."""
+    now = utcnow()
+    start = now - HISTORY_WINDOW
+    rows = db().execute(select(Job.sla_class, Job.created_at, Job.first_token_at, Job.finished_at,
+                               Job.completion_tokens)
+                        .where(Job.status == JobStatus.completed, Job.finished_at >= start)
+                        .order_by(Job.finished_at.desc()).limit(MAX_SAMPLES)).all()
+    steps = int(HISTORY_WINDOW / HISTORY_STEP)
+    buckets = [{"tokens": 0, "ttft": {c: [] for c in SLA_CLASSES}, "e2e": {c: [] for c in SLA_CLASSES}}
+               for _ in range(steps)]
+    for sla, created, first, finished, tokens in rows:
+        b = buckets[min(steps - 1, int((finished - start) / HISTORY_STEP))]
+        b["tokens"] += tokens or 0
+        if first is not None:
+            b["ttft"][sla.value].append((first - created).total_seconds())
+        b["e2e"][sla.value].append((finished - created).total_seconds())
+    seconds = HISTORY_STEP.total_seconds()
+    return [{"ts": (start + (i + 1) * HISTORY_STEP).timestamp(), "tokens_per_s": b["tokens"] / seconds,
+             "ttft_p99": {c: percentile(v, 0.99) for c, v in b["ttft"].items()},
+             "e2e_p99": {c: percentile(v, 0.99) for c, v in b["e2e"].items()}} for i, b in enumerate(buckets)]
 
 
 HEARTBEAT_PATTERN = "tidepool:worker:*"  # workers/worker.py heartbeats: {"name", "device", "at", "engine": stats}
@@ -138,4 +166,7 @@ def dashboard():
 
 @bp.get("/api/dashboard")
 def dashboard_data():
-    return dashboard_json()
+    data = dashboard_json()
+    if request.args.get("history"):
+        data["history"] = history()
+    return data

@@ -47,3 +47,28 @@ def test_finished_batch_without_errors_says_none(client, app):
 def test_words_do_not_break_mid_word():
     css = (WEB / "static" / "panel.css").read_text()
     assert "break-all" not in css and "overflow-wrap: anywhere" in css
+
+
+def test_dashboard_charts_are_seeded_from_the_ledger(client, app):
+    from datetime import timedelta
+
+    from service.models import Job, JobStatus, utcnow
+    sign_in(client)
+    now = utcnow()
+    with app.extensions["tidepool.sessions"]() as s:
+        tenant, _ = tenants.create_tenant(s, "seeded")
+        for i, (sla, ago) in enumerate([(SlaClass.realtime, 30), (SlaClass.realtime, 31), (SlaClass.batch, 100)]):
+            finished = now - timedelta(seconds=ago)
+            s.add(Job(id=f"job_seed{i}", tenant_id=tenant.id, sla_class=sla, status=JobStatus.completed,
+                      endpoint="/v1/completions", request={"prompt": "x", "max_tokens": 50}, estimated_tokens=51,
+                      attempts=1, created_at=finished - timedelta(seconds=2), queued_at=finished - timedelta(seconds=2),
+                      first_token_at=finished - timedelta(seconds=1.5), finished_at=finished, completion_tokens=50))
+        s.commit()
+    plain = client.get("/admin/api/dashboard", base_url=HTTPS).get_json()
+    assert "history" not in plain
+    points = client.get("/admin/api/dashboard?history=1", base_url=HTTPS).get_json()["history"]
+    assert len(points) == 18 and points == sorted(points, key=lambda p: p["ts"])
+    assert sum(p["tokens_per_s"] for p in points) * 10 == 150
+    rt = [p for p in points if p["ttft_p99"]["realtime"] is not None]
+    assert len(rt) in (1, 2) and all(abs(p["ttft_p99"]["realtime"] - 0.5) < 0.01 for p in rt)
+    assert [p["e2e_p99"]["batch"] for p in points if p["e2e_p99"]["batch"] is not None] == [2.0]

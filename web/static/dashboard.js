@@ -27,7 +27,16 @@
   }
   var WORKER_COLS = ["Worker", "By class", "Running", "Waiting", "KV cache", "Tokens/s", "Preemptions", "Updated"];
 
+  function seed(points) {   // the ledger's last minutes, so the charts do not start empty on every load
+    points.forEach(function (p) {
+      charts.tps.push(p.ts, [p.tokens_per_s]);
+      charts.ttft.push(p.ts, CLASSES.map(function (c) { return p.ttft_p99[c]; }));
+      charts.e2e.push(p.ts, CLASSES.map(function (c) { return p.e2e_p99[c]; }));
+    });
+  }
+
   function render(d) {
+    if (d.history) seed(d.history);
     $("t-tps").textContent = d.tokens_per_s.toFixed(1);
     $("t-tps-src").textContent = "from " + d.tokens_per_s_source;
     $("t-kv").textContent = pct(d.kv_cache_usage);
@@ -71,8 +80,11 @@
     root.setAttribute("data-loaded", "1");
   }
 
+  var first = true;
   function tick() {
-    fetch(src, {credentials: "same-origin", headers: {Accept: "application/json"}})
+    var url = first ? src + "?history=1" : src;
+    first = false;
+    fetch(url, {credentials: "same-origin", headers: {Accept: "application/json"}})
       .then(function (r) {
         if (r.status === 401) { window.location.reload(); throw new Error("signed out"); }
         if (!r.ok) throw new Error("HTTP " + r.status);
