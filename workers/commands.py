@@ -110,9 +110,12 @@ def models_list(args) -> int:
 
 def run_batch(args) -> int:
     import json
+    import logging
     import os
     from pathlib import Path
 
+    log = logging.getLogger("tidepool.run_batch")
+    log.info("run-batch: starting (torch, the model, the KV pool and the native kernel load first)")
     import torch
 
     from workers.batch_runner import run_batch
@@ -124,6 +127,7 @@ def run_batch(args) -> int:
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = LLMEngine(EngineConfig(model=model, device=device, **engine_overrides(args)))
+    log.info("run-batch: engine ready; reading %s", args.input)
     counts = run_batch(engine, args.input, args.output, Path(model).name, progress=not args.no_progress)
     print(json.dumps(counts))
     return 0
