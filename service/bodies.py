@@ -44,6 +44,17 @@ def bad_text(value: str) -> str | None:
     return None
 
 
+def integral(value):
+    """value with every integral float made an int (JSON does not tell 8.0 from 8, nor does JSON Schema)."""
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, dict):
+        return {k: integral(v) for k, v in value.items()}
+    if isinstance(value, list) and not all(type(v) is int for v in value):
+        return [integral(v) for v in value]
+    return value
+
+
 def check_text(value, param: str) -> None:
     """Every string in a JSON value (keys included), as bad_text; the 400 names where the bad one is."""
     if isinstance(value, str):
@@ -71,6 +82,11 @@ class Checked:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _one_of(v, *allowed) -> bool:
+    """v is None or one of allowed, of the same type (0 is not False, True is not 1)."""
+    return v is None or any(type(v) is type(a) and v == a for a in allowed)
 
 
 def _is_num(v) -> bool:
@@ -209,15 +225,15 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
             raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
         prompt_tokens = _check_prompt(body["prompt"])
         _number(body, "logprobs", 0, 20, integer=True)
-        if body.get("echo") not in (None, False):
+        if not _one_of(body.get("echo"), False):
             raise bad_request("'echo' is not supported.", "echo", "unsupported_value")
-        if body.get("best_of") not in (None, 1):
+        if not _one_of(body.get("best_of"), 1):
             raise bad_request("'best_of' must be 1.", "best_of", "unsupported_value")
     else:
         if "messages" not in body:
             raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
         prompt_tokens = _check_messages(body["messages"])
-        if body.get("logprobs") not in (None, True, False):
+        if not _one_of(body.get("logprobs"), True, False):
             raise bad_request("'logprobs' must be a boolean.", "logprobs")
         _number(body, "top_logprobs", 0, 20, integer=True)
         _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
@@ -231,11 +247,11 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
     _number(body, "frequency_penalty", -2, 2)
     _number(body, "repetition_penalty", 0, 10, lo_open=True)
     _check_stop(body)
-    if body.get("ignore_eos") not in (None, True, False):
+    if not _one_of(body.get("ignore_eos"), True, False):
         raise bad_request("'ignore_eos' must be a boolean.", "ignore_eos")
-    if body.get("n") not in (None, 1):
+    if not _one_of(body.get("n"), 1):
         raise bad_request("'n' must be 1.", "n", "unsupported_value")
-    if body.get("stream") not in (None, False):
+    if not _one_of(body.get("stream"), False):
         raise bad_request("'stream' is not supported for queued jobs.", "stream", "unsupported_value")
     if "user" in body and (not isinstance(body["user"], str) or len(body["user"]) > MAX_NAME_CHARS):
         raise bad_request(f"'user' must be a string of at most {MAX_NAME_CHARS} characters.", "user")

@@ -1,4 +1,6 @@
 """OpenAPI 3 document for every route; tests/service/test_openapi.py keeps it equal to the URL map."""
+import json
+
 from . import bodies
 from .bodies import ALLOWED, CHAT, COMPLETIONS
 from .config import SLA_CLASSES
@@ -119,7 +121,9 @@ def _request(endpoint: str, extra: dict, stream=None) -> dict:
 
 
 _JOB_EXTRA = {"sla_class": {"enum": list(SLA_CLASSES), "default": "interactive"},
-              "deadline": _nullable({"oneOf": [{"type": "string", "format": "date-time"}, _NUM]}),
+              "deadline": _nullable({"oneOf": [{"type": "string", "format": "date-time", "description": "future"},
+                                               {"type": "number", "description": "future Unix time",
+                                                "maximum": 253402300799}]}),
               "metadata": _METADATA}
 _ONLINE_EXTRA = {"sla_class": _nullable({"enum": ["realtime", "interactive"]}),
                  "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}})}
@@ -127,7 +131,7 @@ _QUOTA = {name: _nullable(_int(0, (1 << 63) - 1 if name in ("monthly_token_budge
           for name in ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued",
                        "monthly_token_budget", "max_tokens_per_request", "max_file_bytes")}
 _WEIGHT = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6}
-_CACHE_GROUP = {"type": ["string", "null"], "minLength": 1, "maxLength": 64,
+_CACHE_GROUP = {"type": ["string", "null"], "minLength": 1, "maxLength": 64, "pattern": "^[ -~]*$",
                 "description": "tenants of one group share cached prompt prefixes"}
 _LIST_FIELDS = {"object": {"const": "list"}, "data": {"type": "array"}, "first_id": _NULL_STR,
                 "last_id": _NULL_STR, "has_more": _BOOL}
@@ -172,7 +176,8 @@ SCHEMAS = {
                             "failed_at", "expired_at", "cancelling_at", "cancelled_at")}}},
     "TenantCreate": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
         "name": {"type": "string", "minLength": 1, "maxLength": 200}, "weight": _WEIGHT,
-        "quota": {"$ref": "#/components/schemas/Quota"}, "default_sla_class": _DEFAULT_CLASS}},
+        "quota": {"anyOf": [{"$ref": "#/components/schemas/Quota"}, {"type": "null"}]},
+        "default_sla_class": _DEFAULT_CLASS}},
     "TenantUpdate": {"type": "object", "additionalProperties": False, "properties": {
         "weight": _WEIGHT, "default_sla_class": _DEFAULT_CLASS, "prefix_cache_group": _CACHE_GROUP}},
     "Tenant": {"type": "object", "properties": {"id": _STR, "object": {"const": "tenant"}, "name": _STR,
@@ -200,14 +205,16 @@ SCHEMAS = {
 }
 
 _CURSOR = {"type": "string"}
-_QUERY = {   # query parameters each listing reads
-    ("get", "/v1/jobs"): {"status": {"enum": [s.value for s in JobStatus]}, "sla_class": {"enum": list(SLA_CLASSES)},
+_STATUS = {"enum": ["", *(s.value for s in JobStatus)], "description": "empty: any"}
+_CLASS = {"enum": ["", *SLA_CLASSES], "description": "empty: any"}
+_QUERY = {   # query parameters each listing reads (each at most once)
+    ("get", "/v1/jobs"): {"status": _STATUS, "sla_class": _CLASS,
                           "cursor": _CURSOR, "limit": _int(1, 1000)},
     ("get", "/v1/files"): {"purpose": _STR, "after": _CURSOR, "order": {"enum": ["asc", "desc"]},
                            "limit": _int(1, 10_000)},
     ("get", "/v1/batches"): {"after": _CURSOR, "limit": _int(1, 100)},
-    ("get", "/v1/admin/jobs"): {"tenant_id": _STR, "batch_id": _STR, "status": {"enum": [s.value for s in JobStatus]},
-                                "sla_class": {"enum": list(SLA_CLASSES)}, "cursor": _CURSOR, "limit": _int(1, 1000)},
+    ("get", "/v1/admin/jobs"): {"tenant_id": _STR, "batch_id": _STR, "status": _STATUS, "sla_class": _CLASS,
+                                "cursor": _CURSOR, "limit": _int(1, 1000)},
     ("get", "/v1/admin/batches"): {"tenant_id": _STR, "after": _CURSOR, "limit": _int(1, 100)},
     ("get", "/v1/admin/audit"): {"limit": _int(1, 1000)},
 }
@@ -221,6 +228,7 @@ def _operation(method, path, summary, security, req, status, resp) -> dict:
     if path == "/v1/jobs" and method == "post":
         params.append({"name": "Idempotency-Key", "in": "header", "required": False,
                        "schema": {"type": "string", "minLength": 1, "maxLength": 255}})
+    params = [{**p, "schema": _no_nul(p["schema"])} for p in params]
     codes = {**_ERROR_CODES, **_EXTRA_CODES.get(path, {})}
     op = {"summary": summary, "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '')}"
           .replace("}", "").replace(".", "_"), "parameters": params, "responses": {
@@ -236,11 +244,58 @@ def _operation(method, path, summary, security, req, status, resp) -> dict:
     return op
 
 
+def _served_model(schemas: dict) -> dict:
+    """In an app serving a model, `model` (where a body names one) must be that model's name."""
+    from flask import current_app, has_app_context
+    name = current_app.config["TIDEPOOL"].served_model_name if has_app_context() else None
+    if not name:
+        return schemas
+    model = {"anyOf": [{"const": name}, {"type": "null"}]}
+
+    def fix(schema):
+        if isinstance(schema, dict):
+            return {k: model if k == "model" and isinstance(v, dict) and "anyOf" in v else fix(v)
+                    for k, v in schema.items()}
+        if isinstance(schema, list):
+            return [fix(v) for v in schema]
+        return schema
+    return {**schemas, **{n: fix(schemas[n]) for n in ("JobCreate", "CompletionCreate", "ChatCreate")}}
+
+
+_NO_NUL = "^[^\\u0000]*$"   # no string of a request may hold NUL (nor a lone surrogate, which JSON Schema cannot say)
+
+
+def _no_nul(schema):
+    if isinstance(schema, dict):
+        out = {k: _no_nul(v) for k, v in schema.items()}
+        if schema.get("type") == "string" and "pattern" not in schema and "format" not in schema:
+            out["pattern"] = _NO_NUL
+        if "propertyNames" in schema:
+            out["propertyNames"] = {**schema["propertyNames"], "pattern": _NO_NUL}
+        return out
+    if isinstance(schema, list):
+        return [_no_nul(v) for v in schema]
+    return schema
+
+
+for _name in ("JobCreate", "CompletionCreate", "ChatCreate", "BatchCreate", "TenantCreate", "TenantUpdate",
+              "Quota"):
+    SCHEMAS[_name] = _no_nul(SCHEMAS[_name])
+
+
+def _future_deadline(schemas: dict) -> dict:
+    """A Unix-time deadline must be in the future: the document says from when it is served."""
+    import time
+    job = json.loads(json.dumps(schemas["JobCreate"]).replace('"maximum": 253402300799',
+                                                              f'"minimum": {int(time.time()) + 60}, "maximum": 253402300799'))
+    return {**schemas, "JobCreate": job}
+
+
 def spec() -> dict:
     paths: dict = {}
     for route in ROUTES:
         paths.setdefault(route[1], {})[route[0]] = _operation(*route)
     return {"openapi": "3.1.0", "info": {"title": "Tidepool", "version": "0.1.0"}, "paths": paths,
-            "components": {"schemas": SCHEMAS, "securitySchemes": {
+            "components": {"schemas": _future_deadline(_served_model(SCHEMAS)), "securitySchemes": {
                 "apiKey": {"type": "http", "scheme": "bearer", "description": "Tenant API key"},
                 "adminToken": {"type": "http", "scheme": "bearer", "description": "TIDEPOOL_ADMIN_TOKEN"}}}}

@@ -77,7 +77,7 @@ def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None
                     default_sla_class=default_sla_class, created_at=utcnow())
     s.add(tenant)
     s.flush()
-    s.add(Quota(tenant_id=tenant.id, **{"allowed_sla_classes": list(SLA_CLASSES), **check_quota_fields(quota or {})}))
+    s.add(Quota(tenant_id=tenant.id, **{"allowed_sla_classes": list(SLA_CLASSES), **check_quota_fields({} if quota is None else quota)}))
     row, key = keys.new_key_row(tenant.id)
     s.add(row)
     audit(s, actor, "tenant.create", tenant.id, {"name": name, "weight": weight})

@@ -4,7 +4,7 @@ from datetime import datetime
 from flask import current_app, request
 
 from ..config import Config
-from ..bodies import bad_text
+from ..bodies import bad_text, check_text, integral
 from ..errors import APIError, bad_request
 
 
@@ -32,7 +32,8 @@ def json_body() -> dict:
         raise bad_request("The request body must be valid JSON.", None, "invalid_json")
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
-    return body
+    check_text(body, "")
+    return integral(body)
 
 
 def limit_arg(default: int = 20, maximum: int = 10_000) -> int:
@@ -54,7 +55,11 @@ def page(rows: list, limit: int, render) -> dict:
 
 
 def check_arguments() -> None:
-    """Path ids and query parameters must be text the ledger can compare (no NUL, no lone surrogates)."""
+    """Path ids and query parameters must be text the ledger can compare (no NUL, no lone surrogates), and a
+    query parameter is given at most once."""
+    for name in request.args:
+        if len(request.args.getlist(name)) > 1:
+            raise bad_request(f"'{name}' is given more than once.", name if not bad_text(name) else None)
     for name, value in [*(request.view_args or {}).items(), *request.args.items(multi=True)]:
         why = bad_text(name) or (bad_text(value) if isinstance(value, str) else None)
         if why:

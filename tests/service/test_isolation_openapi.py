@@ -102,6 +102,7 @@ ACCEPTED = [
                                {"role": "user", "content": "x", "name": "n"}], "top_logprobs": 2,
                   "max_completion_tokens": 3, "stream": False, "metadata": None}),
     ("/v1/jobs", {"prompt": "x", "temperature": None, "deadline": "2999-01-01T00:00:00Z"}),
+    ("/v1/jobs", {"prompt": "x", "max_tokens": 8.0, "top_k": 2.0, "stop_token_ids": [3.0]}),   # JSON: 8.0 is 8
 ]
 REJECTED = [
     ("/v1/jobs", {}), ("/v1/jobs", {"prompt": "x", "messages": []}), ("/v1/jobs", {"prompt": "x", "bogus": 1}),
@@ -115,6 +116,9 @@ REJECTED = [
     ("/v1/jobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": 3}),
     ("/v1/completions", {"prompt": "x", "sla_class": "batch"}), ("/v1/completions", {"messages": []}),
     ("/v1/chat/completions", {"prompt": "x"}), ("/v1/completions", {"prompt": "x", "stream": "yes"}),
+    ("/v1/jobs", {"prompt": "x", "ignore_eos": 0}), ("/v1/jobs", {"prompt": "x", "n": True}),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": 0}),
+    ("/v1/jobs", {"prompt": "x", "user": "a\x00b"}), ("/v1/jobs", {"prompt": "x", "max_tokens": 8.5}),
 ]
 
 
@@ -138,3 +142,30 @@ def test_405_names_the_allowed_methods(client):
     r = client.delete("/v1/jobs")
     assert r.status_code == 405 and set(r.headers["Allow"].split(", ")) >= {"GET", "POST"}
     assert r.get_json()["error"]["code"] == "method_not_allowed"
+
+
+def test_integral_floats_are_stored_as_integers(client, admin):
+    _, key = admin.tenant()
+    job = client.post("/v1/jobs", json={"prompt": "x", "max_tokens": 8.0}, headers=key).get_json()
+    assert job["request"]["max_tokens"] == 8 and type(job["request"]["max_tokens"]) is int
+
+
+def test_other_json_bodies_and_queries_are_checked_too(client, admin):
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    _, key = admin.tenant()
+    r = check(client.post("/v1/batches", json={"input_file_id": "f\x00", "endpoint": "/v1/completions",
+                                               "completion_window": "24h"}, headers=key), "post", "/v1/batches")
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "input_file_id"
+    r = check(client.post("/v1/admin/tenants", json={"name": "q", "quota": False}, headers=headers),
+              "post", "/v1/admin/tenants")
+    assert r.status_code == 400
+    r = check(client.get("/v1/jobs?status=queued&status=running", headers=key), "get", "/v1/jobs")
+    assert r.status_code == 400 and r.get_json()["error"]["param"] == "status"
+
+
+def test_the_document_names_the_served_model(tmp_path, sqlite_url):
+    from service import create_app
+    app = create_app({"database_url": sqlite_url, "storage_dir": str(tmp_path), "model": str(tmp_path / "m1")})
+    doc = app.test_client().get("/openapi.json").get_json()
+    model = doc["components"]["schemas"]["CompletionCreate"]["properties"]["model"]
+    assert {"const": "m1"} in model["anyOf"]
