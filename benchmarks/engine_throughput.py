@@ -7,6 +7,11 @@ order, left-padded, max_new_tokens = the batch's max, counting only requested to
 request at a time (a subset; it is a rate).
 
     python benchmarks/engine_throughput.py [--model models/smollm2-135m] [--num-requests 256]
+    python benchmarks/engine_throughput.py --num-requests 64 --breakdown --no-baselines
+
+--breakdown runs the engine a second time with timers on every part of a step and prints where a step's time goes:
+input preparation, linear layers, attention, norms/rotary/activation, lm_head, sampling, detokenisation and output
+objects, scheduling and bookkeeping (wall time of a timed run is a little longer than the plain run's).
 """
 import argparse
 import os
@@ -32,10 +37,11 @@ def workload(n: int, vocab_size: int):
     return requests
 
 
-def run_engine(model: str, requests, args) -> dict:
+def run_engine(model: str, requests, args, breakdown: bool = False) -> dict:
     engine = LLMEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype,
                                     max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens))
+    timers = StepBreakdown(engine) if breakdown else None
     for i, (prompt, olen) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
                            sla_class="batch")
@@ -55,7 +61,81 @@ def run_engine(model: str, requests, args) -> dict:
     return {"tokens": generated, "seconds": elapsed, "tok_s": generated / elapsed,
             "kv_waste": 1 - filled / allocated if allocated else 0.0,
             "sched_share": stats["total_schedule_s"] / step_total, "steps": stats["total_steps"],
-            "preemptions": stats["preemptions"], "kv_blocks": stats["kv_blocks_total"]}
+            "preemptions": stats["preemptions"], "kv_blocks": stats["kv_blocks_total"],
+            "breakdown": timers.table() if timers else None}
+
+
+class StepBreakdown:
+    """Exclusive wall time of each part of an engine step, by wrapping the engine's parts and timing the model's
+    modules with forward hooks (CPU ops are synchronous, so perf_counter covers them)."""
+
+    MODULE_PARTS = {"Linear": "linear layers", "PackedLinear": "linear layers", "RMSNorm": "norms/rotary/activation",
+                    "MLP": "norms/rotary/activation", "DecoderLayer": "norms/rotary/activation",
+                    "Attention": "attention", "LlamaForCausalLM": "embedding"}
+
+    def __init__(self, engine: LLMEngine):
+        self.totals: dict[str, float] = {}
+        self.stack: list[list[float]] = []        # [start, time spent in timed children]
+        self.steps = 0
+        runner, model = engine.runner, engine.runner.model
+        for module in model.modules():
+            part = self.MODULE_PARTS.get(type(module).__name__)
+            if part is None:
+                continue
+            if module is getattr(model, "lm_head", None):
+                part = "lm_head"
+            module.register_forward_pre_hook(lambda *_: self._enter())
+            module.register_forward_hook(lambda *_, part=part: self._leave(part))
+        from workers.engine.models import llama
+        llama.RotaryEmbedding.apply = staticmethod(self._wrap(llama.RotaryEmbedding.apply, "norms/rotary/activation"))
+        for name in ("store_kv", "paged_attention"):
+            setattr(llama, name, self._wrap(getattr(llama, name), "attention"))
+        runner.run = self._wrap(runner.run, "input preparation")     # what the model and lm_head leave over
+        engine.sampler = self._wrap_callable(engine.sampler, "sampling")
+        engine._append_token = self._wrap(engine._append_token, "detokenise + outputs")
+        engine._finish = self._wrap(engine._finish, "detokenise + outputs")
+        for name in ("schedule", "postprocess"):
+            setattr(engine.scheduler, name, self._wrap(getattr(engine.scheduler, name), "scheduling"))
+        engine.step = self._wrap(engine.step, "bookkeeping", count=True)
+
+    def _enter(self) -> None:
+        self.stack.append([time.perf_counter(), 0.0])
+
+    def _leave(self, part: str) -> None:
+        start, children = self.stack.pop()
+        spent = time.perf_counter() - start
+        self.totals[part] = self.totals.get(part, 0.0) + spent - children
+        if self.stack:
+            self.stack[-1][1] += spent
+
+    def _wrap(self, fn, part: str, count: bool = False):
+        def timed(*args, **kwargs):
+            self._enter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._leave(part)
+                self.steps += count
+        return timed
+
+    def _wrap_callable(self, obj, part: str):
+        wrapped = self._wrap(obj.__call__, part)
+
+        class Timed:
+            def __getattr__(_, name):
+                return getattr(obj, name)
+
+            def __call__(_, *args, **kwargs):
+                return wrapped(*args, **kwargs)
+        return Timed()
+
+    def table(self) -> str:
+        total = sum(self.totals.values())
+        lines = [f"{'part of a step':28s} {'ms/step':>9s} {'share':>7s}"]
+        for part, seconds in sorted(self.totals.items(), key=lambda kv: -kv[1]):
+            lines.append(f"{part:28s} {1e3 * seconds / max(self.steps, 1):9.2f} {100 * seconds / total:6.1f}%")
+        lines.append(f"{'total':28s} {1e3 * total / max(self.steps, 1):9.2f}  ({self.steps} steps)")
+        return "\n".join(lines)
 
 
 def run_hf_static(model_dir: str, requests, batch_size: int, dtype, device) -> dict:
@@ -90,6 +170,8 @@ def main() -> None:
     ap.add_argument("--static-requests", type=int, default=None,
                     help="run the static-batching baseline on the first N requests (default: all)")
     ap.add_argument("--single-requests", type=int, default=8, help="one-at-a-time baseline on the first N")
+    ap.add_argument("--breakdown", action="store_true", help="also print where a step's time goes (a second run)")
+    ap.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
     args = ap.parse_args()
     if not Path(args.model, "config.json").is_file():
         sys.exit(f"no model at {args.model}: run `tidepool models pull smollm2-135m` first")
@@ -103,6 +185,11 @@ def main() -> None:
     ours = run_engine(args.model, requests, args)
     print(f"tidepool engine       {ours['tok_s']:8.1f} tok/s  ({ours['tokens']} tokens in {ours['seconds']:.1f} s,"
           f" {ours['steps']} steps, {ours['preemptions']} preemptions, {ours['kv_blocks']} KV blocks)")
+    if args.breakdown:
+        timed = run_engine(args.model, requests, args, breakdown=True)
+        print(f"per-step breakdown (timed run: {timed['tok_s']:.1f} tok/s)\n{timed['breakdown']}")
+    if args.no_baselines:
+        return
     static = run_hf_static(args.model, requests[:args.static_requests or len(requests)], args.static_batch_size,
                            cfg.torch_dtype, args.device)
     print(f"transformers static   {static['tok_s']:8.1f} tok/s  ({static['tokens']} requested tokens in"
