@@ -311,7 +311,7 @@ def ms(x):
 def ttft_row(label, values, base=None):
     p50, p90, p99 = (pct(values, q) for q in (0.5, 0.9, 0.99))
     row = f"| {label:<34} | {ms(p50)} | {ms(p90)} | {ms(p99)} |"
-    if base is not None:
+    if base:
         row += f" {ms(p50 - pct(base, 0.5))} | {ms(p99 - pct(base, 0.99))} | {p50 / pct(base, 0.5):5.2f}x |"
     else:
         row += "         |         |  1.00x |"
@@ -353,6 +353,7 @@ def main():
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/7")
     ap.add_argument("--database", default="tidepool_bench_online")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-engine", action="store_true", help="no in-process engine baseline (stages only)")
     ap.add_argument("--raw", help="also write every request's timestamps (client and stages) to this JSON file")
     args = ap.parse_args()
 
@@ -363,8 +364,8 @@ def main():
     print(f"# {args.idle} idle requests ({args.gap}s apart), then {args.steady} at {args.rate}/s; prompts of 32-128 "
           f"token ids, {args.max_tokens} output tokens, greedy, ignore_eos; model {args.model}", flush=True)
 
-    eng_idle, eng_steady = engine_ttft(args.model, idle_prompts, steady_prompts, args.rate, args.max_tokens,
-                                       args.kv_blocks, args.gap)
+    eng_idle, eng_steady = ([], []) if args.skip_engine else engine_ttft(
+        args.model, idle_prompts, steady_prompts, args.rate, args.max_tokens, args.kv_blocks, args.gap)
     runs = []     # (name, idle results, steady results, marks)
     shapes = {"embedded": [Embedded], "production": [Production], "both": [Embedded, Production], "none": []}
     for shape in shapes[args.shape]:
