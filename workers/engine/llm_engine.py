@@ -12,6 +12,7 @@ from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.structured import StructuredDecoding
 from workers.engine.swap import HostKVPool
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -77,6 +78,8 @@ class LLMEngine:
         self.eos_token_ids = set(config.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
+        self.structured = StructuredDecoding(config.model, config.model_config.vocab_size, sorted(self.eos_token_ids),
+                                             self.runner.device)
         self.requests: dict[str, _Request] = {}
         self._inbox: list[_Request] = []
         self._aborts: list[str] = []
@@ -104,6 +107,8 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         seq = Sequence(request_id, ids, params, sla_class=sla_class, tenant=tenant, weight=weight,
                        cache_namespace=cache_namespace)
+        if params.structured is not None:
+            seq.grammar = self.structured.matcher(params.structured)
         request = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), on_token,
                            time.time())
         with self._lock:
@@ -156,7 +161,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         ready = self.scheduler.postprocess(batch)
         if ready:
-            tokens, logprobs = self.sampler(logits, ready)
+            tokens, logprobs = self.sampler(logits, ready, self.structured.bitmask([s.grammar for s in ready]))
             for seq, token, lp in zip(ready, tokens, logprobs):
                 outputs.append(self._append_token(self.requests[seq.request_id], token, lp))
         t3 = time.perf_counter()
@@ -174,6 +179,8 @@ class LLMEngine:
         if request.logprobs is not None:
             request.logprobs.append(logprob)
         reason = None
+        if seq.grammar is not None and (not seq.grammar.accept_token(token) or seq.grammar.is_terminated()):
+            reason = "stop"       # the grammar is complete (a rejected token cannot happen under its mask)
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             reason = "stop"
         else:
@@ -256,6 +263,8 @@ class LLMEngine:
             "cost_model": self.cost_model.as_dict(),
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
+            "structured_mask_s": self.structured.mask_s,
+            "structured_masked_rows": self.structured.masked_rows,
             "decode_graph_replays": self.runner.decode_graphs.replays if self.runner.decode_graphs else 0,
             "last_step": dict(self._last_step),
             **{f"total_{k}": v for k, v in self._totals.items()},

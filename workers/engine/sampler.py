@@ -3,6 +3,7 @@ per-request seeded sampling, and top-N log-probabilities."""
 import torch
 
 from workers.engine.sequence import Sequence
+from workers.engine.structured import apply_bitmask
 
 
 class Sampler:
@@ -25,12 +26,15 @@ class Sampler:
         self.generators.pop(request_id, None)
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]):
-        """logits [S, V] (fp32) -> (token ids [S], per-row logprob info or None)."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask=None):
+        """logits [S, V] (fp32) -> (token ids [S], per-row logprob info or None). bitmask: the constrained
+        rows' allowed tokens (StructuredDecoding.bitmask), or None."""
         logits = logits.float().clone()
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if bitmask is not None:
+            apply_bitmask(logits, bitmask)
         for i, seq in enumerate(seqs):
             if seq.params.has_penalties:
                 self._apply_penalties(logits[i], seq)

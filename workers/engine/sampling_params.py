@@ -1,4 +1,42 @@
+import json
 from dataclasses import dataclass, field
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Output constrained by a grammar: exactly one of a JSON schema, any JSON object, a regex or a choice list."""
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if isinstance(self.json_schema, str):
+            try:
+                object.__setattr__(self, "json_schema", json.loads(self.json_schema))
+            except ValueError as exc:
+                raise ValueError(f"structured output json_schema is not valid JSON: {exc}") from None
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured output needs exactly one of {list(STRUCTURED_KINDS)}, got {given}")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, bool)):
+            raise ValueError("structured output json_schema must be a JSON object")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError("structured output regex must be a string")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured output choice must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): the grammar cache key."""
+        kind = next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+        value = getattr(self, kind)
+        text = value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))   # key order matters
+        return kind, text
 
 
 @dataclass
@@ -17,8 +55,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # Hugging Face style, over prompt and output tokens
     logprobs: int | None = None         # top-N log-probabilities per generated token
     skip_special_tokens: bool = True
+    structured: StructuredOutput | dict | None = None   # a dict is StructuredOutput's fields
 
     def __post_init__(self):
+        if isinstance(self.structured, dict):
+            unknown = sorted(set(self.structured) - set(STRUCTURED_KINDS))
+            if unknown:
+                raise ValueError(f"structured output has unknown field {unknown[0]!r}")
+            self.structured = StructuredOutput(**self.structured)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]

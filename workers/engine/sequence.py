@@ -51,6 +51,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_lost_tokens = 0               # computed tokens thrown away by a recompute preemption
         self.finish_reason: str | None = None
+        self.grammar = None                    # structured output: its matcher (workers.engine.structured)
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,180 @@
+"""Constrained decoding with the random-weight model: unconstrained its output is noise, constrained it must
+parse and validate, whatever the batch, the seed or the preemption."""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from workers.engine import LLM, LLMEngine, SamplingParams
+from workers.engine.config import EngineConfig
+from workers.engine.sampling_params import StructuredOutput
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
+        "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
+                    "properties": {"city": {"type": "string", "maxLength": 10},
+                                   "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}},
+    },
+    "required": ["name", "age", "color", "tags", "address"],
+    "additionalProperties": False,
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99999},
+        "paid": {"type": "boolean"},
+        "items": {"type": "array", "minItems": 2, "maxItems": 4,
+                  "items": {"type": "object", "required": ["sku", "qty"], "additionalProperties": False,
+                            "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                                           "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+        "status": {"type": "string", "enum": ["open", "shipped", "closed"]},
+        "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 8}]},
+    },
+    "required": ["id", "paid", "items", "status", "note"],
+    "additionalProperties": False,
+}
+SCHEMAS = [PERSON, ORDER]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(tiny_model_dir("llama-gqa"))
+
+
+def _prompts(n):
+    return [[5 + i % 40, 7, 9 + i % 3] for i in range(n)]
+
+
+def test_fifty_seeded_json_schema_requests_validate(llm):
+    params = [SamplingParams(max_tokens=300, temperature=1.0, seed=i,
+                             structured=StructuredOutput(json_schema=SCHEMAS[i % 2])) for i in range(50)]
+    outs = llm.generate(_prompts(50), params)
+    for i, out in enumerate(outs):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMAS[i % 2])
+    assert len({o.text for o in outs}) > 40        # seeds differ, so do outputs
+    assert llm.engine.stats()["structured_masked_rows"] > 0
+
+
+def test_fifty_seeded_regex_and_choice_requests_match(llm):
+    pattern = r"[a-z]{3,8}-[0-9]{2}"
+    choices = ["yes", "no", "maybe later"]
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured={"regex": pattern}) for i in range(50)]
+    params += [SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured={"choice": choices})
+               for i in range(50)]
+    outs = llm.generate(_prompts(100), params)
+    assert all(o.finish_reason == "stop" for o in outs)
+    assert all(re.fullmatch(pattern, o.text) for o in outs[:50]), [o.text for o in outs[:50]]
+    assert all(o.text in choices for o in outs[50:])
+    assert {o.text for o in outs[50:]} == set(choices)
+
+
+def test_fifty_seeded_json_object_requests_are_objects(llm):
+    """Any JSON object: the noise model's free strings can outrun max_tokens (finish_reason 'length', as with
+    any model); every one that stops parses as an object and every cut one is a prefix the grammar accepts."""
+    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=i, structured={"json_object": True})
+              for i in range(50)]
+    outs = llm.generate(_prompts(50), params)
+    stopped = [o for o in outs if o.finish_reason == "stop"]
+    assert len(stopped) >= 5
+    for out in stopped:
+        assert isinstance(json.loads(out.text), dict)
+    for out in outs:
+        assert out.text.startswith("{")
+        llm.engine.structured.matcher(StructuredOutput(json_object=True), out.token_ids)   # raises if off-grammar
+
+
+def test_greedy_constrained_output_is_batch_independent(tiny_model_dir, run_staggered, random_prompts):
+    engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama-gqa")))
+    prompts = random_prompts(8, engine.config.model_config.vocab_size, seed=3, lengths=(5, 60))
+    params = [SamplingParams(max_tokens=400, temperature=0.0, structured={"json_schema": SCHEMAS[i % 2]})
+              for i in range(8)]
+    alone = []
+    for prompt, p in zip(prompts, params):
+        engine.add_request("solo", prompt, p)
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    alone.append(out.token_ids)
+    batched = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+        if i % 2:
+            for out in engine.step():
+                if out.finished:
+                    batched[out.request_id] = out.token_ids
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                batched[out.request_id] = out.token_ids
+    assert [batched[f"r{i}"] for i in range(8)] == alone
+    for ids, schema in zip(alone, params):
+        jsonschema.validate(json.loads(engine.tokenizer.decode(ids)), schema.structured.json_schema)
+
+
+@pytest.mark.parametrize("overrides, kind", [
+    (dict(num_kv_blocks=40, block_size=8, swap_space_gib=0.0), "recompute"),
+    (dict(num_kv_blocks=40, block_size=8, swap_space_gib=0.001), "swap"),
+])
+def test_grammar_state_survives_preemption(tiny_model_dir, random_prompts, overrides, kind):
+    model_dir = tiny_model_dir("llama-gqa")
+    roomy = LLMEngine(EngineConfig(model=model_dir))
+    tight = LLMEngine(EngineConfig(model=model_dir, **overrides))
+    prompts = random_prompts(10, roomy.config.model_config.vocab_size, seed=11, lengths=(20, 50))
+    params = SamplingParams(max_tokens=400, temperature=0.0, structured={"json_schema": ORDER})
+
+    def run(engine):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params, sla_class="batch")
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[f"r{i}"] for i in range(len(prompts))]
+
+    expected, got = run(roomy), run(tight)
+    assert tight.stats()["preemptions_by_kind"][kind] > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for out in got:
+        jsonschema.validate(json.loads(out.text), ORDER)
+
+
+def test_grammar_rebuilt_from_tokens_continues_where_it_stopped(llm):
+    spec = StructuredOutput(json_schema=PERSON)
+    out = llm.generate([[5, 7, 9]], SamplingParams(max_tokens=300, seed=1, structured=spec))[0]
+    ids = out.token_ids
+    replayed = llm.engine.structured.matcher(spec, ids[:len(ids) // 2])
+    for t in ids[len(ids) // 2:]:
+        assert replayed.accept_token(t)
+    assert replayed.is_terminated()
+
+
+@pytest.mark.parametrize("structured, reason", [
+    ({"json_schema": {"type": "strin"}}, "strin"),
+    ({"json_schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}, "nope"),
+    ({"regex": "(?<=a)b"}, "regex"),
+    ({"json_schema": "{not json"}, "not valid JSON"),
+    ({"choice": []}, "choice"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"grammar": "x"}, "grammar"),
+])
+def test_bad_grammar_is_a_value_error_at_add_request(llm, structured, reason):
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        llm.engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=4, structured=structured))
+    assert not llm.engine.has_unfinished()
+    out = llm.generate([[5, 7]], SamplingParams(max_tokens=5, structured={"choice": ["ok"]}))[0]
+    assert out.text == "ok"
+
+
+def test_unconstrained_rows_beside_constrained_ones_are_untouched(llm):
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = llm.generate([[9, 8, 7]], plain)[0].token_ids
+    mixed = llm.generate([[9, 8, 7], [5, 7, 9]], [plain, SamplingParams(max_tokens=30, structured={"json_schema": PERSON})])
+    assert mixed[0].token_ids == alone
