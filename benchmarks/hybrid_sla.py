@@ -7,11 +7,16 @@ class; timings come from the ledger, so they include queueing, claim and streami
   (c) both at once                         -> both
   (d) both at once, class priority off     -> realtime submitted as `batch`: first come, first served
 
-Goals: TTFT p99 (c) <= 1.5x (b); offline tokens/s (c) >= 90% of (a).
+Per scenario: realtime TTFT p50/p99 and inter-token latency (ITL, per request (finish - first token) /
+(tokens - 1)) p99, offline tok/s, total generated tok/s (offline + realtime), preemptions by kind and
+recomputed tokens (engine stats). Then the scheduler's share of step time with --sched-seqs sequences.
+Goals: TTFT and ITL p99 (c) <= 1.5x (b); total tok/s (c) >= 90% of (a); recomputed <= 2% of computed
+tokens in (c). The last line is JSON, for scripts.
 
     python benchmarks/hybrid_sla.py [--model models/smollm2-135m] [--device cuda] [--offline 128]
 """
 import argparse
+import json
 import logging
 import sys
 import tempfile
@@ -46,6 +51,11 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
         _, key = tenants.create_tenant(s, "bench")
         s.commit()
     engine_kw = {"max_num_seqs": args.max_num_seqs}
+    targets = {k: v for k, v in (("ttft_ms", args.rt_ttft_ms), ("itl_ms", args.rt_itl_ms)) if v is not None}
+    if targets:
+        from workers.engine.config import sla_targets_from_env
+        engine_kw["sla_targets"] = sla_targets_from_env(args.device)
+        engine_kw["sla_targets"]["realtime"].update(targets)
     cfg = WorkerConfig(model=args.model, database_url=url, device=args.device, name=f"bench-{name}",
                        low_water=args.low_water, engine=engine_kw)
     worker = Worker(cfg)
@@ -78,19 +88,54 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     _wait(app, offline_ids + rt_ids)
     with Session(app.extensions["tidepool.engine"]) as s:
         rows = {j.id: j for j in s.scalars(select(Job).where(Job.id.in_(offline_ids + rt_ids)))}
+    stats = worker.engine.stats()
     worker.stop()
     thread.join(30)
     out = {"name": name}
     if rt_ids:
-        ttft = [(rows[i].first_token_at - rows[i].queued_at).total_seconds() * 1000 for i in rt_ids]
-        claim = [(rows[i].started_at - rows[i].queued_at).total_seconds() * 1000 for i in rt_ids]
-        out.update(ttft_p50=_pct(ttft, 0.5), ttft_p99=_pct(ttft, 0.99), rt_n=len(rt_ids), claim_p50=_pct(claim, 0.5))
+        rt = [rows[i] for i in rt_ids]
+        ttft = [(j.first_token_at - j.queued_at).total_seconds() * 1000 for j in rt]
+        itl = [(j.finished_at - j.first_token_at).total_seconds() * 1000 / (j.completion_tokens - 1)
+               for j in rt if j.completion_tokens > 1]
+        claim = [(j.started_at - j.queued_at).total_seconds() * 1000 for j in rt]
+        out.update(ttft_p50=_pct(ttft, 0.5), ttft_p99=_pct(ttft, 0.99), itl_p50=_pct(itl, 0.5),
+                   itl_p99=_pct(itl, 0.99), rt_n=len(rt_ids), claim_p50=_pct(claim, 0.5))
+    jobs = [rows[i] for i in offline_ids + rt_ids]
+    span = (max(j.finished_at for j in jobs) - min(j.queued_at for j in jobs)).total_seconds()
+    out["total_tok_s"] = sum(j.completion_tokens for j in jobs) / span
     if offline_ids:
-        jobs = [rows[i] for i in offline_ids]
-        span = (max(j.finished_at for j in jobs) - min(j.queued_at for j in jobs)).total_seconds()
-        out["offline_tok_s"] = sum(j.completion_tokens for j in jobs) / span
-    out["preempted"] = dict(worker.preempted)
+        off = [rows[i] for i in offline_ids]
+        off_span = (max(j.finished_at for j in off) - min(j.queued_at for j in off)).total_seconds()
+        out["offline_tok_s"] = sum(j.completion_tokens for j in off) / off_span
+    out["preemptions"] = stats.get("preemptions_by_kind", {"recompute": stats["preemptions"]})
+    out["recomputed_tokens"] = stats.get("recomputed_tokens", 0)
+    out["computed_tokens"] = stats.get("total_computed_tokens", 0)
+    out["schedule_share"] = stats["total_schedule_s"] / max(1e-9, stats["total_schedule_s"] + stats["total_model_s"]
+                                                          + stats["total_sample_s"])
     return out
+
+
+def scheduler_share(args, num_seqs: int, steps: int = 12) -> dict:
+    """The scheduler's share of step time with num_seqs sequences decoding (plus realtime arrivals), engine only."""
+    from workers.engine import EngineConfig, LLMEngine, SamplingParams
+    # Seats for num_seqs offline sequences beside the online reserve (10% of max_num_seqs).
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=num_seqs + num_seqs // 9 + 1))
+    params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+    for i in range(num_seqs):
+        engine.add_request(f"off{i}", f"Document {i}: summarise the following text.", params, sla_class="batch")
+    while engine.stats()["waiting"] or engine.stats()["last_step"]["tokens"] > num_seqs:
+        engine.step()
+    base = engine.stats()
+    for i in range(steps):
+        if i % 3 == 0:
+            engine.add_request(f"rt{i}", f"Question {i}: what is up?", SamplingParams(max_tokens=4),
+                               sla_class="realtime")
+        engine.step()
+    end = engine.stats()
+    sched = end["total_schedule_s"] - base["total_schedule_s"]
+    total = sched + sum(end[k] - base[k] for k in ("total_model_s", "total_sample_s"))
+    return {"seqs": num_seqs, "steps": steps, "schedule_ms_per_step": 1000 * sched / steps,
+            "step_ms": 1000 * total / steps, "share": sched / total}
 
 
 def _wait(app, ids, timeout=3600):
@@ -116,6 +161,10 @@ def main():
     p.add_argument("--rt-duration", type=float, default=None, help="seconds of realtime load (default: (a)'s span)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--low-water", type=int, default=8)
+    p.add_argument("--rt-ttft-ms", type=float, default=None, help="realtime ttft target (default: engine config)")
+    p.add_argument("--rt-itl-ms", type=float, default=None, help="realtime itl target (default: engine config)")
+    p.add_argument("--sched-seqs", type=int, default=256, help="sequences for the scheduler-share check (0: skip)")
+    p.add_argument("--no-fcfs", action="store_true", help="skip scenario (d)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.model is None:
@@ -136,16 +185,32 @@ def main():
         args.rt_duration = max(2.0, a["offline_tok_s"] and args.offline * args.offline_tokens / a["offline_tok_s"])
     b = scenario("b realtime alone", args, offline=False, realtime=True)
     c = scenario("c both", args, offline=True, realtime=True)
-    d = scenario("d both, FCFS", args, offline=True, realtime=True, priority=False)
-    print(f"\n{'scenario':<22}{'rt TTFT p50 ms':>16}{'rt TTFT p99 ms':>16}{'(claim p50 ms)':>16}"
-          f"{'offline tok/s':>15}  offline preemptions")
+    rows = [a, b, c]
+    if not args.no_fcfs:
+        rows.append(scenario("d both, FCFS", args, offline=True, realtime=True, priority=False))
     nan = float("nan")
-    for r in (a, b, c, d):
-        print(f"{r['name']:<22}{r.get('ttft_p50', nan):>16.1f}{r.get('ttft_p99', nan):>16.1f}"
-              f"{r.get('claim_p50', nan):>16.1f}{r.get('offline_tok_s', nan):>15.1f}  {r['preempted']['batch']}")
-    print(f"\nTTFT p99 (c)/(b) = {c['ttft_p99'] / b['ttft_p99']:.2f}  (goal <= 1.5)")
-    print(f"offline tok/s (c)/(a) = {c['offline_tok_s'] / a['offline_tok_s']:.2f}  (goal >= 0.90)")
-    print(f"TTFT p99 (d)/(b) = {d['ttft_p99'] / b['ttft_p99']:.2f}  (what FCFS costs realtime)")
+    print(f"\n{'scenario':<20}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p99':>9}{'offline':>9}{'total':>8}"
+          f"{'suspend':>9}{'swap':>6}{'recomp':>8}{'recomputed':>12}{'sched':>7}")
+    print(f"{'':<20}{'ms':>10}{'ms':>10}{'ms':>9}{'tok/s':>9}{'tok/s':>8}{'':>9}{'':>6}{'':>8}{'tokens':>12}{'share':>7}")
+    for r in rows:
+        k = r["preemptions"]
+        print(f"{r['name']:<20}{r.get('ttft_p50', nan):>10.1f}{r.get('ttft_p99', nan):>10.1f}"
+              f"{r.get('itl_p99', nan):>9.1f}{r.get('offline_tok_s', nan):>9.1f}{r['total_tok_s']:>8.1f}"
+              f"{k.get('suspend', 0):>9}{k.get('swap', 0):>6}{k.get('recompute', 0):>8}{r['recomputed_tokens']:>12}"
+              f"{r['schedule_share']:>7.1%}")
+    result = {"ttft_p99_ratio": c["ttft_p99"] / b["ttft_p99"], "itl_p99_ratio": c["itl_p99"] / b["itl_p99"],
+              "goodput_ratio": c["total_tok_s"] / a["total_tok_s"], "offline_ratio": c["offline_tok_s"] / a["offline_tok_s"],
+              "recomputed_share": c["recomputed_tokens"] / max(1, c["computed_tokens"])}
+    if len(rows) > 3:
+        result["fcfs_ttft_p99_ratio"] = rows[3]["ttft_p99"] / b["ttft_p99"]
+    if args.sched_seqs:
+        share = scheduler_share(args, args.sched_seqs)
+        print(f"\nscheduler at {share['seqs']} seqs: {share['schedule_ms_per_step']:.2f} ms of a "
+              f"{share['step_ms']:.0f} ms step ({share['share']:.2%}; goal < 5%)")
+        result.update(schedule_share=share["share"], schedule_share_seqs=share["seqs"])
+    print(f"\ngoals: ttft_p99_ratio <= 1.5, itl_p99_ratio <= 1.5, goodput_ratio >= 0.90, recomputed_share <= 0.02")
+    result.update(model=args.model, device=args.device, offline=args.offline, rt_rate=args.rt_rate)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ QUEUE_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 _COUNTERS = {"preemptions": "num_preemptions", "prefix_cache_queries": "prefix_cache_queries",
-             "prefix_cache_hits": "prefix_cache_hits"}
+             "prefix_cache_hits": "prefix_cache_hits", "recomputed_tokens": "recomputed_tokens"}
+PREEMPTION_KINDS = ("suspend", "swap", "recompute")
 
 
 class SnapshotStore:
@@ -101,6 +102,9 @@ class EngineMetrics:
                               ["worker"], registry=r)
         self.counters = {key: Counter(f"tidepool:{name}", f"Engine {name.replace('_', ' ')}.", ["worker"],
                                       registry=r) for key, name in _COUNTERS.items()}
+        self.preemptions_by_kind = Counter("tidepool:preemptions_by_kind", "Engine preemptions by kind: suspend "
+                                           "(keeps its blocks), swap (blocks to the host pool), recompute.",
+                                           ["worker", "kind"], registry=r)
         self.iteration_tokens = Histogram("tidepool:iteration_tokens", "Tokens per engine step.", ["worker"],
                                           buckets=ITERATION_BUCKETS, registry=r)
         self._last: dict[tuple[str, str], float] = {}     # (worker, stat) → last cumulative value seen
@@ -146,6 +150,11 @@ class EngineMetrics:
             delta = self._advance(worker, key, stats.get(key, 0))
             if delta:
                 counter.labels(worker).inc(delta)
+        kinds = stats.get("preemptions_by_kind", {})
+        for kind in PREEMPTION_KINDS:
+            delta = self._advance(worker, f"preemptions_{kind}", kinds.get(kind, 0))
+            if delta:
+                self.preemptions_by_kind.labels(worker, kind).inc(delta)
         if self._advance(worker, "total_steps", stats.get("total_steps", 0)):
             self.iteration_tokens.labels(worker).observe(stats.get("last_step", {}).get("tokens", 0))
         now = time.time() if now is None else now
@@ -176,6 +185,8 @@ class EngineMetrics:
                 "by_class": stats.get("by_class", {}), "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
                 "kv_blocks_used": stats.get("kv_blocks_used", 0), "kv_blocks_total": stats.get("kv_blocks_total", 0),
                 "preemptions": stats.get("preemptions", 0),
+                "preemptions_by_kind": stats.get("preemptions_by_kind", {}),
+                "recomputed_tokens": stats.get("recomputed_tokens", 0),
                 "prefix_cache_queries": stats.get("prefix_cache_queries", 0),
                 "prefix_cache_hits": stats.get("prefix_cache_hits", 0),
                 "total_prompt_tokens": prompt, "total_generation_tokens": gen,

@@ -341,13 +341,13 @@ class Worker:
         self._queues = {name: Queue(name, routing_key=name).bind(self._channel) for name in self.cfg.queues}
 
     def _has_room(self) -> bool:
-        """Spare capacity for offline work: free sequence slots, plus a low-water reserve of waiting
-        requests so a finishing sequence is replaced in the very next step."""
+        """Spare capacity for offline work: free sequence slots outside the engine's online reserve, plus a
+        low-water reserve of waiting requests so a finishing sequence is replaced in the very next step."""
         try:
             stats = self.engine.stats()
         except Exception:  # read racing the engine thread: try again next pass
             return False
-        free_slots = max(0, self.engine.config.max_num_seqs - stats["running"])
+        free_slots = stats["offline_seats_free"] if stats["offline_blocks_free"] else 0
         return stats["waiting"] < self.cfg.low_water + free_slots
 
     def _pull(self) -> bool:

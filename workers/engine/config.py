@@ -11,14 +11,18 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.floa
 
 
 ONLINE_CLASSES = ("realtime", "interactive")
-DEFAULT_SLA_TARGETS = {"realtime": {"ttft_ms": 200.0, "itl_ms": 50.0},
-                       "interactive": {"ttft_ms": 1000.0, "itl_ms": 100.0}}
+# Per device type: a CPU step of even a small model takes tens of milliseconds, a GPU step a few.
+DEFAULT_SLA_TARGETS = {
+    "cuda": {"realtime": {"ttft_ms": 200.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 1000.0, "itl_ms": 100.0}},
+    "cpu": {"realtime": {"ttft_ms": 600.0, "itl_ms": 120.0}, "interactive": {"ttft_ms": 2000.0, "itl_ms": 300.0}},
+}
 
 
-def sla_targets_from_env(base: dict | None = None) -> dict:
-    """Targets per online class: base (default DEFAULT_SLA_TARGETS), each overridable by
+def sla_targets_from_env(device: str = "cpu") -> dict:
+    """Targets per online class: DEFAULT_SLA_TARGETS for the device, each overridable by
     TIDEPOOL_SLA_REALTIME_TTFT_MS, TIDEPOOL_SLA_REALTIME_ITL_MS, TIDEPOOL_SLA_INTERACTIVE_TTFT_MS, ..."""
-    targets = {c: dict(t) for c, t in (base or DEFAULT_SLA_TARGETS).items()}
+    kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    targets = {c: dict(t) for c, t in DEFAULT_SLA_TARGETS[kind].items()}
     for cls in ONLINE_CLASSES:
         for name in ("ttft_ms", "itl_ms"):
             raw = os.environ.get(f"TIDEPOOL_SLA_{cls.upper()}_{name.upper()}")
@@ -77,7 +81,8 @@ class EngineConfig:
 
     def _resolve_scheduling(self) -> None:
         env = os.environ.get
-        self.sla_targets = sla_targets_from_env(self.sla_targets) if self.sla_targets is None else self.sla_targets
+        if self.sla_targets is None:
+            self.sla_targets = sla_targets_from_env(self.device)
         for cls, targets in self.sla_targets.items():
             if cls not in ONLINE_CLASSES:
                 raise ValueError(f"sla_targets apply to {ONLINE_CLASSES}, not {cls!r}")

@@ -85,8 +85,8 @@ class LLMEngine:
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)    # notified by add_request
-        self._totals = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "schedule_s": 0.0,
-                        "model_s": 0.0, "sample_s": 0.0, "finished": 0, "aborted": 0}
+        self._totals = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,
+                        "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "finished": 0, "aborted": 0}
         self._last_step = {"tokens": 0, "seqs": 0, "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
 
     # -- requests -------------------------------------------------------------------------------
@@ -233,6 +233,7 @@ class LLMEngine:
         t = self._totals
         t["steps"] += 1
         t["prompt_tokens"] += prompt_tokens
+        t["computed_tokens"] += batch.num_tokens
         t["schedule_s"] += schedule_s
         t["model_s"] += model_s
         t["sample_s"] += sample_s
@@ -256,6 +257,9 @@ class LLMEngine:
             "kv_blocks_total": bm.num_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
             "preemptions": sched.num_preemptions,
+            # Room offline work may still take: the online reserve of seats and blocks is not in it.
+            "offline_seats_free": sched.offline_seats_free(),
+            "offline_blocks_free": max(0, bm.num_free_blocks - sched.reserve_blocks),
             "preemptions_by_kind": dict(sched.preemptions),
             "recomputed_tokens": sched.recomputed_tokens,
             "swapped": sum(s.status == SequenceStatus.SWAPPED for s in sched.waiting),

@@ -86,6 +86,11 @@ class Scheduler:
         seq.status = WAITING
         self.waiting.append(seq)
 
+    def offline_seats_free(self) -> int:
+        running = list(self.running)
+        offline = sum(not s.is_online for s in running)
+        return max(0, min(self.max_num_seqs - len(running), self.max_num_seqs - self.reserve_seats - offline))
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

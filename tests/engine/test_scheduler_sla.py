@@ -1,0 +1,236 @@
+"""Latency-aware step budget, preemption that keeps its work, the online reserve and capacity policies:
+the scheduler alone, with a fixed fake cost model and a fake clock (no model, no timing)."""
+from collections import Counter
+from types import SimpleNamespace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from workers.engine.block_manager import BlockManager
+from workers.engine.cost_model import attended
+from workers.engine.sampling_params import SamplingParams
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
+
+# 10 ms a step, 1 ms a new token, no context cost: a 50 ms itl bound leaves room for 40 tokens.
+COST = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0)
+TARGETS = {"realtime": {"ttft_ms": 200.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 1000.0, "itl_ms": 100.0}}
+
+
+class Sim:
+    """schedule -> 'compute' -> append one fake token per finished context, like LLMEngine.step."""
+
+    def __init__(self, num_blocks=200, block_size=4, max_num_seqs=8, budget=256, cost=COST, host_blocks=0,
+                 reserve_seats=0, reserve_blocks=0, policy="max_utilization"):
+        self.now = 0.0
+        self.bm = BlockManager(num_blocks, block_size, num_host_blocks=host_blocks)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, cost_model=cost, sla_targets=TARGETS,
+                               reserve_seats=reserve_seats, reserve_blocks=reserve_blocks, capacity_policy=policy,
+                               clock=lambda: self.now)
+        self.n = 0
+
+    def add(self, prompt_len, max_tokens, sla_class="batch"):
+        self.n += 1
+        seq = Sequence(f"s{self.n}", [7] * prompt_len, SamplingParams(max_tokens=max_tokens), sla_class=sla_class)
+        seq.arrival_time = self.now
+        self.sched.add(seq)
+        return seq
+
+    def step(self):
+        batch = self.sched.schedule()
+        for seq in self.sched.postprocess(batch):
+            seq.token_ids.append(7)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                self.sched.remove(seq)
+        self.now += 0.05
+        return batch
+
+    def offline_tokens(self, batch):
+        return sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if not s.is_online)
+
+
+def test_step_budget_shrinks_while_realtime_is_active_and_returns_to_full_without_it():
+    sim = Sim(max_num_seqs=64, budget=256)
+    for _ in range(60):
+        sim.add(100, 50)
+    full = sim.step()
+    assert full.time_limit_s is None and full.num_tokens == 256        # offline alone: the token budget
+    rt = sim.add(8, 3, "realtime")
+    batch = sim.step()
+    assert rt in batch.seqs and batch.time_limit_s == 0.050
+    assert batch.predicted_s <= 0.050 + 1e-9
+    assert batch.num_tokens == 40                                       # (50 - 10) ms at 1 ms a token
+    while not rt.is_finished:
+        assert sim.step().predicted_s <= 0.050 + 1e-9
+    after = sim.step()
+    assert after.time_limit_s is None and after.num_tokens > 40
+
+
+def test_interactive_work_bounds_steps_by_its_own_target():
+    sim = Sim(max_num_seqs=64)
+    for _ in range(40):
+        sim.add(100, 50)
+    sim.add(4, 20, "interactive")
+    batch = sim.step()
+    assert batch.time_limit_s == 0.100 and batch.num_tokens == 90
+
+
+def test_waiting_realtime_prompt_goes_into_the_next_step_even_when_the_bound_is_spent():
+    sim = Sim(max_num_seqs=64, budget=512)
+    for _ in range(30):
+        sim.add(3, 100, "realtime")                     # 30 online decodes already cost 40 ms
+    sim.step()
+    sim.add(200, 5, "batch")
+    late = sim.add(60, 4, "realtime")
+    batch = sim.step()
+    assert late in batch.seqs
+    # ttft 200 ms at a 50 ms bound: 4 steps to go, so at least a quarter of the prompt now.
+    assert batch.num_new_tokens[batch.seqs.index(late)] >= 15
+    assert sim.offline_tokens(batch) == 0
+
+
+def test_long_realtime_prompt_is_chunked_to_meet_its_ttft():
+    sim = Sim(max_num_seqs=8, budget=4096)
+    rt = sim.add(400, 2, "realtime")
+    chunks = []
+    while rt.num_output_tokens == 0:
+        batch = sim.step()
+        chunks.append(batch.num_new_tokens[batch.seqs.index(rt)])
+    assert sum(chunks) == 400 and len(chunks) <= 4      # first token within 200 ms of 50 ms steps
+    assert chunks[0] >= 40
+
+
+def test_suspended_sequence_keeps_its_blocks_and_resumes_without_recompute():
+    sim = Sim(max_num_seqs=4)
+    offline = [sim.add(10, 40) for _ in range(4)]
+    for _ in range(3):
+        sim.step()
+    victim = offline[-1]
+    table, computed = list(victim.block_table), victim.num_computed_tokens
+    rt = sim.add(4, 3, "realtime")
+    batch = sim.step()
+    assert rt in batch.seqs and batch.preempted == [victim]
+    assert victim.status == SequenceStatus.SUSPENDED
+    assert victim.block_table == table and victim.num_computed_tokens == computed
+    assert sim.sched.preemptions == {"suspend": 1, "swap": 0, "recompute": 0}
+    while victim.status != SequenceStatus.RUNNING:
+        batch = sim.step()
+    assert victim.block_table[:len(table)] == table
+    assert batch.num_new_tokens[batch.seqs.index(victim)] == 1         # a decode, not a prefill again
+    assert sim.sched.recomputed_tokens == 0
+
+
+def test_memory_pressure_swaps_the_lowest_class_and_swaps_it_back_before_it_resumes():
+    sim = Sim(num_blocks=12, block_size=4, max_num_seqs=8, host_blocks=16)
+    offline = [sim.add(15, 30, "deferrable") for _ in range(3)]        # 4 blocks each: the pool is full
+    sim.step()
+    online = sim.add(6, 4, "interactive")
+    batch = sim.step()
+    victim = offline[-1]
+    assert online in batch.seqs and batch.preempted == [victim]
+    assert victim.status == SequenceStatus.SWAPPED and not victim.block_table
+    assert [d for d, _ in batch.swap_out] and len(batch.swap_out) == len(victim.host_block_table) == 4
+    computed = victim.num_computed_tokens
+    while victim.status == SequenceStatus.SWAPPED:
+        batch = sim.step()
+    assert [h for h, _ in batch.swap_in] == [h for _, h in sorted(batch.swap_in, key=lambda p: p[1])] or batch.swap_in
+    assert len(victim.block_table) >= 4 and victim.num_computed_tokens >= computed
+    assert sim.sched.preemptions["recompute"] == 0 and sim.sched.recomputed_tokens == 0
+
+
+def test_without_host_room_memory_pressure_recomputes_and_counts_the_lost_work():
+    sim = Sim(num_blocks=12, block_size=4, max_num_seqs=8)
+    offline = [sim.add(15, 30, "deferrable") for _ in range(3)]
+    sim.step()
+    sim.add(6, 4, "interactive")
+    sim.step()
+    assert sim.sched.preemptions["recompute"] == 1 and offline[-1].status == SequenceStatus.WAITING
+    while not all(s.is_finished for s in offline):
+        sim.step()
+    # The 16 computed tokens thrown away, less what the prefix cache still held at re-admission.
+    assert 0 < sim.sched.recomputed_tokens <= 16
+
+
+def test_no_evict_admits_only_what_can_finish_and_never_preempts():
+    sim = Sim(num_blocks=20, block_size=4, max_num_seqs=8, policy="no_evict")
+    first = sim.add(8, 24)                  # 32 tokens: 8 blocks to finish
+    second = sim.add(8, 24)
+    third = sim.add(8, 24)                  # 24 blocks in all: the third must wait
+    sim.step()
+    assert first.status == second.status == SequenceStatus.RUNNING
+    assert third.status == SequenceStatus.WAITING
+    sim.add(4, 4, "realtime")
+    while sim.sched.has_unfinished():
+        assert not sim.step().preempted
+    assert sim.sched.num_preemptions == 0 and sim.bm.num_free_blocks == 20
+
+
+def test_offline_work_never_takes_the_reserved_seats_or_blocks():
+    sim = Sim(num_blocks=40, block_size=4, max_num_seqs=10, reserve_seats=2, reserve_blocks=8)
+    for _ in range(20):
+        sim.add(10, 30)
+    for _ in range(30):
+        sim.step()
+        assert len(sim.sched.running) <= 8
+        assert sim.bm.num_free_blocks >= 8
+    rt = sim.add(10, 3, "realtime")
+    batch = sim.step()
+    assert rt in batch.seqs and not batch.preempted      # online gets in without displacing anyone
+
+
+requests = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from(SLA_CLASSES),
+                              st.integers(0, 3)), min_size=1, max_size=24)
+
+
+@settings(max_examples=100, deadline=None)
+@given(requests, st.integers(16, 40), st.integers(2, 6), st.integers(4, 64), st.integers(0, 24),
+       st.booleans(), st.sampled_from(["max_utilization", "no_evict"]))
+def test_block_seat_and_budget_invariants_with_suspension_and_swap(reqs, num_blocks, max_num_seqs, budget,
+                                                                   host_blocks, reserve, policy):
+    reserve_seats = 1 if reserve else 0
+    reserve_blocks = 3 if reserve else 0
+    sim = Sim(num_blocks=num_blocks, block_size=4, max_num_seqs=max_num_seqs, budget=budget,
+              host_blocks=host_blocks, reserve_seats=reserve_seats, reserve_blocks=reserve_blocks, policy=policy)
+    bm, sched = sim.bm, sim.sched
+    pending = sorted(reqs, key=lambda r: r[3])
+    for step in range(800):
+        while pending and pending[0][3] <= step:
+            plen, out, cls, _ = pending.pop(0)
+            sim.add(min(plen, (num_blocks - reserve_blocks) * 4 - 12), out, cls)
+        batch = sim.step()
+        assert batch.num_tokens <= budget and all(n >= 1 for n in batch.num_new_tokens)
+        assert len(sched.running) <= max_num_seqs
+        assert sum(not s.is_online for s in sched.running) <= max_num_seqs - reserve_seats
+        offline = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if not s.is_online]
+        if batch.time_limit_s is not None:
+            assert any(s.is_online for s in sched.running + sched.waiting + batch.seqs)
+            predicted = COST.fixed + sum(COST.per_token * n for n in batch.num_new_tokens)
+            assert abs(predicted - batch.predicted_s) < 1e-9
+            if offline:
+                assert batch.predicted_s <= batch.time_limit_s + 1e-9
+        if policy == "no_evict":
+            assert not batch.preempted
+        # Device blocks: each held block is referenced exactly by the tables that hold it.
+        refs = Counter(b for s in sched.running + sched.waiting for b in s.block_table)
+        for block in bm.blocks:
+            assert block.ref_count == refs.get(block.block_id, 0)
+            assert (block.ref_count == 0) == (block.block_id in bm.free)
+        # Host blocks: each either free, released this step, or held by exactly one swapped sequence.
+        held = [h for s in sched.waiting for h in s.host_block_table]
+        assert sorted(held + bm.host_free + bm._host_released) == list(range(host_blocks))
+        for s in sched.waiting:
+            assert (s.status == SequenceStatus.SWAPPED) == bool(s.host_block_table)
+            if s.status == SequenceStatus.SUSPENDED:
+                assert len(s.block_table) * 4 >= s.num_computed_tokens > 0
+        # The reserve: offline work alone never leaves fewer free blocks than it.
+        if not any(s.is_online for s in sched.running + sched.waiting):
+            assert bm.num_free_blocks >= reserve_blocks or not reserve
+        if not pending and not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished(), "every request must finish: no livelock, no starvation"
+    assert bm.num_free_blocks == num_blocks and len(bm.host_free) + len(bm._host_released) == host_blocks
+    assert sched.recomputed_tokens == 0 or sched.preemptions["recompute"] > 0
+
+
+def test_attended_counts_each_new_token_against_its_context():
+    assert attended(0, 1) == 1 and attended(10, 1) == 11 and attended(0, 4) == 10 and attended(5, 2) == 13
