@@ -3,7 +3,8 @@
 #   1. the kernel tests compiled for the device (not interpreted) and the CUDA-graph tests;
 #   2. benchmarks/kernels.py: decode-attention bandwidth vs SDPA, batch 1..256 x context 512..32k;
 #   3. benchmarks/decode_graphs.py: decode-step time, CUDA graphs vs eager, on a random-weight model shaped
-#      like SmolLM2-135M (real weights are too large to travel to the device machine).
+#      like SmolLM2-135M (real weights are too large to travel to the device machine);
+#   4. benchmarks/hybrid_sla.py --device cuda: realtime TTFT/ITL with a full offline load, on that model.
 # Uses the machine's python3 (torch, triton, transformers, pytest, hypothesis) with this tree on PYTHONPATH.
 # Logs go to $OUT (the device tool's folder) or test-artifacts/gpu.
 #
@@ -32,5 +33,9 @@ make_tiny_model(sys.argv[1], hidden_size=576, intermediate_size=1536, num_hidden
 EOF
 timeout 120 python3 benchmarks/decode_graphs.py --model "$model" --batches 1,8,32,128,256 --context 512 \
     2>&1 | tee "$out/decode_graphs.txt" || status=1
+
+# issue #10: online latency under full offline load (ratios and the JSON line at the end).
+timeout 600 python3 benchmarks/hybrid_sla.py --model "$model" --device cuda --offline 256 --rt-rate 8 \
+    2>&1 | tee "$out/hybrid_sla.txt" || status=1
 
 exit $status
