@@ -5,7 +5,7 @@ from datetime import timedelta
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 
-from . import bodies, logprobs, quotas
+from . import bodies, logprobs, quotas, structured
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
 
@@ -125,8 +125,8 @@ def _result_line(job: Job, model: str | None) -> str:
              "total_tokens": (job.prompt_tokens or 0) + (job.completion_tokens or 0)}
     lps = logprobs.shaped(job.endpoint, job.logprobs) if logprobs.requested(job.endpoint, job.request) else None
     if job.endpoint == bodies.CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": job.output},
-                  "finish_reason": job.finish_reason, "logprobs": lps}
+        message, finish_reason = structured.message(job.request or {}, job.output, job.finish_reason, job.id)
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": lps}
         body = {"id": job.id, "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage}
     else:

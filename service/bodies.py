@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
+from . import structured
 from .errors import bad_request
 
 COMPLETIONS = "/v1/completions"
@@ -26,9 +27,11 @@ MAX_STOP_TOKEN_IDS = 256           # stop_token_ids
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-           "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "n", "user", "stream"}
+           "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "n", "user", "stream",
+           "response_format"}
 ALLOWED = {COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "best_of"},
-           CHAT: _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}}
+           CHAT: _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                            "parallel_tool_calls"}}
 NATIVE_EXTRA = {"sla_class", "deadline", "metadata"}
 
 
@@ -134,12 +137,15 @@ def _check_messages(messages) -> int:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad_request(f"'{where}' must be an object.", where)
-        extra = set(m) - {"role", "content", "name"}
+        extra = set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"}
         if extra:
             raise bad_request(f"'{where}' has unsupported field '{sorted(extra)[0]}'.", where)
         if m.get("role") not in ROLES:
             raise bad_request(f"'{where}.role' must be one of {list(ROLES)}.", f"{where}.role")
+        structured.check_message(m, where)
         content = m.get("content")
+        if content is None and "tool_calls" in m:
+            content = ""
         if isinstance(content, list):
             if len(content) > MAX_CONTENT_PARTS:
                 raise bad_request(f"'{where}.content' has more than {MAX_CONTENT_PARTS} parts.", f"{where}.content",
@@ -225,6 +231,7 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
             raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
         prompt_tokens = _check_prompt(body["prompt"])
         _number(body, "logprobs", 0, 20, integer=True)
+        structured.check(body)
         if not _one_of(body.get("echo"), False):
             raise bad_request("'echo' is not supported.", "echo", "unsupported_value")
         if not _one_of(body.get("best_of"), 1):
@@ -233,6 +240,7 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
         if "messages" not in body:
             raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
         prompt_tokens = _check_messages(body["messages"])
+        prompt_tokens += structured.check(body)
         if not _one_of(body.get("logprobs"), True, False):
             raise bad_request("'logprobs' must be a boolean.", "logprobs")
         _number(body, "top_logprobs", 0, 20, integer=True)

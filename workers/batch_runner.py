@@ -63,7 +63,7 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
     """Returns counts: {"total", "completed", "failed", "generated_tokens", "seconds"}."""
     max_in_flight = max_in_flight or 4 * engine.config.max_num_seqs
     counts = {"total": 0, "completed": 0, "failed": 0, "generated_tokens": 0}
-    pending: dict[str, tuple[int, str, str]] = {}    # engine request id -> (input position, custom_id, url)
+    pending: dict[str, tuple[int, str, str, dict]] = {}   # engine request id -> (input position, custom_id, url, body)
     done: dict[int, dict] = {}                        # finished lines waiting for the ones before them
     next_out = 0                                      # input position of the next line to write
     seen: set[str] = set()
@@ -84,8 +84,8 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                 bar.update(1)
 
         def finish(out: RequestOutput) -> None:
-            position, custom_id, url = pending.pop(out.request_id)
-            body = response_body(url, out.request_id, model_name, out, engine.tokenizer)
+            position, custom_id, url, request = pending.pop(out.request_id)
+            body = response_body(url, out.request_id, model_name, out, engine.tokenizer, body=request)
             settle(position, {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
                               "response": {"status_code": 200, "request_id": out.request_id, "body": body},
                               "error": None})
@@ -112,7 +112,7 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                         engine.add_request(request_id, prompt, sampling_params(url, body), sla_class="batch")
                     except ValueError as exc:
                         raise LineError("invalid_request", str(exc), custom_id) from None
-                    pending[request_id] = (position, custom_id, url)
+                    pending[request_id] = (position, custom_id, url, body)
                 except LineError as exc:
                     settle(position, _error_line(exc.custom_id, exc.code, exc.message, line_no))
                     counts["failed"] += 1

@@ -4,7 +4,7 @@ Bodies arrive already validated and normalised by `service.bodies.check`.
 """
 import time
 
-from service import logprobs
+from service import logprobs, structured
 from workers.engine import RequestOutput, SamplingParams
 
 COMPLETIONS = "/v1/completions"
@@ -20,16 +20,37 @@ def sampling_params(endpoint: str, body: dict) -> SamplingParams:
             kwargs["logprobs"] = body.get("top_logprobs") or 0
     elif body.get("logprobs") is not None:
         kwargs["logprobs"] = body["logprobs"]
-    return SamplingParams(**kwargs)
+    return SamplingParams(**kwargs, structured=structured.grammar(body))
 
 
 def prompt_ids(endpoint: str, body: dict, tokenizer) -> list[int]:
     if endpoint == CHAT:
-        messages = [{**m, "content": m["content"] if isinstance(m["content"], str)
-                     else "".join(part["text"] for part in m["content"])} for m in body["messages"]]
-        return tokenizer.encode_chat(messages)
+        messages, tools = chat_messages(body, tokenizer.renders_tools)
+        return tokenizer.encode_chat(messages, tools=tools)
     prompt = body["prompt"]
     return tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def chat_messages(body: dict, template_renders_tools: bool) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) for the chat template. A template that does not render tools gets them as a system
+    message, assistant tool calls as <tool_call> blocks and tool results as <tool_response> blocks."""
+    messages = [{**m, "content": m.get("content") if isinstance(m.get("content"), str)
+                 else "".join(part["text"] for part in m.get("content") or [])} for m in body["messages"]]
+    tools = body.get("tools") if structured.uses_tools(body) else None
+    if not tools or template_renders_tools:
+        return messages, tools
+    for m in messages:
+        if m.get("tool_calls"):
+            m["content"] = "\n".join(([m["content"]] if m["content"] else []) + [structured.call_text(c)
+                                                                               for c in m.pop("tool_calls")])
+        if m["role"] == "tool":
+            m["content"] = f"<tool_response>\n{m['content']}\n</tool_response>"
+    prompt = structured.tool_prompt(tools)
+    if messages[0]["role"] == "system":
+        messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
+    else:
+        messages.insert(0, {"role": "system", "content": prompt})
+    return messages, None
 
 
 def usage(out: RequestOutput) -> dict:
@@ -94,11 +115,12 @@ def chat_logprobs(out: RequestOutput, tokenizer) -> dict | None:
 
 
 def response_body(endpoint: str, request_id: str, model: str, out: RequestOutput, tokenizer,
-                  created: int | None = None) -> dict:
+                  created: int | None = None, body: dict | None = None) -> dict:
     created = created or int(time.time())
     if endpoint == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": chat_logprobs(out, tokenizer), "finish_reason": out.finish_reason}
+        message, finish_reason = structured.message(body or {}, out.text, out.finish_reason, request_id)
+        choice = {"index": 0, "message": message, "logprobs": chat_logprobs(out, tokenizer),
+                  "finish_reason": finish_reason}
         return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage(out)}
     choice = {"index": 0, "text": out.text, "logprobs": completion_logprobs(out, tokenizer),

@@ -6,7 +6,7 @@ from flask import Blueprint, g, request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from .. import bodies, jobs as transitions, logprobs, quotas
+from .. import bodies, jobs as transitions, logprobs, quotas, structured
 from ..auth import tenant_required
 from ..config import SLA_CLASSES
 from ..db import session
@@ -16,6 +16,12 @@ from ..models import Job, JobStatus, SlaClass, new_id, utcnow
 from . import cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("jobs", __name__)
+
+
+def _tool_calls(job: Job) -> dict:
+    if job.endpoint != bodies.CHAT or not structured.uses_tools(job.request or {}):
+        return {}
+    return {"tool_calls": structured.parse(job.request, job.output or "", job.id)[1]}
 
 
 def job_json(job: Job, with_logprobs: bool = False) -> dict:
@@ -32,7 +38,7 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
             "first_token_at": ts(job.first_token_at), "finished_at": ts(job.finished_at),
             "attempts": job.attempts, "worker": job.worker, "usage": usage,
             "output": None if job.status != JobStatus.completed else
-            {"text": job.output, "token_ids": job.output_token_ids,
+            {"text": job.output, "token_ids": job.output_token_ids, **_tool_calls(job),
              **({"logprobs": logprobs.shaped(job.endpoint, job.logprobs)}
                 if with_logprobs and logprobs.requested(job.endpoint, job.request) else {})},
             "finish_reason": job.finish_reason, "error": job.error}

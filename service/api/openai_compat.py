@@ -11,7 +11,7 @@ from sqlalchemy.orm import undefer
 
 from workers import token_stream
 
-from .. import bodies, jobs as transitions, logprobs, quotas
+from .. import bodies, jobs as transitions, logprobs, quotas, structured
 from ..auth import tenant_required
 from ..errors import APIError, bad_request
 from ..models import TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
@@ -99,7 +99,7 @@ def _serve(endpoint: str):
     marks["publish"] = time.time()
     waiter = _Waiter(ext("sessions"), sub, job.id, conf.extra.get("online_timeout", 600.0), marks)
     fmt = _Format(endpoint, job.id, int(now.timestamp()), body.get("model") or conf.served_model_name,
-                  bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body))
+                  bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body), checked.body)
     try:
         first = waiter.next_event(keepalive=False)
         final = waiter.finish() if not stream or first["t"] == "end" else None
@@ -195,6 +195,9 @@ class _Waiter:
 
 def _job_error(job: Job) -> APIError:
     err = job.error or {}
+    if job.status == JobStatus.failed and err.get("code") == "invalid_prompt" and "structured output" in \
+            err.get("message", ""):     # the grammar library refused the schema (the API checked its keywords)
+        return APIError(400, err["message"], "invalid_response_format", "response_format")
     if job.status == JobStatus.failed and err.get("code") in ("context_length_exceeded", "invalid_prompt"):
         return APIError(400, err.get("message", "Invalid request."), err["code"], "messages"
                         if job.endpoint == bodies.CHAT else "prompt")
@@ -211,8 +214,11 @@ def _usage(job: Job) -> dict:
 
 
 class _Format:
-    def __init__(self, endpoint, job_id, created, model, include_usage, want_logprobs=False):
+    def __init__(self, endpoint, job_id, created, model, include_usage, want_logprobs=False, body=None):
         self.endpoint, self.chat = endpoint, endpoint == bodies.CHAT
+        self.body = body or {}
+        self.splitter = structured.StreamSplitter(self.body, job_id) if self.chat else None
+        self.called = False
         self.id, self.created, self.model, self.include_usage = job_id, created, model, include_usage
         self.want_logprobs = want_logprobs
         self.offset = 0      # completions text_offset of the next streamed logprobs entry
@@ -224,14 +230,31 @@ class _Format:
     def whole(self, job: Job) -> dict:
         lps = logprobs.shaped(self.endpoint, job.logprobs) if self.want_logprobs else None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": job.output},
-                      "logprobs": lps, "finish_reason": job.finish_reason}
+            message, finish_reason = structured.message(self.body, job.output, job.finish_reason, self.id)
+            choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": job.output, "logprobs": lps, "finish_reason": job.finish_reason}
         return {**self._head(False), "choices": [choice], "usage": _usage(job)}
 
+    def tool_chunks(self):
+        """At the end of a chat stream: held-back content, then each tool call as one delta.tool_calls chunk."""
+        if self.splitter is None:
+            return
+        rest, calls = self.splitter.finish()
+        if rest:
+            yield self.chunk(rest, raw=True)
+        for i, call in enumerate(calls):
+            self.called = True
+            yield _data({**self._head(True), "choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, **call}]},
+                                                          "logprobs": None, "finish_reason": None}]})
+
+    def finish_reason(self, reason):
+        return "tool_calls" if self.called and reason == "stop" else reason
+
     def chunk(self, text: str | None = None, finish_reason=None, role=False, usage=None,
-              entries: list | None = None) -> str:
+              entries: list | None = None, raw: bool = False) -> str:
+        if self.splitter is not None and text and not raw:
+            text = self.splitter.feed(text)
         lps = None
         if self.want_logprobs and entries:
             lps = logprobs.shaped(self.endpoint, entries, self.offset)
@@ -307,8 +330,10 @@ def _sse(waiter: _Waiter, fmt: _Format, first: dict):
                 rest_lps = (job.logprobs or [])[sent_lps:] if fmt.want_logprobs else []
                 if rest or rest_lps:
                     yield fmt.chunk(rest, entries=rest_lps)
+                yield from fmt.tool_chunks()
                 usage = _usage(job)
-                yield fmt.chunk(finish_reason=job.finish_reason, usage=None if fmt.include_usage else usage)
+                yield fmt.chunk(finish_reason=fmt.finish_reason(job.finish_reason),
+                                usage=None if fmt.include_usage else usage)
                 if fmt.include_usage:
                     yield fmt.usage_chunk(usage)
         except APIError as err:          # restarted, ledger unavailable, timed out: the job id is in the message

@@ -46,7 +46,8 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template (tokenizer_config.json lacks chat_template)")
         if self._template is None:
@@ -59,11 +60,17 @@ class Tokenizer:
             env.globals["raise_exception"] = raise_exception
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template itself renders `tools` (else the caller describes them in a system message)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

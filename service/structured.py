@@ -1,0 +1,315 @@
+"""Structured output and tool calls, the parts the API and the workers share:
+checking `response_format`, `tools`, `tool_choice` and tool messages; the grammar a request needs
+(`grammar`, the engine's structured-output fields); the tools' prompt; and the model's text back
+into `content` + `tool_calls`, whole or streamed. No torch, no workers: both sides import it."""
+import json
+import re
+
+from .errors import bad_request
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MAX_TOOLS = 128
+MAX_SCHEMA_CHARS = 1 << 16
+MAX_SCHEMA_DEPTH = 32
+# JSON Schema keywords the grammar enforces (xgrammar); the rest are annotations it may ignore safely.
+ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
+            "enum", "const", "anyOf", "$ref", "$defs", "definitions", "minLength", "maxLength", "pattern", "format",
+            "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minProperties", "maxProperties"}
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
+               "writeOnly", "strict", "nullable"}
+NAMED_SCHEMAS = {"properties", "$defs", "definitions"}      # keyword -> {name: schema}
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_PROMPT = ("You may call one or more functions to assist with the user query.\n\n"
+               "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>"
+               "\n\nFor each function call, return a json object with function name and arguments within "
+               "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+               "<args-json-object>}}\n</tool_call>")
+
+
+def check_schema(schema, param: str, depth: int = 0) -> None:
+    """A 400 naming the place of any keyword the grammar cannot enforce (it would be silently ignored)."""
+    if depth > MAX_SCHEMA_DEPTH:
+        raise bad_request(f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels.", param)
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{param}' must be a JSON Schema object.", param)
+    for key, value in schema.items():
+        where = f"{param}.{key}"
+        if key in ANNOTATIONS:
+            continue
+        if key not in ENFORCED:
+            hint = " (use anyOf)" if key == "oneOf" else ""
+            raise bad_request(f"'{where}': the JSON Schema keyword '{key}' is not supported for structured output"
+                              f"{hint}; supported: {sorted(ENFORCED)}.", where, "unsupported_schema")
+        if key in NAMED_SCHEMAS:
+            if not isinstance(value, dict):
+                raise bad_request(f"'{where}' must be an object of schemas.", where)
+            for name, sub in value.items():
+                check_schema(sub, f"{where}.{name}", depth + 1)
+        elif key in ("items", "additionalProperties"):
+            check_schema(value, where, depth + 1)
+        elif key in ("anyOf", "prefixItems"):
+            if not isinstance(value, list) or not value:
+                raise bad_request(f"'{where}' must be a non-empty list of schemas.", where)
+            for i, sub in enumerate(value):
+                check_schema(sub, f"{where}[{i}]", depth + 1)
+        elif key == "required" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise bad_request(f"'{where}' must be a list of property names.", where)
+        elif key == "enum" and not (isinstance(value, list) and value):
+            raise bad_request(f"'{where}' must be a non-empty list.", where)
+        elif key in ("pattern", "format", "$ref") and not isinstance(value, str):
+            raise bad_request(f"'{where}' must be a string.", where)
+
+
+def _sized_schema(schema, param: str) -> None:
+    if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
+        raise bad_request(f"'{param}' is larger than {MAX_SCHEMA_CHARS} characters of JSON.", param,
+                          "string_above_max_length")
+    check_schema(schema, param)
+
+
+def _check_response_format(rf) -> None:
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_request("'response_format.type' must be one of 'text', 'json_object', 'json_schema'.",
+                          "response_format.type")
+    allowed = {"type", "json_schema"} if rf["type"] == "json_schema" else {"type"}
+    extra = sorted(set(rf) - allowed)
+    if extra:
+        raise bad_request(f"'response_format' has unsupported field '{extra[0]}'.", f"response_format.{extra[0]}")
+    if rf["type"] != "json_schema":
+        return
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad_request("'response_format.json_schema' is required: {name, schema, strict}.",
+                          "response_format.json_schema")
+    extra = sorted(set(js) - {"name", "schema", "strict", "description"})
+    if extra:
+        raise bad_request(f"'response_format.json_schema' has unsupported field '{extra[0]}'.",
+                          f"response_format.json_schema.{extra[0]}")
+    if not isinstance(js.get("name"), str) or not TOOL_NAME.match(js["name"]):
+        raise bad_request("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'.",
+                          "response_format.json_schema.name")
+    if js.get("strict") not in (None, True, False):
+        raise bad_request("'response_format.json_schema.strict' must be a boolean.", "response_format.json_schema.strict")
+    if "description" in js and not isinstance(js["description"], str):
+        raise bad_request("'response_format.json_schema.description' must be a string.",
+                          "response_format.json_schema.description")
+    if not isinstance(js.get("schema"), dict):
+        raise bad_request("'response_format.json_schema.schema' must be a JSON Schema object.",
+                          "response_format.json_schema.schema")
+    _sized_schema(js["schema"], "response_format.json_schema.schema")
+
+
+def _check_tools(tools) -> set[str]:
+    if not isinstance(tools, list) or not tools or len(tools) > MAX_TOOLS:
+        raise bad_request(f"'tools' must be a non-empty list of at most {MAX_TOOLS} functions.", "tools")
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
+            raise bad_request(f"'{where}' must be {{'type': 'function', 'function': {{...}}}}.", where)
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise bad_request(f"'{where}.function' must be an object.", f"{where}.function")
+        extra = sorted(set(fn) - {"name", "description", "parameters", "strict"})
+        if extra:
+            raise bad_request(f"'{where}.function' has unsupported field '{extra[0]}'.", f"{where}.function.{extra[0]}")
+        if not isinstance(fn.get("name"), str) or not TOOL_NAME.match(fn["name"]):
+            raise bad_request(f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'.",
+                              f"{where}.function.name")
+        if fn["name"] in names:
+            raise bad_request(f"'{where}.function.name' repeats '{fn['name']}'.", f"{where}.function.name")
+        names.add(fn["name"])
+        if "description" in fn and not isinstance(fn["description"], str):
+            raise bad_request(f"'{where}.function.description' must be a string.", f"{where}.function.description")
+        if fn.get("strict") not in (None, True, False):
+            raise bad_request(f"'{where}.function.strict' must be a boolean.", f"{where}.function.strict")
+        if "parameters" in fn:
+            if not isinstance(fn["parameters"], dict):
+                raise bad_request(f"'{where}.function.parameters' must be a JSON Schema object.",
+                                  f"{where}.function.parameters")
+            _sized_schema(fn["parameters"], f"{where}.function.parameters")
+    return names
+
+
+def check(body: dict) -> int:
+    """400 for a bad response_format / tools / tool_choice / parallel_tool_calls; returns the prompt tokens
+    the tools add (estimate)."""
+    if body.get("response_format") is not None:
+        _check_response_format(body["response_format"])
+    names = _check_tools(body["tools"]) if body.get("tools") is not None else set()
+    choice = body.get("tool_choice")
+    if choice is not None:
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(fn, dict) or set(fn) != {"name"} \
+                    or set(choice) != {"type", "function"}:
+                raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
+                                  "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
+            if fn["name"] not in names:
+                raise bad_request(f"'tool_choice.function.name' names '{fn['name']}', which is not in 'tools'.",
+                                  "tool_choice.function.name")
+        elif choice not in ("none", "auto", "required"):
+            raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
+                              "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
+        elif choice != "none" and not names:
+            raise bad_request("'tool_choice' needs 'tools'.", "tool_choice")
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise bad_request("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
+    if forced_tools(body) and (body.get("response_format") or {}).get("type", "text") != "text":
+        raise bad_request("'response_format' cannot constrain the output while 'tool_choice' forces a tool call.",
+                          "response_format")
+    return max(0, len(json.dumps(body["tools"])) // 4) if names else 0
+
+
+def check_message(m: dict, where: str) -> None:
+    """The tool fields of one chat message: assistant `tool_calls`, tool `tool_call_id`."""
+    if "tool_calls" in m:
+        calls = m["tool_calls"]
+        if m.get("role") != "assistant" or not isinstance(calls, list) or not calls:
+            raise bad_request(f"'{where}.tool_calls' must be a non-empty list on an assistant message.",
+                              f"{where}.tool_calls")
+        for j, call in enumerate(calls):
+            w = f"{where}.tool_calls[{j}]"
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or call.get("type", "function") != "function" \
+                    or not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str) \
+                    or not isinstance(fn.get("arguments"), str) or set(call) - {"id", "type", "function"}:
+                raise bad_request(f"'{w}' must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}.", w)
+            try:
+                json.loads(fn["arguments"])
+            except ValueError:
+                raise bad_request(f"'{w}.function.arguments' must be a JSON string.", f"{w}.function.arguments") from None
+    if m.get("role") == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise bad_request(f"'{where}.tool_call_id' is required on a tool message.", f"{where}.tool_call_id")
+    elif "tool_call_id" in m:
+        raise bad_request(f"'{where}.tool_call_id' belongs on a tool message.", f"{where}.tool_call_id")
+
+
+def forced_tools(body: dict) -> list[dict]:
+    """The functions one of which the output must call (tool_choice 'required' or named); [] when none is forced."""
+    choice, tools = body.get("tool_choice"), body.get("tools") or []
+    if choice == "required":
+        return [t["function"] for t in tools]
+    if isinstance(choice, dict):
+        return [t["function"] for t in tools if t["function"]["name"] == choice["function"]["name"]]
+    return []
+
+
+def uses_tools(body: dict) -> bool:
+    return bool(body.get("tools")) and body.get("tool_choice") != "none"
+
+
+def grammar(body: dict) -> dict | None:
+    """The engine's structured-output fields (workers.engine.sampling_params.StructuredOutput) for a checked body."""
+    forced = forced_tools(body)
+    if forced:
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"const": fn["name"]},
+                                 "arguments": fn.get("parameters") or {"type": "object"}}} for fn in forced]
+        return {"json_schema": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    rf = body.get("response_format") or {}
+    if rf.get("type") == "json_object":
+        return {"json_object": True}
+    if rf.get("type") == "json_schema":
+        return {"json_schema": rf["json_schema"]["schema"]}
+    return None
+
+
+def tool_prompt(tools: list[dict]) -> str:
+    return TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+def call_text(call: dict) -> str:
+    """An assistant message's tool call as the model writes it."""
+    fn = call["function"]
+    return f"{CALL_OPEN}\n{json.dumps({'name': fn['name'], 'arguments': json.loads(fn['arguments'])})}\n{CALL_CLOSE}"
+
+
+def _call(request_id: str, i: int, obj) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": f"call_{request_id}_{i}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def parse(body: dict, text: str, request_id: str) -> tuple[str | None, list[dict]]:
+    """The model's text -> (content, tool_calls). A forced call's output is the call's JSON; otherwise calls
+    are the well-formed <tool_call> blocks, and a block that does not parse stays in the content."""
+    if forced_tools(body):
+        try:
+            call = _call(request_id, 0, json.loads(text))
+        except ValueError:
+            call = None
+        return (None, [call]) if call else (text, [])
+    content, calls, at = [], [], 0
+    while True:
+        start = text.find(CALL_OPEN, at)
+        end = text.find(CALL_CLOSE, start + len(CALL_OPEN)) if start != -1 else -1
+        if end == -1:
+            content.append(text[at:])
+            break
+        try:
+            call = _call(request_id, len(calls), json.loads(text[start + len(CALL_OPEN):end]))
+        except ValueError:
+            call = None
+        content.append(text[at:start] if call else text[at:end + len(CALL_CLOSE)])
+        if call:
+            calls.append(call)
+        at = end + len(CALL_CLOSE)
+    rest = "".join(content)
+    return (rest.strip() or None) if calls else rest, calls
+
+
+def message(body: dict, text: str, finish_reason: str | None, request_id: str) -> tuple[dict, str | None]:
+    """(assistant message, finish_reason) of a chat completion."""
+    if not uses_tools(body):
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = parse(body, text, request_id)
+    if not calls:
+        return {"role": "assistant", "content": content}, finish_reason
+    return {"role": "assistant", "content": content, "tool_calls": calls}, \
+        "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class StreamSplitter:
+    """Streamed text -> content deltas to send now; tool calls come whole at the end (finish). Text that
+    could be the start of a <tool_call> block is held back until it is known not to be one."""
+
+    def __init__(self, body: dict, request_id: str):
+        self.body, self.request_id = body, request_id
+        self.active = uses_tools(body)
+        self.text, self.sent = "", 0
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if not self.active:
+            self.sent = len(self.text)
+            return piece
+        if forced_tools(self.body):
+            return ""
+        upto = self.text.find(CALL_OPEN, self.sent)
+        if upto == -1:
+            upto = len(self.text)
+            for k in range(min(len(CALL_OPEN) - 1, len(self.text) - self.sent), 0, -1):
+                if self.text.endswith(CALL_OPEN[:k]):
+                    upto -= k
+                    break
+        out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
+        return out
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content not yet sent, tool calls)."""
+        if not self.active:
+            return "", []
+        _, calls = parse(self.body, self.text, self.request_id)
+        first = self.text.find(CALL_OPEN)
+        if not calls:
+            rest = self.text[self.sent:]
+        else:      # a forced call's text is all call; otherwise the content before the first block
+            rest = "" if forced_tools(self.body) else self.text[self.sent:max(first, self.sent)]
+        self.sent = len(self.text)
+        return rest, calls
