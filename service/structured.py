@@ -17,6 +17,8 @@ ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "
             "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minProperties", "maxProperties"}
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
                "writeOnly", "strict", "nullable"}
+FORMATS = {"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid", "uri-reference",
+           "uri-template", "json-pointer", "relative-json-pointer"}       # the string formats the grammar enforces
 NAMED_SCHEMAS = {"properties", "$defs", "definitions"}      # keyword -> {name: schema}
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 TOOL_PROMPT = ("You may call one or more functions to assist with the user query.\n\n"
@@ -60,6 +62,9 @@ def check_schema(schema, param: str, depth: int = 0) -> None:
             raise bad_request(f"'{where}' must be a non-empty list.", where)
         elif key in ("pattern", "format", "$ref") and not isinstance(value, str):
             raise bad_request(f"'{where}' must be a string.", where)
+        elif key == "format" and value not in FORMATS:
+            raise bad_request(f"'{where}': the string format '{value}' is not supported for structured output; "
+                              f"supported: {sorted(FORMATS)}.", where, "unsupported_schema")
 
 
 def _sized_schema(schema, param: str) -> None:

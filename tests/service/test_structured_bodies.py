@@ -1,0 +1,102 @@
+"""Checking response_format / tools / tool messages, and the model's text back into tool calls (no servers)."""
+import json
+
+import pytest
+
+from service import bodies, structured
+from service.errors import APIError
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}
+AUTO = {"tools": [WEATHER], "tool_choice": "auto"}
+
+
+def _check(**body):
+    return bodies.check({"messages": [{"role": "user", "content": "hi"}], **body}, bodies.CHAT,
+                        served_model=None, max_tokens_cap=None)
+
+
+@pytest.mark.parametrize("schema, param", [
+    ({"type": "object", "not": {}}, "response_format.json_schema.schema.not"),
+    ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}]}}},
+     "response_format.json_schema.schema.properties.a.allOf"),
+    ({"$defs": {"x": {"type": "array", "uniqueItems": True}}}, "response_format.json_schema.schema.$defs.x.uniqueItems"),
+    ({"type": "array", "items": {"type": "string", "format": "iri"}}, "response_format.json_schema.schema.items.format"),
+    ({"anyOf": []}, "response_format.json_schema.schema.anyOf"),
+    ({"type": "object", "patternProperties": {"^a": {}}}, "response_format.json_schema.schema.patternProperties"),
+])
+def test_schema_keywords_the_grammar_cannot_enforce_are_400s_naming_where(schema, param):
+    with pytest.raises(APIError) as e:
+        _check(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert e.value.param == param
+
+
+def test_a_supported_schema_passes_and_becomes_the_grammar():
+    schema = {"type": "object", "required": ["a"], "additionalProperties": False, "title": "T",
+              "properties": {"a": {"anyOf": [{"type": "null"}, {"type": "string", "format": "date", "maxLength": 9}]},
+                             "b": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "integer", "minimum": 0}}}
+    body = _check(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).body
+    assert structured.grammar(body) == {"json_schema": schema}
+    assert structured.grammar(_check(response_format={"type": "json_object"}).body) == {"json_object": True}
+    assert structured.grammar(_check(response_format={"type": "text"}).body) is None
+
+
+@pytest.mark.parametrize("body, param", [
+    (dict(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
+     "response_format.json_schema.name"),
+    (dict(response_format={"type": "json_object", "schema": {}}), "response_format.schema"),
+    (dict(tools=[WEATHER, WEATHER]), "tools[1].function.name"),
+    (dict(tools=[WEATHER], tool_choice="sometimes"), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (dict(tools=[WEATHER], parallel_tool_calls="yes"), "parallel_tool_calls"),
+    (dict(messages=[{"role": "tool", "content": "18"}]), "messages[0].tool_call_id"),
+    (dict(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "messages[0].tool_calls"),
+    (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]),
+     "messages[0].tool_calls[0].function.arguments"),
+    (dict(functions=[]), "functions"),
+])
+def test_bad_structured_fields_are_400s(body, param):
+    with pytest.raises(APIError) as e:
+        _check(**body)
+    assert e.value.param == param
+
+
+def test_tool_messages_are_accepted():
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    _check(tools=[WEATHER], messages=[{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": None, "tool_calls": [call]},
+                                      {"role": "tool", "tool_call_id": "c1", "content": "18"}])
+
+
+def test_forced_call_grammar_and_parse():
+    body = {**AUTO, "tools": [WEATHER, {"type": "function", "function": {"name": "noop"}}], "tool_choice": "required"}
+    g = structured.grammar(body)["json_schema"]
+    assert [b["properties"]["name"]["const"] for b in g["anyOf"]] == ["get_weather", "noop"]
+    content, calls = structured.parse(body, '{"name": "get_weather", "arguments": {"city": "Oslo"}}', "job1")
+    assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    message, reason = structured.message(body, '{"name": "noop", "arguments": {}}', "stop", "job1")
+    assert reason == "tool_calls" and message["tool_calls"][0]["id"] == "call_job1_0"
+
+
+def test_auto_parse_keeps_content_and_bad_blocks():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    content, calls = structured.parse(AUTO, text, "j")
+    assert content == "Let me check." and json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+    broken = "x <tool_call>{not json}</tool_call>"
+    assert structured.parse(AUTO, broken, "j") == (broken, [])
+    assert structured.message({}, "plain", "stop", "j") == ({"role": "assistant", "content": "plain"}, "stop")
+
+
+def test_stream_splitter_holds_back_a_possible_tag_and_sends_calls_at_the_end():
+    sp = structured.StreamSplitter(AUTO, "j")
+    pieces = ["Hel", "lo <to", "ol_call>\n", '{"name": "get_weather", "arguments": {}}', "\n</tool_call>"]
+    assert [sp.feed(p) for p in pieces] == ["Hel", "lo ", "", "", ""]
+    rest, calls = sp.finish()
+    assert rest == "" and calls[0]["function"]["name"] == "get_weather"
+    sp = structured.StreamSplitter(AUTO, "j")
+    assert [sp.feed(p) for p in ["a <", "b"]] == ["a ", "<b"]
+    assert sp.finish() == ("", [])
+    plain = structured.StreamSplitter({}, "j")
+    assert plain.feed("<tool") == "<tool" and plain.finish() == ("", [])
