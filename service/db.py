@@ -27,7 +27,8 @@ def make_engine(url: str) -> Engine:
         # otherwise fail with SQLITE_BUSY_SNAPSHOT instead of waiting for a concurrent writer.
         @event.listens_for(engine, "begin")
         def _begin_immediate(conn):
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":  # autocommit reads: no lock
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
     engine = create_engine(url, pool_size=10, max_overflow=20, insertmanyvalues_page_size=5000)

@@ -386,9 +386,9 @@ class Worker:
             return
         token, early = secrets.token_hex(16), None
         try:
+            if queue_name in ONLINE:     # prefill and claim overlap
+                early = self._start_early(job_id, token, message, taken_at)
             with Session(self.db, expire_on_commit=False) as s:
-                if queue_name in ONLINE:     # prefill and claim overlap
-                    early = self._start_early(s, job_id, token, message, taken_at)
                 started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds, token=token,
                                      at=_dt(early.entered_at) if early is not None else None)
                 job = weight = group = None
@@ -450,12 +450,14 @@ class Worker:
             self._finish_failed(inf, {"code": "internal_error", "message": "The worker could not start this request."})
             return
 
-    def _start_early(self, s: Session, job_id: str, token: str, message, taken_at: float | None) -> Inflight | None:
+    def _start_early(self, job_id: str, token: str, message, taken_at: float | None) -> Inflight | None:
         """Put a queued job into the engine under the lease token its claim is about to get, unclaimed;
-        None when it is not queued or cannot start (the claim then proceeds as usual)."""
-        row = s.execute(select(Job.status, Job.endpoint, Job.request, Job.sla_class, Job.tenant_id, Tenant.weight,
-                               Tenant.prefix_cache_group).join(Tenant, Tenant.id == Job.tenant_id)
-                        .where(Job.id == job_id)).first()
+        None when it is not queued or cannot start (the claim then proceeds as usual). The job is read outside
+        any transaction: one round trip, and on SQLite no wait for the write lock."""
+        read = (select(Job.status, Job.endpoint, Job.request, Job.sla_class, Job.tenant_id, Tenant.weight,
+                       Tenant.prefix_cache_group).join(Tenant, Tenant.id == Job.tenant_id).where(Job.id == job_id))
+        with self.db.connect() as conn:
+            row = conn.execution_options(isolation_level="AUTOCOMMIT").execute(read).first()
         if row is None or row.status != JobStatus.queued:
             return None
         sla = row.sla_class.value
