@@ -1,7 +1,7 @@
 """OpenAPI 3 document for every route; tests/service/test_openapi.py keeps it equal to the URL map."""
 import json
 
-from . import bodies
+from . import bodies, structured
 from .bodies import ALLOWED, CHAT, COMPLETIONS
 from .config import SLA_CLASSES
 from .models import BatchStatus, JobStatus
@@ -82,9 +82,19 @@ _TOKEN_ID = _int(0, bodies.MAX_TOKEN_ID)
 _NAME = {"type": "string", "maxLength": bodies.MAX_NAME_CHARS}
 _TEXT_PART = {"type": "object", "required": ["type", "text"], "additionalProperties": False,
               "properties": {"type": {"const": "text"}, "text": _STR}}
-_MESSAGE = {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+_TOOL_NAME = {"type": "string", "pattern": structured.TOOL_NAME.pattern}
+_TOOL_CALL = {"type": "object", "required": ["id", "function"], "additionalProperties": False, "properties": {
+    "id": _STR, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
+                 "properties": {"name": _STR, "arguments": {"type": "string", "description": "JSON"}}}}}
+_MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": False, "properties": {
     "role": {"enum": list(bodies.ROLES)}, "name": _NAME,
-    "content": {"oneOf": [_STR, {"type": "array", "maxItems": bodies.MAX_CONTENT_PARTS, "items": _TEXT_PART}]}}}
+    "content": {"oneOf": [_STR, {"type": "array", "maxItems": bodies.MAX_CONTENT_PARTS, "items": _TEXT_PART},
+                          {"type": "null", "description": "an assistant message with tool_calls"}]},
+    "tool_calls": {"type": "array", "minItems": 1, "items": _TOOL_CALL, "description": "assistant messages"},
+    "tool_call_id": {"type": "string", "description": "tool messages (required there)"}}}
+_SCHEMA = {"type": "object", "description": "JSON Schema; keywords the grammar cannot enforce are a 400 "
+                                            "(README, Structured output)"}
 _FIELDS = {   # every body field bodies.check accepts, with its bounds; null means "not given"
     "model": _NAME, "user": _NAME,
     "max_tokens": _int(1, 1 << 20), "max_completion_tokens": _int(1, 1 << 20),
@@ -98,6 +108,20 @@ _FIELDS = {   # every body field bodies.check accepts, with its bounds; null mea
     "stop_token_ids": {"type": "array", "maxItems": bodies.MAX_STOP_TOKEN_IDS, "items": _TOKEN_ID},
     "ignore_eos": _BOOL, "n": {"const": 1}, "stream": _BOOL, "echo": {"const": False}, "best_of": {"const": 1},
     "top_logprobs": _int(0, 20),
+    "response_format": {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["name", "schema"], "additionalProperties": False,
+                        "properties": {"name": _TOOL_NAME, "schema": _SCHEMA, "strict": _BOOL, "description": _STR}}}},
+    "tools": {"type": "array", "minItems": 1, "maxItems": structured.MAX_TOOLS, "items": {
+        "type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+            "type": {"const": "function"},
+            "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+                "name": _TOOL_NAME, "description": _STR, "parameters": _SCHEMA, "strict": _BOOL}}}}},
+    "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "function"], "additionalProperties": False,
+        "properties": {"type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name"], "additionalProperties": False, "properties": {"name": _STR}}}}]},
+    "parallel_tool_calls": _BOOL,
 }
 _PROMPT = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": bodies.MAX_PROMPT_CHARS},
                      {"type": "array", "minItems": 1, "maxItems": bodies.MAX_PROMPT_TOKEN_IDS, "items": _TOKEN_ID}]}
