@@ -224,14 +224,14 @@ def test_a_lapsed_lease_on_a_live_worker_reruns_the_job_once(st):
     from service import jobs
     tenant_id, key = st.tenant()
     job_id = requests.post(f"{st.url}/v1/jobs", headers={"Authorization": f"Bearer {key}"}, json={
-        "prompt": "lapse", "max_tokens": 300, "ignore_eos": True}).json()["id"]
+        "prompt": "lapse", "max_tokens": 1000, "ignore_eos": True}).json()["id"]     # long enough to still run
     st.wait(lambda: st.jobs(Job.id == job_id)[0].first_token_at, 30, "running")
     with Session(st.engine) as s:       # what the sweeper does when a lease lapses, then republishes at once
-        jobs.fail(s, job_id, s.get(Job, job_id).lease_token, {"code": "lease_expired"}, retry=True)
+        assert jobs.fail(s, job_id, s.get(Job, job_id).lease_token, {"code": "lease_expired"}, retry=True)
         s.commit()
     assert st.app.extensions["tidepool.dispatcher"].republish_undispatched(older_than=0) == 1
     row = st.wait(lambda: (j := st.jobs(Job.id == job_id)[0]).status.value == "completed" and j, 60, "rerun")
-    assert row.attempts == 2 and row.completion_tokens == 300
+    assert row.attempts == 2 and row.completion_tokens == 1000
     with Session(st.engine) as s:
         assert s.query(Usage).filter_by(tenant_id=tenant_id).one().requests == 1
 
