@@ -119,7 +119,8 @@ def scheduler_share(args, num_seqs: int, steps: int = 12) -> dict:
     """The scheduler's share of step time with num_seqs sequences decoding (plus realtime arrivals), engine only."""
     from workers.engine import EngineConfig, LLMEngine, SamplingParams
     # Seats for num_seqs offline sequences beside the online reserve (10% of max_num_seqs).
-    engine = LLMEngine(EngineConfig(model=args.model, device=args.device, max_num_seqs=num_seqs + num_seqs // 9 + 1))
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
+                                    max_num_seqs=num_seqs + num_seqs // 9 + 1))
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     for i in range(num_seqs):
         engine.add_request(f"off{i}", f"Document {i}: summarise the following text.", params, sla_class="batch")
@@ -199,7 +200,8 @@ def main():
               f"{k.get('suspend', 0):>9}{k.get('swap', 0):>6}{k.get('recompute', 0):>8}{r['recomputed_tokens']:>12}"
               f"{r['schedule_share']:>7.1%}")
     result = {"ttft_p99_ratio": c["ttft_p99"] / b["ttft_p99"], "itl_p99_ratio": c["itl_p99"] / b["itl_p99"],
-              "goodput_ratio": c["total_tok_s"] / a["total_tok_s"], "offline_ratio": c["offline_tok_s"] / a["offline_tok_s"],
+              "goodput_ratio": c["total_tok_s"] / a["total_tok_s"],
+              "offline_ratio": c["offline_tok_s"] / a["offline_tok_s"],
               "recomputed_share": c["recomputed_tokens"] / max(1, c["computed_tokens"])}
     if len(rows) > 3:
         result["fcfs_ttft_p99_ratio"] = rows[3]["ttft_p99"] / b["ttft_p99"]
