@@ -6,6 +6,7 @@ import time
 import torch
 
 from kernels.attention import resolve_backend
+from kernels.cpu_linear import prepack_linears
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.engine.models.config import ModelConfig
@@ -29,7 +30,6 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.config = config
@@ -40,6 +40,8 @@ class ModelRunner:
         started = time.perf_counter()
         self.model = load_model(config.model, model_config, self.dtype, self.device, config.max_model_len)
         log.info("loaded %s (%s, %s) in %.1f s", config.model, self.dtype, self.device, time.perf_counter() - started)
+        if self.device.type == "cpu":
+            log.info("linear layers on oneDNN with prepacked weights: %d", prepack_linears(self.model))
         self.num_kv_blocks, why = ((config.num_kv_blocks, "num_kv_blocks") if config.num_kv_blocks
                                    else self._blocks_from_budget())
         shape = (self.num_kv_blocks, config.block_size, model_config.num_key_value_heads, model_config.head_dim)
