@@ -22,6 +22,11 @@ def store_kv(backend: str, key, value, k_cache, v_cache, slot_mapping) -> None:
     if backend == "triton":
         from kernels.triton_kv_store import store_kv_triton
         return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    if key.device.type == "cpu" and slot_mapping.dtype == torch.int64 and k_cache.is_contiguous():
+        from kernels.cpu_ops import native_op
+        op = native_op("store_kv")
+        if op is not None and key.stride(-1) == 1 and value.stride(-1) == 1 and key.dtype == k_cache.dtype:
+            return op(key, value, k_cache, v_cache, slot_mapping)
     return store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 

@@ -1,13 +1,14 @@
-"""Native CPU kernels (kernels/csrc/), compiled on first use with the system C++ compiler and cached.
+"""Native CPU kernels (kernels/csrc/*.cpp, one library), compiled on first use with the system C++ compiler and cached.
 
 `paged_decode_op()` returns torch.ops.tidepool_cpu.paged_decode (decode attention that reads the paged KV cache
-in place, same contract as kernels/paged_attention.py), or None, in which case callers use the pure-torch path.
-It is None (a build or load failure is logged once, as a warning; see unavailable_reason()) when:
+in place, same contract as kernels/paged_attention.py), or None, in which case callers use the pure-torch path;
+`native_op(name)` does the same for the fused element-wise ops of kernels/layer_ops.py (fused_cpu.cpp).
+They are None (a build or load failure is logged once, as a warning; see unavailable_reason()) when:
 
 * TIDEPOOL_CPU_KERNELS is 0/off/false/no (the switch for A/B runs and for ruling the kernel out),
 * there is no C++ compiler ($CXX, else c++ / g++ / clang++ on PATH),
 * the build fails (with -march=native, then without; a flag set that fails to compile is remembered in the cache
-  and not tried again), or the built op disagrees with the torch path on a small self-check.
+  and not tried again), or a built op disagrees with its torch path on a small self-check.
 
 The build is a single g++ call against torch's own headers and libraries (no ninja, no Python headers): about
 10-20 s on two cores, once per source/torch/compiler/CPU combination. The shared object is cached under
@@ -30,7 +31,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_cpu.cpp"
+SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "fused_cpu.cpp")]
 BUILD_TIMEOUT_S = 600
 _lock = threading.Lock()
 _op = None
@@ -90,7 +91,7 @@ def _compiler_version(cxx: str) -> str:
 
 
 def _build(cxx: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     version = _compiler_version(cxx)
     errors = []
     for flags in _flag_sets(cxx):
@@ -108,7 +109,7 @@ def _build(cxx: str) -> Path:
         tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         start = time.perf_counter()
         try:
-            done = subprocess.run([cxx, str(SOURCE), "-o", str(tmp)] + flags, capture_output=True, text=True,
+            done = subprocess.run([cxx, *map(str, SOURCES), "-o", str(tmp)] + flags, capture_output=True, text=True,
                                   timeout=BUILD_TIMEOUT_S)
             if done.returncode == 0:
                 os.replace(tmp, target)
@@ -145,6 +146,8 @@ def _self_check(op) -> None:
         err = (got - want).abs().max().item()
         if not err <= 1e-4:
             raise RuntimeError(f"self-check: max abs err {err} against the torch path (head_dim {dim})")
+    from kernels.layer_ops import self_check
+    self_check()
 
 
 def _loaded() -> bool:
@@ -177,6 +180,11 @@ def paged_decode_op():
             log.warning("native CPU paged decode unavailable, using the torch path: %s", _why_not)
         _tried = True
         return _op
+
+
+def native_op(name: str):
+    """torch.ops.tidepool_cpu.<name> when the native library is built, loaded and self-checked, else None."""
+    return getattr(torch.ops.tidepool_cpu, name) if paged_decode_op() is not None else None
 
 
 def unavailable_reason() -> str | None:

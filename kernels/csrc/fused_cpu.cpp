@@ -1,0 +1,257 @@
+// Fused CPU element-wise ops of the decoder layer, one pass over memory each instead of several torch ops:
+//   add_rms_norm:  residual += x (in place), out = weight * rms_norm(residual)
+//   rms_norm:      out = weight * rms_norm(x)
+//   silu_and_mul:  x [T, 2I] -> silu(x[:, :I]) * x[:, I:]
+//   rotary:        q, k [T, heads, D] rotated in place (rotate-half layout) by per-token cos, sin [T, D]
+//   store_kv:      key/value rows into their cache slots (slot -1: not stored)
+// Each computes in fp32 and rounds to the tensor's dtype wherever the torch definition in
+// workers/engine/models/llama.py and kernels/paged_attention.py rounds, so bf16/fp16 results match it
+// to the last bit but for reduction order and exp's last ulp.
+//
+// Built with paged_decode_cpu.cpp into one library by kernels/cpu_ops.py (same cache, self-check and fallback).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float rd(float x) { return static_cast<float>(static_cast<T>(x)); }   // round through T
+template <>
+inline float rd<float>(float x) { return x; }
+
+// work per parallel chunk: element-wise passes are memory-bound; tiny inputs stay on one thread
+inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, at::Tensor& out,
+                   float eps) {
+  const int64_t rows = x.size(0), n = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* rp = residual ? residual->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0, os = out.stride(0);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> h(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + r * xs;
+      float sum = 0.f;
+      if (rp) {
+        T* rr = rp + r * rs;
+        for (int64_t i = 0; i < n; ++i) {
+          const T v = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+          rr[i] = v;
+          h[i] = static_cast<float>(v);
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) h[i] = static_cast<float>(xr[i]);
+      }
+      for (int64_t i = 0; i < n; ++i) sum += h[i] * h[i];
+      const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+      T* orow = op + r * os;
+      for (int64_t i = 0; i < n; ++i) orow[i] = static_cast<T>(static_cast<float>(wp[i]) * rd<T>(h[i] * scale));
+    }
+  });
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must match x's last dimension and dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_impl<float>(x, nullptr, weight, out, static_cast<float>(eps)); break;
+    case at::kBFloat16: rms_norm_impl<c10::BFloat16>(x, nullptr, weight, out, static_cast<float>(eps)); break;
+    case at::kHalf: rms_norm_impl<c10::Half>(x, nullptr, weight, out, static_cast<float>(eps)); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x in shape and dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must match x's last dimension and dtype");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_impl<float>(x, &residual, weight, out, static_cast<float>(eps)); break;
+    case at::kBFloat16: rms_norm_impl<c10::BFloat16>(x, &residual, weight, out, static_cast<float>(eps)); break;
+    case at::kHalf: rms_norm_impl<c10::Half>(x, &residual, weight, out, static_cast<float>(eps)); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp); auto-vectorises
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round to an integer
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = out.size(1);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = xp + r * xs;
+      const T* u = g + n;
+      T* o = op + r * n;
+#pragma GCC ivdep
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = static_cast<float>(g[i]);
+        const float e = exp_nonpos(-std::fabs(a));                  // sigmoid from exp(-|a|): no overflow
+        const float sig = a >= 0.f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        o[i] = static_cast<T>(rd<T>(a * sig) * static_cast<float>(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) % 2 == 0, "x's last dimension must be even");
+  at::Tensor out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  switch (x.scalar_type()) {
+    case at::kFloat: silu_and_mul_impl<float>(x, out); break;
+    case at::kBFloat16: silu_and_mul_impl<c10::BFloat16>(x, out); break;
+    case at::kHalf: silu_and_mul_impl<c10::Half>(x, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", x.scalar_type());
+  }
+  return out;
+}
+
+template <typename T>
+void rotate_rows(T* x, int64_t tokens, int64_t heads, int64_t ts, int64_t hs, const T* cos, const T* sin,
+                 int64_t cs, int64_t half, int64_t t) {
+  const T* c = cos + t * cs;
+  const T* s = sin + t * cs;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* v = x + t * ts + h * hs;
+#pragma GCC ivdep
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
+      const float lo = rd<T>(x1 * static_cast<float>(c[i])) + rd<T>(-x2 * static_cast<float>(s[i]));
+      const float hi = rd<T>(x2 * static_cast<float>(c[i + half])) + rd<T>(x1 * static_cast<float>(s[i + half]));
+      v[i] = static_cast<T>(lo);
+      v[i + half] = static_cast<T>(hi);
+    }
+  }
+}
+
+template <typename T>
+void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = q.size(0), dim = q.size(2), half = dim / 2;
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, grain_rows((q.size(1) + k.size(1)) * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      rotate_rows<T>(qp, tokens, q.size(1), q.stride(0), q.stride(1), cp, sp, cos.stride(0), half, t);
+      rotate_rows<T>(kp, tokens, k.size(1), k.stride(0), k.stride(1), cp, sp, cos.stride(0), half, t);
+    }
+  });
+}
+
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1, "q, k must be [T, heads, D]");
+  TORCH_CHECK(q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(2) % 2 == 0, "q, k shapes disagree");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.stride(1) == 1 && sin.stride(0) == cos.stride(0) &&
+              sin.stride(1) == 1 && cos.size(0) == q.size(0) && cos.size(1) == q.size(2),
+              "cos, sin must be [T, D] with contiguous rows");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+              sin.scalar_type() == q.scalar_type(), "q, k, cos, sin must share a dtype");
+  switch (q.scalar_type()) {
+    case at::kFloat: rotary_impl<float>(q, k, cos, sin); break;
+    case at::kBFloat16: rotary_impl<c10::BFloat16>(q, k, cos, sin); break;
+    case at::kHalf: rotary_impl<c10::Half>(q, k, cos, sin); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+}
+
+template <typename T>
+void store_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const int64_t* slots) {
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  const int64_t total_slots = k_cache.size(0) * k_cache.size(1);
+  const T* kp = key.data_ptr<T>();
+  const T* vp = value.data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    TORCH_CHECK(slot < total_slots, "slot ", slot, " outside the cache");
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(kc + (slot * heads + h) * dim, kp + t * key.stride(0) + h * key.stride(1), dim * sizeof(T));
+      std::memcpy(vc + (slot * heads + h) * dim, vp + t * value.stride(0) + h * value.stride(1), dim * sizeof(T));
+    }
+  }
+}
+
+void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1,
+              "key, value must be [T, Hkv, D] with contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2) && k_cache.sizes() == v_cache.sizes(),
+              "caches must be contiguous [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type() && value.scalar_type() == v_cache.scalar_type() &&
+              key.scalar_type() == value.scalar_type(), "key, value and caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == key.size(0), "slot_mapping must be int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  switch (key.scalar_type()) {
+    case at::kFloat: store_kv_impl<float>(key, value, k_cache, v_cache, slots); break;
+    case at::kBFloat16: store_kv_impl<c10::BFloat16>(key, value, k_cache, v_cache, slots); break;
+    case at::kHalf: store_kv_impl<c10::Half>(key, value, k_cache, v_cache, slots); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", key.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tidepool_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.impl("add_rms_norm", c10::DispatchKey::CPU, &add_rms_norm);
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.impl("rotary", c10::DispatchKey::CPU, &rotary);
+  m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
+}
