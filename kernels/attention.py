@@ -31,8 +31,10 @@ def store_kv(backend: str, key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def paged_attention(backend: str, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, key=None, value=None) -> torch.Tensor:
+    """key, value: the step's new K/V rows (already stored), which the torch path reads instead of the cache
+    for sequences that are all new."""
     if backend == "triton":
         from kernels.triton_paged_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale, key, value)

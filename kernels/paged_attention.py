@@ -95,8 +95,9 @@ def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    """q [T, Hq, D] -> out [T, Hq, D]; see the module docstring for the layout."""
+                        scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D] -> out [T, Hq, D]; see the module docstring for the layout. key, value [T, Hkv, D]: the step's
+    new K/V rows as stored in the cache, if at hand: a sequence that is all new reads them instead of the cache."""
     block_size = k_cache.shape[1]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     ctx = context_lens.tolist()
@@ -116,17 +117,23 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if n <= 1:
             continue
         length = ctx[b]
-        num_blocks = -(-length // block_size)
-        k = _gather_blocks(k_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)   # [Hkv, L, D]
-        v = _gather_blocks(v_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)
-        if group > 1:       # K/V per query head: SDPA's fused CPU kernel then applies (enable_gqa falls back to math)
-            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        qb = q[starts[b]:starts[b] + n].transpose(0, 1).to(k.dtype)[None]  # [1, Hq, n, D]
+        if n == length and key is not None and key.dtype == k_cache.dtype:
+            k = key[starts[b]:starts[b] + n].transpose(0, 1)                     # [Hkv, L, D]
+            v = value[starts[b]:starts[b] + n].transpose(0, 1)
+        else:
+            num_blocks = -(-length // block_size)
+            k = _gather_blocks(k_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)
+            v = _gather_blocks(v_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)
+        # query heads grouped by their KV head, [Hkv, G, n, D]; K/V broadcast over the group (stride 0, no copies),
+        # so SDPA's fused CPU kernel applies
+        kv_heads = k.shape[0]
+        qb = q[starts[b]:starts[b] + n].view(n, kv_heads, group, -1).permute(1, 2, 0, 3).to(k.dtype)
+        k, v = k.unsqueeze(1).expand(-1, group, -1, -1), v.unsqueeze(1).expand(-1, group, -1, -1)
         if n == length:     # the whole sequence is new: plain causal, which lets the kernel skip masked blocks
-            o = F.scaled_dot_product_attention(qb, k[None], v[None], is_causal=True, scale=scale)
+            o = F.scaled_dot_product_attention(qb, k, v, is_causal=True, scale=scale)
         else:
             q_pos = torch.arange(length - n, length, device=q.device)
             mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(qb, k[None], v[None], attn_mask=mask, scale=scale)
-        out[starts[b]:starts[b] + n] = o[0].transpose(0, 1).to(q.dtype)
+            o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=scale)
+        out[starts[b]:starts[b] + n].view(n, kv_heads, group, -1).copy_(o.permute(2, 0, 1, 3))
     return out

@@ -133,3 +133,29 @@ def test_model_optimised_against_plain_torch(tiny_dir, monkeypatch, dtype):
     if dtype == "float32":
         assert fast_tokens == plain_tokens
 
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_reads_the_steps_own_kv_like_the_cache(group):
+    """A sequence that is all new attends over the step's K/V rows; one with cached context gathers from the cache."""
+    gen = torch.Generator().manual_seed(group)
+    kv_heads, dim, block_size = 2, 64, 16
+    q_lens, contexts = [30, 1, 7, 16], [30, 9, 20, 16]            # all new, decode, a chunk after context, all new
+    tables = torch.randperm(16, generator=gen)[:16].view(4, 4).int()
+    caches = [torch.full((16, block_size, kv_heads, dim), float("nan")) for _ in range(2)]
+    for b, n in enumerate(contexts):                               # the context before this step's rows
+        old = n - q_lens[b]
+        slots = tables[b].repeat_interleave(block_size)[:old].long() * block_size + torch.arange(old) % block_size
+        store_kv_ref(torch.randn(old, kv_heads, dim, generator=gen), torch.randn(old, kv_heads, dim, generator=gen),
+                     *caches, slots)
+    key, value = torch.randn(sum(q_lens), kv_heads, dim, generator=gen), torch.randn(sum(q_lens), kv_heads, dim, generator=gen)
+    slots = torch.cat([tables[b].repeat_interleave(block_size)[c - n:c].long() * block_size + torch.arange(c - n, c) % block_size
+                       for b, (n, c) in enumerate(zip(q_lens, contexts))])
+    store_kv_ref(key, value, *caches, slots)
+    q = torch.randn(sum(q_lens), kv_heads * group, dim, generator=gen)
+    cu = torch.tensor([0] + q_lens).cumsum(0).int()
+    lens = torch.tensor(contexts, dtype=torch.int32)
+    from kernels.paged_attention import paged_attention_ref
+    from_cache = paged_attention_ref(q, *caches, tables, lens, cu, 0.125)
+    from_step = paged_attention_ref(q, *caches, tables, lens, cu, 0.125, key=key, value=value)
+    assert torch.isfinite(from_step).all()
+    assert (from_step - from_cache).abs().max().item() <= 1e-6

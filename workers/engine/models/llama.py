@@ -101,7 +101,7 @@ class Attention(nn.Module):
         q, k = RotaryEmbedding.apply(rope, q, k)
         store_kv(ctx.backend, k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         out = paged_attention(ctx.backend, q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
-                              ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale)
+                              ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale, key=k, value=v)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
