@@ -4,7 +4,9 @@
 #   2. benchmarks/kernels.py: decode-attention bandwidth vs SDPA, batch 1..256 x context 512..32k;
 #   3. benchmarks/decode_graphs.py: decode-step time, CUDA graphs vs eager, on a random-weight model shaped
 #      like SmolLM2-135M (real weights are too large to travel to the device machine);
-#   4. benchmarks/hybrid_sla.py --device cuda: realtime TTFT/ITL with a full offline load, on that model.
+#   4. benchmarks/engine_throughput.py: the engine's tok/s on the peer workload (256 requests, prompts 16-512,
+#      outputs 16-256, greedy, ignore_eos) on that model, with CUDA graphs and with TIDEPOOL_ENFORCE_EAGER=1;
+#   5. benchmarks/hybrid_sla.py --device cuda: realtime TTFT/ITL with a full offline load, on that model.
 # Uses the machine's python3 (torch, triton, transformers, pytest, hypothesis) with this tree on PYTHONPATH.
 # Logs go to $OUT (the device tool's folder) or test-artifacts/gpu.
 #
@@ -29,10 +31,16 @@ python3 - "$model" <<'EOF' || status=1
 import sys
 from workers.engine.tiny_model import make_tiny_model
 make_tiny_model(sys.argv[1], hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True)
+                num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, vocab_size=49152)
 EOF
 timeout 120 python3 benchmarks/decode_graphs.py --model "$model" --batches 1,8,32,128,256 --context 512 \
     2>&1 | tee "$out/decode_graphs.txt" || status=1
+
+for eager in 0 1; do
+    TIDEPOOL_ENFORCE_EAGER=$eager timeout 300 python3 benchmarks/engine_throughput.py --model "$model" --device cuda \
+        --num-requests 256 --no-baselines 2>&1 | sed "s/^/enforce_eager=$eager  /" | tee -a "$out/engine_throughput.txt" \
+        || status=1
+done
 
 # issue #10: online latency under full offline load (ratios and the JSON line at the end).
 timeout 600 python3 benchmarks/hybrid_sla.py --model "$model" --device cuda --offline 256 --rt-rate 8 \
