@@ -6,8 +6,20 @@ from contextlib import contextmanager
 
 from flask import current_app, g
 from sqlalchemy import create_engine, event, exc
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
+
+
+def split_url(url: str) -> tuple[URL, dict]:
+    """The URL without Tidepool's own query options, and the driver arguments they stand for:
+    `?prepare_threshold=none` turns off psycopg's server-side prepared statements, which a pooler in
+    transaction mode (PgBouncer before 1.21) cannot follow from one server connection to the next."""
+    u = make_url(url)
+    value = u.query.get("prepare_threshold")
+    if value is None:
+        return u, {}
+    threshold = None if str(value).lower() in ("none", "off", "") else int(value)
+    return u.difference_update_query(["prepare_threshold"]), {"prepare_threshold": threshold}
 
 
 def make_engine(url: str) -> Engine:
@@ -31,7 +43,9 @@ def make_engine(url: str) -> Engine:
                 conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    engine = create_engine(url, pool_size=10, max_overflow=20, insertmanyvalues_page_size=5000)
+    url, connect_args = split_url(url)
+    engine = create_engine(url, pool_size=10, max_overflow=20, insertmanyvalues_page_size=5000,
+                           connect_args=connect_args)
     _check_on_checkout(engine)
     return engine
 

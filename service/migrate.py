@@ -10,6 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def alembic_config(url: str) -> AlembicConfig:
     cfg = AlembicConfig(str(ROOT / "alembic.ini"))
     cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    from service.db import split_url
+    url = split_url(url)[0].render_as_string(hide_password=False)     # migrations run unprepared anyway
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 
@@ -26,9 +28,10 @@ def ensure_database(url: str) -> bool:
     """Create the database `url` names when its server has none by that name (Postgres; SQLite creates its file,
     here with its folder). True when it was created. Raises RuntimeError with a one-line reason otherwise."""
     from sqlalchemy import create_engine, exc, text
-    from sqlalchemy.engine import make_url
 
-    u = make_url(url)
+    from service.db import split_url
+
+    u = split_url(url)[0]
     if u.get_backend_name() == "sqlite":
         if u.database and u.database != ":memory:":
             Path(u.database).parent.mkdir(parents=True, exist_ok=True)
