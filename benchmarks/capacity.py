@@ -7,7 +7,8 @@ Runs the production shape on private servers, so the counters are this run's alo
 (initdb in a temporary folder, pg_stat_statements preloaded), a redis-server, gunicorn (the Procfile's web
 process), one `tidepool worker` over a tiny random-weight model and `tidepool beat`. Two phases, each
 measured from a quiet start until every job is terminal (a batch: until it is finalised): online
-`/v1/completions` requests, and the lines of one batch. Per job it prints web CPU, Postgres statements,
+`/v1/completions` requests (twice: --max-tokens and --long-tokens, whose difference is the cost of each
+streamed token, added for the projection's online jobs of --tokens-per-job), and the lines of one batch. Per job it prints web CPU, Postgres statements,
 transactions, WAL bytes and backend CPU, Redis commands, network bytes and CPU (an idle window of the same
 length, measured first, is subtracted: beat's sweeps and heartbeats). Then the projection: jobs/s (and
 tokens/s at --tokens-per-job) that one Postgres with --pg-cores cores and --wal-mb-s of WAL, one Redis (one
@@ -169,6 +170,7 @@ def main():
     ap.add_argument("--online", type=int, default=300)
     ap.add_argument("--lines", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--long-tokens", type=int, default=36)
     ap.add_argument("--pg-cores", type=float, default=16)
     ap.add_argument("--wal-mb-s", type=float, default=200)
     ap.add_argument("--tokens-per-job", type=float, default=500)
@@ -217,27 +219,32 @@ def main():
         time.sleep(args.idle)
         idle = Meter.delta(a, meter.sample())
 
-        # online: completions from 4 client threads
-        a = meter.sample()
-        todo = iter(range(args.online))
-        lock = threading.Lock()
+        def online_phase(max_tokens: int) -> dict:      # completions from 4 client threads
+            a = meter.sample()
+            todo = iter(range(args.online))
+            lock = threading.Lock()
 
-        def client():
-            while True:
-                with lock:
-                    i = next(todo, None)
-                if i is None:
-                    return
-                http(port, "POST", "/v1/completions", {"prompt": f"online {i}", "max_tokens": args.max_tokens,
-                                                       "ignore_eos": True}, key)
-        threads = [threading.Thread(target=client) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wait(lambda: unfinished(pg) == 0, 120, "online jobs terminal")
-        time.sleep(0.5)         # acks
-        online = per_job(Meter.delta(a, meter.sample()), idle, args.online)
+            def client():
+                while True:
+                    with lock:
+                        i = next(todo, None)
+                    if i is None:
+                        return
+                    http(port, "POST", "/v1/completions", {"prompt": f"online {i}", "max_tokens": max_tokens,
+                                                           "ignore_eos": True}, key)
+            threads = [threading.Thread(target=client) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            wait(lambda: unfinished(pg) == 0, 300, "online jobs terminal")
+            time.sleep(0.5)         # acks
+            return per_job(Meter.delta(a, meter.sample()), idle, args.online)
+
+        online = online_phase(args.max_tokens)
+        longer = online_phase(args.long_tokens)
+        # an online answer is streamed token by token (Redis PUBLISH): its cost per extra token
+        per_token = {k: max(0.0, longer[k] - online[k]) / (args.long_tokens - args.max_tokens) for k in online}
 
         # batch: upload, create, run, finalise
         lines = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
@@ -254,7 +261,7 @@ def main():
         wait(lambda: http(port, "GET", f"/v1/batches/{b['id']}", key=key)["status"] == "completed", 600,
              "batch finalised")
         batch = per_job(Meter.delta(a, meter.sample()), idle, args.lines)
-        report(args, online, batch, idle)
+        report(args, online, batch, idle, per_token)
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -283,12 +290,15 @@ def _ready(port) -> bool:
         return False
 
 
-def report(args, online: dict, batch: dict, idle: dict) -> None:
+def report(args, online: dict, batch: dict, idle: dict, per_token: dict) -> None:
     print(f"idle background per second (beat sweeps, heartbeats): "
           + ", ".join(f"{label} {idle[k] / idle['t'] * scale:.1f}" for k, label, scale in FIELDS))
-    print("\n| cost per accepted job | online request | batch line |\n|---|---:|---:|")
+    print(f"\n| cost per accepted job | online request ({args.max_tokens} tokens) | each further streamed token |"
+          f" batch line ({args.max_tokens} tokens) |\n|---|---:|---:|---:|")
     for k, label, scale in FIELDS:
-        print(f"| {label} | {online[k] * scale:.2f} | {batch[k] * scale:.2f} |")
+        print(f"| {label} | {online[k] * scale:.2f} | {per_token[k] * scale:.3f} | {batch[k] * scale:.2f} |")
+    extra = max(0.0, args.tokens_per_job - args.max_tokens)
+    online = {k: online[k] + per_token[k] * extra for k in online}      # streamed answers of --tokens-per-job
     print(f"\nprojection: Postgres {args.pg_cores:g} cores and {args.wal_mb_s:g} MB/s WAL, Redis one core, "
           f"{args.tokens_per_job:g} tokens per job, {args.gpu_tokens_s:g} tokens/s per GPU worker")
     print("\n| limit | online jobs/s | batch jobs/s | online tokens/s | batch tokens/s | GPU workers fed (online) |"
@@ -316,7 +326,7 @@ def report(args, online: dict, batch: dict, idle: dict) -> None:
     for i, kind in enumerate(("online", "batch")):
         first = min(shared, key=lambda k: shared[k][i])
         print(f"first bottleneck ({kind}): {first} at {shared[first][i]:,.0f} jobs/s")
-    print(json.dumps({"online": online, "batch": batch,
+    print(json.dumps({"online": online, "batch": batch, "online_per_token": per_token,
                       "limits_jobs_s": {k: {"online": v[0], "batch": v[1]} for k, v in limits.items()}}))
 
 
