@@ -11,7 +11,7 @@ from workers import beat
 
 from .conftest import Stack, free_port, start_redis
 
-LONG = {"max_tokens": 120, "ignore_eos": True, "temperature": 0}
+LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}   # still running when 20 are in flight
 
 
 def _usage(st: Stack, tenant_id: str) -> Usage:
@@ -72,13 +72,13 @@ def test_kill_9_with_jobs_in_flight_then_restart_completes_each_once(stack):
         raise AssertionError(f"not completed: {_unfinished(st, ids)}; ledger {_by_status(st)}") from None
     for job in st.jobs(Job.id.in_(ids)):
         state = (job.id in in_flight, job.attempts, job.worker, job.completion_tokens, job.error)
-        assert job.completion_tokens == 120 and job.worker in ("crash-1", "crash-2"), state
+        assert job.completion_tokens == LONG["max_tokens"] and job.worker in ("crash-1", "crash-2"), state
         # one attempt, or two when crash-1 had claimed it (a claim or a completion sent just before the
         # kill can still land after `in_flight` was read)
         expected = {1} if job.worker == "crash-1" else {2} if job.id in in_flight else {1, 2}
         assert job.attempts in expected, state
     usage = _usage(st, tenant_id)
-    assert usage.requests == 24 and usage.completion_tokens == 24 * 120
+    assert usage.requests == 24 and usage.completion_tokens == 24 * LONG["max_tokens"]
     assert _counters(st, tenant_id) == (0, 0)
 
 
