@@ -1,5 +1,5 @@
 """Worker-side metrics: Prometheus series under `tidepool:` (modelled on vLLM's) and the stats snapshot
-the admin dashboard reads. Imports neither torch nor the engine, so the service may import it too.
+the admin dashboard reads. Imports neither torch nor the engine.
 
 A worker process does, around its engine loop:
 
@@ -12,18 +12,17 @@ A worker process does, around its engine loop:
         if out.finished:
             metrics.observe_request(out, sla_class, tenant, queue_time=started - queued)
 
-Snapshot contract: Redis hash SNAPSHOT_KEY, one field per worker name, value the JSON of
-snapshot() (keys listed there, `ts` in Unix seconds). Readers ignore snapshots older than SNAPSHOT_TTL.
+The snapshot contract (SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore) lives in service/snapshots.py, which the
+API and panel read without importing the workers; snapshot() lists the keys.
 """
-import json
 import threading
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 
+from service.snapshots import SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore  # noqa: F401 (the workers' import point)
+
 SLA_CLASSES = ("realtime", "interactive", "batch", "deferrable")
-SNAPSHOT_KEY = "tidepool:worker_stats"
-SNAPSHOT_TTL = 30.0
 PUBLISH_INTERVAL = 1.0
 MAX_TENANT_LABELS = 100  # beyond this many distinct tenants, the rest share the label "other"
 
@@ -36,41 +35,6 @@ ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _COUNTERS = {"preemptions": "num_preemptions", "prefix_cache_queries": "prefix_cache_queries",
              "prefix_cache_hits": "prefix_cache_hits", "recomputed_tokens": "recomputed_tokens"}
 PREEMPTION_KINDS = ("suspend", "swap", "recompute")
-
-
-class SnapshotStore:
-    """Where workers publish their latest stats: a Redis hash, or a process-local dict (embedded mode)."""
-
-    _local: dict[str, str] = {}
-    _lock = threading.Lock()
-
-    def __init__(self, redis_client=None):
-        self.redis = redis_client
-
-    def put(self, snapshot: dict) -> None:
-        data = json.dumps(snapshot)
-        if self.redis is not None:
-            self.redis.hset(SNAPSHOT_KEY, snapshot["worker"], data)
-        else:
-            with self._lock:
-                self._local[snapshot["worker"]] = data
-
-    def read(self, max_age: float = SNAPSHOT_TTL, now: float | None = None) -> list[dict]:
-        if self.redis is not None:
-            raw = list(self.redis.hgetall(SNAPSHOT_KEY).values())
-        else:
-            with self._lock:
-                raw = list(self._local.values())
-        now = time.time() if now is None else now
-        snaps = [json.loads(r) for r in raw]
-        return sorted((s for s in snaps if now - s.get("ts", 0) <= max_age), key=lambda s: s["worker"])
-
-    def clear(self) -> None:
-        if self.redis is not None:
-            self.redis.delete(SNAPSHOT_KEY)
-        else:
-            with self._lock:
-                self._local.clear()
 
 
 class EngineMetrics:

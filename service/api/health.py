@@ -7,6 +7,7 @@ from sqlalchemy import text
 from ..db import get_engine
 from ..errors import error_response
 from ..openapi import spec
+from ..snapshots import SnapshotStore
 from . import cfg, ext
 
 bp = Blueprint("health", __name__)
@@ -44,7 +45,6 @@ def readyz():
 
 def _engine_check() -> str:
     """ok once a worker serving this model has its engine up (workers publish snapshots only after loading)."""
-    from workers.metrics import SnapshotStore
     try:
         snaps = SnapshotStore(ext("redis")).read()
     except Exception as exc:

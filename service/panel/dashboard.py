@@ -1,5 +1,5 @@
 """Dashboard: one JSON document computed from the ledger, the broker and the worker snapshots
-(workers.metrics.SnapshotStore); the page polls it and draws the charts."""
+(service.snapshots.SnapshotStore); the page polls it and draws the charts."""
 import json
 import sys
 from datetime import timedelta
@@ -7,7 +7,7 @@ from datetime import timedelta
 from flask import current_app, render_template, request
 from sqlalchemy import func, select
 
-from workers.metrics import SNAPSHOT_TTL, SnapshotStore
+from service.snapshots import SNAPSHOT_TTL, SnapshotStore
 
 from ..api import ext
 from ..config import SLA_CLASSES
