@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 from service import doorbell, jobs
 from service.db import make_engine
 from service.models import Job, JobStatus, Tenant, cache_namespace, utcnow
-from workers import token_stream
+from service import token_stream
 from workers.broker import take
 from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
 from workers.openai_bodies import CHAT, logprob_entries, prompt_ids, sampling_params

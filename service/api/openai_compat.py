@@ -9,7 +9,7 @@ from flask import Blueprint, Response, g
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import undefer
 
-from workers import token_stream
+from service import token_stream
 
 from .. import bodies, jobs as transitions, logprobs, quotas, structured
 from ..auth import tenant_required

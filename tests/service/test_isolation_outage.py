@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from service import create_app, jobs
 from service.api import openai_compat
 from service.models import Job, JobStatus, utcnow
-from workers import token_stream
+from service import token_stream
 
 from ..tcp_proxy import TcpProxy
 from .conftest import ADMIN, Admin

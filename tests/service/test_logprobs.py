@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from service import batches as ledger, jobs, logprobs
 from service.models import Batch, Job, JobStatus
-from workers import token_stream
+from service import token_stream
 
 from .conftest import Admin
 

@@ -5,7 +5,7 @@ from sqlalchemy.orm import Session
 
 from service import jobs as transitions
 from service.models import Job, JobStatus
-from workers import token_stream
+from service import token_stream
 
 from .test_intake import _close, _job, _run_engine, _step, _worker
 
