@@ -132,6 +132,26 @@ class Quota(Base):
     allowed_sla_classes: Mapped[list] = mapped_column(JSON, default=lambda: [c.value for c in SlaClass])
     max_tokens_per_request: Mapped[int | None] = mapped_column(Integer)
     max_file_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    # Registered models this tenant may use; NULL or [] means every enabled model (service/registry.py).
+    allowed_models: Mapped[list | None] = mapped_column(JSON)
+
+
+class ModelTier(str, enum.Enum):
+    """How a worker keeps a model: hot stays loaded, warm loads on demand, cold only when an admin warms it."""
+    hot = "hot"
+    warm = "warm"
+    cold = "cold"
+
+
+class Model(Base):
+    """The model registry: what the service serves, under which name, from which folder (service/registry.py)."""
+    __tablename__ = "models"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    source: Mapped[str] = mapped_column(String(1024))
+    tier: Mapped[str] = mapped_column(String(8), default=ModelTier.warm.value)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class File(Base):
@@ -184,6 +204,9 @@ class Job(Base):
     custom_id: Mapped[str | None] = mapped_column(String(512))
     sla_class: Mapped[SlaClass] = mapped_column(_enum(SlaClass, "sla_class"))
     status: Mapped[JobStatus] = mapped_column(_enum(JobStatus, "job_status"), default=JobStatus.queued)
+    # The registry name of the model that runs it (its queue: service/dispatch.py queue_name); NULL on rows
+    # older than the registry, which ran on the deployment's one model.
+    model: Mapped[str | None] = mapped_column(String(128))
     endpoint: Mapped[str] = mapped_column(String(64))
     request: Mapped[dict] = mapped_column(JSON)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
