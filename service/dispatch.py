@@ -30,6 +30,15 @@ from .models import Job, JobStatus, utcnow
 
 TASK = "tidepool.run_job"
 log = logging.getLogger(__name__)
+SLA_QUEUES = ("realtime", "interactive", "batch", "deferrable")
+
+
+def queue_name(sla_class: str, model: str | None = None) -> str:
+    """The broker queue of one SLA class of one model; every producer and consumer of a queue name comes here.
+    model None is the deployment's default model (TIDEPOOL_MODEL), whose queues keep the bare class names, so a
+    one-model deployment routes exactly as before the registry; any other registered model gets
+    `<class>@<model>` (registry names never hold '@')."""
+    return sla_class if model is None else f"{sla_class}@{model}"
 
 
 def make_celery(broker_url: str) -> Celery:
@@ -191,8 +200,9 @@ def _lpush(client, key: str, value: str, ring: bool = False) -> None:
 
 class Dispatcher:
     def __init__(self, celery: Celery, engine: Engine, chunk_size: int = 1000,
-                 mark_interval: float | None = None):
+                 mark_interval: float | None = None, default_model: str | None = None):
         self.celery, self.engine, self.chunk_size = celery, engine, chunk_size
+        self.default_model = default_model   # its jobs keep the bare class queues (queue_name)
         if mark_interval is None:
             mark_interval = float(os.environ.get("TIDEPOOL_MARK_INTERVAL", MARK_INTERVAL))
         self.marks = MarkFlusher(engine, mark_interval) if engine.dialect.name == "postgresql" else None
@@ -262,16 +272,26 @@ class Dispatcher:
         with self.engine.begin() as conn:
             conn.execute(update(Job).where(Job.id.in_(ids)).values(dispatched_at=utcnow()))
 
+    def queue(self, sla_class: str, model: str | None = None) -> str:
+        """The queue of a job of this class for this registry model (None or the default model: bare class)."""
+        return queue_name(sla_class, None if model is None or model == self.default_model else model)
+
     def republish_undispatched(self, older_than: float = 30.0, limit: int = 10_000) -> int:
         """Sweeper hook: queued jobs committed more than `older_than` seconds ago and never published."""
         cutoff = utcnow() - timedelta(seconds=older_than)
         with self.engine.connect() as conn:
-            rows = conn.execute(select(Job.id, Job.sla_class).where(
+            rows = conn.execute(select(Job.id, Job.sla_class, Job.model).where(
                 Job.status == JobStatus.queued, Job.dispatched_at.is_(None), Job.queued_at <= cutoff)
                 .order_by(Job.id).limit(limit)).all()
-        return self.publish([(job_id, sla.value) for job_id, sla in rows])
+        return self.publish([(job_id, self.queue(sla.value, model)) for job_id, sla, model in rows])
 
-    def queue_depths(self, queues=("realtime", "interactive", "batch", "deferrable")) -> dict[str, int]:
+    def model_depths(self, models) -> list[dict]:
+        """Messages waiting per (model, SLA class) for the given registry model names."""
+        pairs = [(m, c, self.queue(c, m)) for m in models for c in SLA_QUEUES]
+        depths = self.queue_depths([q for _, _, q in pairs])
+        return [{"model": m, "sla_class": c, "queue": q, "depth": depths.get(q, 0)} for m, c, q in pairs]
+
+    def queue_depths(self, queues=SLA_QUEUES) -> dict[str, int]:
         depths = defaultdict(int)
         with self.celery.connection_for_read() as conn:
             channel = conn.default_channel

@@ -35,6 +35,7 @@ from service import doorbell, jobs
 from service.db import make_engine
 from service.models import Job, JobStatus, Tenant, cache_namespace, utcnow
 from service import token_stream
+from service.dispatch import queue_name
 from workers.broker import take
 from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
 from workers.openai_bodies import CHAT, logprob_entries, prompt_ids, sampling_params
@@ -87,6 +88,7 @@ class WorkerConfig:
     check_interval: float = 0.5          # cancellations reach the engine within this (plus one step)
     heartbeat_interval: float = 2.0
     engine: dict = field(default_factory=dict)   # EngineConfig overrides
+    serves: str | None = None            # registry name of the model when it is not the deployment's default
 
     def __post_init__(self):
         if self.kind not in QUEUES:
@@ -99,7 +101,7 @@ class WorkerConfig:
 
     @property
     def queues(self) -> tuple[str, ...]:
-        return QUEUES[self.kind]
+        return tuple(queue_name(c, self.serves) for c in QUEUES[self.kind])
 
     @classmethod
     def from_env(cls, kind: str = "gpu", device: str | None = None, **overrides) -> "WorkerConfig":
