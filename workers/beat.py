@@ -28,7 +28,7 @@ def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_
     """Requeue (or fail) running jobs whose lease lapsed, expire overdue jobs and batches, return
     unacked messages of dead consumers to their queues, and republish what never reached the broker."""
     done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "batches_failed": 0, "restored_broker": 0, "restored_orphans": 0,
-            "republished": 0}
+            "republished": 0, "private_drained": 0}
     with Session(_ext(app, "engine")) as s:
         done["reclaimed"] = jobs.reclaim_lapsed(s, max_attempts=max_attempts)
         done["expired"] = jobs.expire_overdue(s)
@@ -41,6 +41,7 @@ def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_
     if visibility_timeout is not None:
         _restore_visible(app, visibility_timeout)
     done["restored_orphans"] = restore_orphans(app, grace=orphan_grace)
+    done["private_drained"] = drain_private_queues(app)
     done["restored_broker"] = _check_broker_epoch(app)
     done["republished"] = _ext(app, "dispatcher").republish_undispatched(older_than=republish_after)
     if any(done.values()):
@@ -94,6 +95,20 @@ def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
     if restored:
         log.warning("returned %d unacked messages of dead workers to their queues", restored)
     return restored
+
+
+def drain_private_queues(app) -> int:
+    """Messages waiting in the private queue of a worker whose heartbeat is gone (prefix affinity,
+    service/affinity.py) go to the shared queue, where any worker takes them. Runs after restore_orphans, which
+    returns a dead worker's unacked messages to the queue they came from, its private one among them."""
+    from service import affinity
+    client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
+    if client is None or not url.startswith("redis"):
+        return 0
+    moved = affinity.drain_dead(client)
+    if moved:
+        log.warning("moved %d messages from dead workers' private queues to the shared queues", moved)
+    return moved
 
 
 def _check_broker_epoch(app) -> int:
