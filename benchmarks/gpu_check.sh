@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything issue #6 wants checked on a GPU, as one run (about 5 minutes on an H200):
 #   1. the kernel tests compiled for the device (not interpreted) and the CUDA-graph tests;
-#   2. benchmarks/kernels.py: decode-attention bandwidth vs SDPA, batch 1..256 x context 512..32k;
+#   2. benchmarks/kernel_bench.py: decode-attention bandwidth vs SDPA, batch 1..256 x context 512..32k;
 #   3. benchmarks/decode_graphs.py: decode-step time, CUDA graphs vs eager, on a random-weight model shaped
 #      like SmolLM2-135M (real weights are too large to travel to the device machine);
 #   4. benchmarks/engine_throughput.py: the engine's tok/s on the peer workload (256 requests, prompts 16-512,
@@ -24,7 +24,7 @@ python3 -c 'import torch, triton; print("torch", torch.__version__, "| triton", 
 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/engine/test_decode_graphs.py \
     2>&1 | tee "$out/tests.log" || status=1
 
-timeout 240 python3 benchmarks/kernels.py --iters 20 2>&1 | tee "$out/kernels.txt" || status=1
+timeout 240 python3 benchmarks/kernel_bench.py --iters 20 2>&1 | tee "$out/kernels.txt" || status=1
 
 model="$(mktemp -d)/smollm2-shaped"
 python3 - "$model" <<'EOF' || status=1

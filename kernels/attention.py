@@ -1,9 +1,14 @@
-"""The one attention interface the model code calls: pick a backend, store K/V, attend."""
+"""The one attention interface the model code calls: pick a backend, store K/V, attend.
+
+The only place that chooses between the implementations: the Triton kernels (backend "triton"), the native CPU ops
+of kernels/cpu_ops.py (backend "torch" on CPU tensors, when built; TIDEPOOL_CPU_KERNELS=0 rules them out) and the
+pure-torch references of kernels/paged_attention.py, which define the results and which every fast path is tested
+against (tests/kernels)."""
 import os
 
 import torch
 
-from kernels.paged_attention import paged_attention_ref, store_kv_ref
+from kernels.paged_attention import paged_attention_ref, paged_decode_ref, store_kv_ref
 
 BACKENDS = ("torch", "triton")
 
@@ -30,6 +35,32 @@ def store_kv(backend: str, key, value, k_cache, v_cache, slot_mapping) -> None:
     return store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
+def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The native CPU decode kernel when it applies (CPU tensors, head_dim a multiple of 8 up to 256), else None."""
+    head_dim = k_cache.shape[-1]
+    if (q.device.type != "cpu" or k_cache.device.type != "cpu" or head_dim % 8 or head_dim > 256
+            or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+        return None
+    from kernels.cpu_ops import paged_decode_op
+    op = paged_decode_op()
+    if op is None:
+        return None
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    out = op(q.to(k_cache.dtype).contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables,
+             context_lens.to(torch.int32).contiguous(), float(scale))
+    return out.to(q.dtype)
+
+
+def cpu_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode rows (one query per sequence) for the "torch" backend: the native kernel if it applies, else the
+    reference."""
+    out = _native_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return out if out is not None else paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
 def paged_attention(backend: str, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q: int,
                     scale: float, key=None, value=None) -> torch.Tensor:
     """key, value: the step's new K/V rows (already stored), which the torch path reads instead of the cache
@@ -37,4 +68,5 @@ def paged_attention(backend: str, q, k_cache, v_cache, block_tables, context_len
     if backend == "triton":
         from kernels.triton_paged_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale)
-    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale, key, value)
+    return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale, key, value,
+                               decode=cpu_decode)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from kernels.cpu_ops import paged_decode_op
-from kernels.paged_attention import _decode_torch
+from kernels.paged_attention import paged_decode_ref
 
 
 def make_batch(seed=0, batch=256, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, pool=8192,
@@ -57,10 +57,11 @@ def main() -> None:
     q, k, v, tables, lens = make_batch(batch=args.batch, dtype=getattr(torch, args.dtype))
     pools = [(k, v)] + [(torch.randn_like(k), torch.randn_like(v)) for _ in range(args.pools - 1)]
     op = paged_decode_op()
-    err = (op(q, k, v, tables, lens, 0.125).float() - _decode_torch(q, k, v, tables, lens, 0.125).float()).abs().max()
+    want = paged_decode_ref(q, k, v, tables, lens, 0.125)
+    err = (op(q, k, v, tables, lens, 0.125).float() - want.float()).abs().max()
     print(f"{args.batch} seqs, {int(lens.sum())} cached tokens, {args.dtype}, threads {args.threads}, "
           f"{args.pools} pool(s); max abs diff {err.item():.2e}")
-    for name, fn in (("torch path", _decode_torch), ("native kernel", op)):
+    for name, fn in (("torch path", paged_decode_ref), ("native kernel", op)):
         best, median = timed(fn, q, pools, tables, lens, args.repeat)
         print(f"  {name:14s} {best:7.1f} ms/layer (median {median:.1f})")
 

@@ -127,7 +127,7 @@ def _build(cxx: str) -> Path:
 
 def _self_check(op) -> None:
     """The built op against the torch path on a small paged batch: GQA, context 1, block edges, -1 padding."""
-    from kernels.paged_attention import _decode_torch
+    from kernels.paged_attention import paged_decode_ref
     gen = torch.Generator().manual_seed(0)
     block_size, num_kv_heads, group = 4, 2, 3
     contexts = [1, 3, 4, 5, 9]
@@ -142,7 +142,7 @@ def _self_check(op) -> None:
         q = torch.randn(len(contexts), num_kv_heads * group, dim, generator=gen)
         lens = torch.tensor(contexts, dtype=torch.int32)
         got = op(q, k_cache, v_cache, tables, lens, 0.3)
-        want = _decode_torch(q, k_cache, v_cache, tables, lens, 0.3)
+        want = paged_decode_ref(q, k_cache, v_cache, tables, lens, 0.3)
         err = (got - want).abs().max().item()
         if not err <= 1e-4:
             raise RuntimeError(f"self-check: max abs err {err} against the torch path (head_dim {dim})")

@@ -14,10 +14,14 @@ block, blocks of other sequences, block-table padding, which may be -1 or any bl
 included, and must not affect the output. A decode row with context 0 (a CUDA-graph padding row) attends to
 nothing; its output is unspecified (the native kernel writes zeros; the torch path may give NaN).
 
-Decode rows on CPU go to a native kernel that reads the cache in place (kernels/csrc/paged_decode_cpu.cpp, built
-at first use by kernels/cpu_ops.py) when it is available, else to the pure-torch path below (_decode_torch), which
-stays the definition: the two agree to ~1e-6 in fp32. TIDEPOOL_CPU_KERNELS=0 forces the torch path.
+This module is pure torch and the definition of the contract: it imports no other kernel. The fast paths (the
+native CPU decode kernel of kernels/csrc/paged_decode_cpu.cpp, the Triton kernels) are chosen in kernels/attention.py
+only, and each is tested against the functions here. `paged_attention_ref` takes the function for its decode rows
+(`decode`, default `paged_decode_ref`), which is how kernels/attention.py puts the native decode kernel under the
+same varlen step.
 """
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -41,33 +45,8 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -
     return gathered.view(blocks.shape[0], -1, *cache.shape[2:])
 
 
-def _decode_native(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """The native CPU kernel when it applies (CPU tensors, head_dim a multiple of 8 up to 256), else None."""
-    head_dim = k_cache.shape[-1]
-    if (q.device.type != "cpu" or k_cache.device.type != "cpu" or head_dim % 8 or head_dim > 256
-            or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
-        return None
-    from kernels.cpu_ops import paged_decode_op
-    op = paged_decode_op()
-    if op is None:
-        return None
-    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
-        block_tables = block_tables.to(torch.int32).contiguous()
-    out = op(q.to(k_cache.dtype).contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables,
-             context_lens.to(torch.int32).contiguous(), float(scale))
-    return out.to(q.dtype)
-
-
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence: q [B, Hq, D] -> [B, Hq, D]."""
-    out = _decode_native(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return out if out is not None else _decode_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
-
-
-def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] -> [B, Hq, D]. The pure-torch definition of decode attention."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
@@ -95,22 +74,24 @@ def _decode_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                        scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                        decode: Callable[..., torch.Tensor] = paged_decode_ref) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; see the module docstring for the layout. key, value [T, Hkv, D]: the step's
-    new K/V rows as stored in the cache, if at hand: a sequence that is all new reads them instead of the cache."""
+    new K/V rows as stored in the cache, if at hand: a sequence that is all new reads them instead of the cache.
+    decode(q, k_cache, v_cache, block_tables, context_lens, scale) attends the decode rows (q_len == 1)."""
     block_size = k_cache.shape[1]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     ctx = context_lens.tolist()
     starts = cu_seqlens_q[:-1].tolist()
     out = torch.empty_like(q)
 
-    decode = [b for b, n in enumerate(q_lens) if n == 1]
-    if len(decode) == len(q_lens):          # a pure decode step: rows are sequences, no gathers
-        return _decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if decode:
-        idx = torch.tensor(decode, device=q.device)
+    decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
+    if len(decode_rows) == len(q_lens):          # a pure decode step: rows are sequences, no gathers
+        return decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    if decode_rows:
+        idx = torch.tensor(decode_rows, device=q.device)
         rows = cu_seqlens_q[:-1][idx].long()
-        out[rows] = _decode(q[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
+        out[rows] = decode(q[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
 
     group = q.shape[1] // k_cache.shape[2]
     for b, n in enumerate(q_lens):

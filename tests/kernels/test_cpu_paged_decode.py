@@ -1,5 +1,6 @@
 """The native CPU decode kernel (kernels/csrc/paged_decode_cpu.cpp via kernels/cpu_ops.py) against the pure-torch
-decode path it replaces, on randomized paged batches whose unowned cache slots hold NaN."""
+reference it replaces (kernels/paged_attention.py), on randomized paged batches whose unowned cache slots hold NaN;
+and the "torch" backend of kernels/attention.py, which puts the kernel under the varlen step, against the same."""
 import logging
 import os
 import random
@@ -7,8 +8,8 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.paged_attention import _decode_torch, paged_attention_ref
+from kernels import attention, cpu_ops
+from kernels.paged_attention import paged_attention_ref, paged_decode_ref
 
 pytestmark = pytest.mark.skipif(cpu_ops.compiler() is None, reason="no C++ compiler")
 
@@ -86,7 +87,7 @@ def test_matches_torch_path(op, seed, dtype, head_dim, block_size, num_kv_heads,
     out = op(q, k_cache, v_cache, tables, lens, scale)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.isfinite(out).all(), "a NaN from an unowned slot leaked"
-    ref = _decode_torch(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)   # poisoned cache too
+    ref = paged_decode_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)   # poisoned cache too
     err = (out.float() - ref).abs().max().item()
     assert err <= TOL[dtype], f"max abs err {err} > {TOL[dtype]}"
 
@@ -112,8 +113,9 @@ def test_same_result_for_any_thread_count(op):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_ref_mixed_batch(op, monkeypatch, dtype):
-    """Prefill chunks and decode rows in one step: same result with the native kernel as without it."""
+def test_torch_backend_mixed_batch(op, monkeypatch, dtype):
+    """Prefill chunks and decode rows in one step: the "torch" backend (native decode rows) against the pure
+    reference; with TIDEPOOL_CPU_KERNELS=0 the backend is the reference."""
     rng = random.Random(3)
     block_size, num_kv_heads, group, head_dim = 16, 3, 3, 64
     q_lens = [1, 5, 1, 1, 17, 1, 1]
@@ -122,12 +124,14 @@ def test_paged_attention_ref_mixed_batch(op, monkeypatch, dtype):
                                                     block_size, dtype, pad=0)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim).to(dtype)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    native = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, 0.125)
-    monkeypatch.setenv("TIDEPOOL_CPU_KERNELS", "0")
-    assert cpu_ops.paged_decode_op() is None
+    native = attention.paged_attention("torch", q, k_cache, v_cache, tables, lens, cu, max(q_lens), 0.125)
     torch_only = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, 0.125)
     assert torch.isfinite(native).all()
     assert (native.float() - torch_only.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 3e-2)
+    monkeypatch.setenv("TIDEPOOL_CPU_KERNELS", "0")
+    assert cpu_ops.paged_decode_op() is None
+    assert torch.equal(attention.paged_attention("torch", q, k_cache, v_cache, tables, lens, cu, max(q_lens), 0.125),
+                       torch_only)
     monkeypatch.delenv("TIDEPOOL_CPU_KERNELS")
     assert cpu_ops.paged_decode_op() is op
     decode = [b for b, n in enumerate(q_lens) if n == 1]
@@ -171,10 +175,9 @@ def dense_reference(q, k_cache, v_cache, tables, lens, cu, scale):
 
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("seed", range(6))
-def test_paged_attention_ref_against_dense(op, monkeypatch, native, seed):
-    """Decode rows, whole-sequence prefills (the causal path) and chunks after cached context (the masked path)."""
-    if not native:
-        monkeypatch.setenv("TIDEPOOL_CPU_KERNELS", "0")
+def test_paged_attention_against_dense(op, native, seed):
+    """Decode rows, whole-sequence prefills (the causal path) and chunks after cached context (the masked path): the
+    pure reference and the "torch" backend (native decode rows)."""
     rng = random.Random(seed)
     block_size, num_kv_heads, group, head_dim = rng.choice([4, 16]), rng.choice([1, 3]), rng.choice([1, 3]), 64
     q_lens = [rng.choice([1, 1, 2, 7, 20]) for _ in range(rng.randint(1, 6))]
@@ -183,7 +186,10 @@ def test_paged_attention_ref_against_dense(op, monkeypatch, native, seed):
                                                     block_size, torch.float32, pad=rng.choice([-1, 0]))
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim)
     cu = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    out = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, 0.125)
+    if native:
+        out = attention.paged_attention("torch", q, k_cache, v_cache, tables, lens, cu, max(q_lens), 0.125)
+    else:
+        out = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, 0.125)
     assert torch.isfinite(out).all()
     err = (out.double() - dense_reference(q, k_cache, v_cache, tables, lens, cu, 0.125)).abs().max().item()
     assert err <= 1e-5, f"max abs err {err}"
@@ -222,5 +228,5 @@ def test_failed_build_falls_back_and_is_logged(monkeypatch, tmp_path, caplog):
     rng = random.Random(1)
     q, k_cache, v_cache, tables, lens = paged_batch(rng, [1, 17], 6, 3, 64, 16, torch.float32)
     cu = torch.arange(3, dtype=torch.int32)
-    out = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, 0.125)    # the torch path
-    assert torch.equal(out, _decode_torch(q, k_cache, v_cache, tables, lens, 0.125))
+    out = attention.paged_attention("torch", q, k_cache, v_cache, tables, lens, cu, 1, 0.125)    # the reference
+    assert torch.equal(out, paged_decode_ref(q, k_cache, v_cache, tables, lens, 0.125))

@@ -190,8 +190,9 @@ def test_attention_interface_triton_backend(index_dtype):
         attention.store_kv(backend, key, value, k_cache, v_cache, slots)
     decode_cu = torch.arange(3, dtype=index_dtype, device=DEVICE)   # the same sequences as an all-decode batch
     for q_rows, meta in ((q, (tables, contexts, cu, 3)), (q[2:], (tables, contexts, decode_cu, 1))):
-        ref = attention.paged_attention("torch", q_rows, k_cache, v_cache, *meta, 0.25)
+        ref = paged_attention_ref(q_rows, k_cache, v_cache, *meta[:3], 0.25)
         check(attention.paged_attention("triton", q_rows, k_cache, v_cache, *meta, 0.25), ref, torch.float16)
+        check(attention.paged_attention("torch", q_rows, k_cache, v_cache, *meta, 0.25), ref, torch.float16)
 
 
 def test_resolve_backend_honours_env(monkeypatch):

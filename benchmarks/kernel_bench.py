@@ -1,7 +1,7 @@
 """Decode attention bandwidth: Triton paged kernel vs SDPA on the same K/V gathered contiguous.
 
-    python benchmarks/kernels.py                       # fp16+bf16, batch 1..256, context 512..32k
-    python benchmarks/kernels.py --batches 32,64 --contexts 4096,8192 --dtypes bf16
+    python benchmarks/kernel_bench.py                       # fp16+bf16, batch 1..256, context 512..32k
+    python benchmarks/kernel_bench.py --batches 32,64 --contexts 4096,8192 --dtypes bf16
 
 Bandwidth = bytes of K and V read / kernel time; share of peak against the device's HBM bandwidth (table below,
 or --peak-gbps). The L2 is flushed before every timed call, so small cases are not served from cache.
@@ -9,14 +9,10 @@ or --peak-gbps). The L2 is flushed before every timed call, so small cases are n
 import argparse
 import math
 import sys
-from pathlib import Path
 
-# run as a script, this file's folder comes first on sys.path and its name would shadow the kernels package
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-from kernels.triton_paged_attention import _num_splits, paged_attention_triton  # noqa: E402
+from kernels.triton_paged_attention import _num_splits, paged_attention_triton
 
 PEAK_GBPS = [  # (substring of torch.cuda.get_device_name, HBM GB/s); first match wins
     ("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000), ("H100", 3350), ("H800", 3350), ("GH200", 4000),
@@ -112,7 +108,7 @@ def bench_case(batch, context, dtype, args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA device (the Triton kernels are timed on the GPU); none found.",
+        print("benchmarks/kernel_bench.py needs a CUDA device (the Triton kernels are timed on the GPU); none found.",
               file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name()
