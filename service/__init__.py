@@ -32,7 +32,8 @@ def create_app(test_config: dict | Config | None = None) -> Flask:
     celery = make_celery(cfg.broker_url)
     app.extensions["tidepool.celery"] = celery
     app.extensions["tidepool.dispatcher"] = Dispatcher(celery, app.extensions["tidepool.engine"],
-                                                       cfg.dispatch_chunk_size, default_model=cfg.served_model_name)
+                                                       cfg.dispatch_chunk_size, mark_interval=cfg.mark_interval,
+                                                       default_model=cfg.served_model_name)
     for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp):
         app.register_blueprint(bp)
     api.init_app(app)

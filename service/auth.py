@@ -1,7 +1,7 @@
 """Bearer authentication: tenant API keys for the public API, the admin token for /v1/admin.
 
-A key's row, its tenant and its quota are read once and then kept for AUTH_CACHE_TTL seconds per process
-(TIDEPOOL_AUTH_CACHE_TTL, or the config extra "auth_cache_ttl"; 0 turns the cache off), keyed by the key's
+A key's row, its tenant and its quota are read once and then kept for TIDEPOOL_AUTH_CACHE_TTL seconds per
+process (Config.auth_cache_ttl; 0 turns the cache off), keyed by the key's
 prefix; the secret is checked against the stored hash on every request. What a stale entry can and cannot do:
 
 * Queue work: no. The statement that counts new jobs against max_queued (quotas.reserve_queued, and the
@@ -9,13 +9,12 @@ prefix; the secret is checked against the stored hash on every request. What a s
   not disabled and the live quotas.max_queued not exceeded. When it refuses, quotas.refused() reads why from
   the database (401, 403 or 429) and drops the entry.
 * Everything else sees a revocation, a disable or a quota change (rate limits, budget, classes, max_tokens)
-  made by another process within AUTH_CACHE_TTL seconds, and one made through this process (admin API,
+  made by another process within TIDEPOOL_AUTH_CACHE_TTL seconds, and one made through this process (admin API,
   panel, CLI code in-process) at once: every committed ORM change to api_keys (other than last_used_at),
   tenants (other than the job counters) or quotas drops all entries.
 """
 import functools
 import hmac
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +30,6 @@ from .errors import APIError
 from .models import ApiKey, Quota, Tenant, utcnow
 
 LAST_USED_RESOLUTION = timedelta(seconds=60)
-AUTH_CACHE_TTL = 2.0
 _CACHE_SIZE = 10_000
 
 
@@ -108,9 +106,7 @@ class AuthCache:
 def _cache() -> AuthCache:
     cache = current_app.extensions.get("tidepool.auth_cache")
     if cache is None:
-        ttl = current_app.config["TIDEPOOL"].extra.get("auth_cache_ttl")
-        if ttl is None:
-            ttl = float(os.environ.get("TIDEPOOL_AUTH_CACHE_TTL", AUTH_CACHE_TTL))
+        ttl = current_app.config["TIDEPOOL"].auth_cache_ttl
         cache = current_app.extensions.setdefault("tidepool.auth_cache", AuthCache(float(ttl)))
     return cache
 

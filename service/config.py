@@ -1,29 +1,197 @@
-"""Service configuration: one typed dataclass, read from the environment and checked when built."""
+"""Settings: every TIDEPOOL_* variable is read here, from the environment, and nowhere else.
+
+`Config` is one typed, checked dataclass. Each field that a variable sets carries, in its metadata, the variable's
+name, the parser of its text, a check of its value and a one-line meaning; `Config.from_env()` builds it once at
+start-up and a bad value fails there, naming the variable (SettingsError). The web app's Flask config is this
+object; the worker's WorkerConfig and the engine's EngineConfig are built from it by the workers
+(workers/settings.py), so neither the engine nor the kernels read the environment for Tidepool's knobs. README's
+configuration table is `readme_table()` (tests/service/test_settings.py keeps them equal);
+`python -m service.config` prints it."""
 import json
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 
 SLA_CLASSES = ("realtime", "interactive", "batch", "deferrable")
+ONLINE_TARGETS = (("realtime", "ttft_ms"), ("realtime", "itl_ms"), ("interactive", "ttft_ms"), ("interactive", "itl_ms"))
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class SettingsError(ValueError):
+    """A setting with a bad value; the message starts with the variable's name."""
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/true/yes/on or 0/false/no/off")
+
+
+def _choice(*options):
+    def parse(text: str) -> str:
+        if text.strip() not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return text.strip()
+    return parse
+
+
+def _level(text: str) -> str:
+    if text.strip().upper() not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}")
+    return text.strip().upper()
+
+
+def _number(kind):
+    def parse(text: str):
+        try:
+            return kind(text.strip())
+        except ValueError:
+            raise ValueError(f"expected {'an integer' if kind is int else 'a number'}") from None
+    return parse
+
+
+POSITIVE = (lambda v: v > 0, "must be > 0")
+NON_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
+SHARE = (lambda v: 0 <= v < 1, "must be in [0, 1)")
+PORT = (lambda v: 0 <= v < 65536, "must be a port number (0 turns it off)")
+
+
+def setting(env: str, default, meaning: str, *, parse=str, check=None, shown: str | None = None,
+            secret: bool = False):
+    """A field set by the variable `env`: `parse` turns its text into the value (ValueError: a bad value), `check`
+    is (predicate, rule) on the value, `shown` the default as README states it (else the default itself)."""
+    return field(default=default, repr=not secret,
+                 metadata={"env": env, "parse": parse, "check": check, "meaning": meaning, "shown": shown})
+
+
+INT, FLOAT = _number(int), _number(float)
+
+
+def _check(f, value) -> None:
+    check = f.metadata.get("check")
+    if check is not None and value is not None and not check[0](value):
+        raise SettingsError(f"{f.metadata['env']} ({f.name}) {check[1]}, got {value!r}")
 
 
 @dataclass
 class Config:
-    database_url: str = ""
-    redis_url: str | None = None
-    storage_dir: str = "var/storage"
-    admin_token: str | None = None
-    model: str | None = None
-    served_model_name: str | None = None
+    # ---- where things are -----------------------------------------------------------------------------------
+    database_url: str = setting(
+        "TIDEPOOL_DATABASE_URL", "", "Ledger database (SQLAlchemy URL); use `postgresql+psycopg://user@host/db` in "
+        "production", shown="`sqlite:///<cwd>/var/tidepool.db`")
+    redis_url: str | None = setting(
+        "TIDEPOOL_REDIS_URL", None, "Redis used as Celery broker, token stream and rate-limit counters. While Redis "
+        "is unreachable, rate limits fail open within a bound: each web process counts them in memory, so a tenant "
+        "gets at most (web processes) × its limit; jobs accepted meanwhile are published by the sweeper once Redis "
+        "is back. Unset: in-process `memory://` broker and in-memory rate limits", shown="unset (embedded mode)",
+        check=(lambda v: v.startswith(("redis://", "rediss://", "unix://")), "must be a redis:// URL"))
+    storage_dir: str = setting("TIDEPOOL_STORAGE_DIR", "var/storage",
+                               "Folder for uploaded and generated files (bytes never go in the database)")
+    model: str | None = setting("TIDEPOOL_MODEL", None, "Model folder; its basename is the served model name (a "
+                                "request's `model`, if given, must match)")
+    served_model_name: str | None = setting("TIDEPOOL_SERVED_MODEL_NAME", None, "Override the served model name",
+                                            shown="basename of `TIDEPOOL_MODEL`")
+    models_dir: str = setting("TIDEPOOL_MODELS_DIR", "models", "Where `tidepool models pull` writes model folders "
+                              "(and `tidepool serve` finds its default model)")
+    # ---- web ------------------------------------------------------------------------------------------------
+    admin_token: str | None = setting("TIDEPOOL_ADMIN_TOKEN", None, "Bearer token for `/v1/admin/*` and the "
+                                      "admin panel's sign-in", shown="unset (admin API disabled)", secret=True)
+    secret_key: str | None = setting("TIDEPOOL_SECRET_KEY", None, "Key that signs admin-panel sessions",
+                                     shown="derived from the admin token", secret=True)
+    insecure_cookies: bool = setting("TIDEPOOL_INSECURE_COOKIES", False, "`1` drops the Secure flag on the panel "
+                                     "cookie (plain-HTTP development only)", parse=_bool)
+    metrics_token: str | None = setting("TIDEPOOL_METRICS_TOKEN", None, "When set, `/metrics` requires "
+                                        "`Authorization: Bearer <token>`", secret=True)
+    auth_cache_ttl: float = setting("TIDEPOOL_AUTH_CACHE_TTL", 2.0, "Seconds a web process keeps an API key's "
+                                    "tenant and quota; `0` reads them on every request (see Accepting a job)",
+                                    parse=FLOAT, check=NON_NEGATIVE)
+    mark_interval: float = setting("TIDEPOOL_MARK_INTERVAL", 0.05, "Seconds between a web process's batched "
+                                   "writes of `dispatched_at` (see Accepting a job)", parse=FLOAT, check=POSITIVE)
+    # ---- workers and upkeep ---------------------------------------------------------------------------------
+    worker_name: str | None = setting("TIDEPOOL_WORKER_NAME", None, "A worker's name (heartbeats, ledger)",
+                                      shown="`<kind>-<host>-<pid>`")
+    metrics_port: int | None = setting(
+        "TIDEPOOL_METRICS_PORT", None, "First port tried for a worker's `/metrics`; a taken port moves on to the "
+        "next free one (shown in the worker's start-up line and heartbeat); `0` turns it off", parse=INT,
+        check=PORT, shown="`9101` (gpu), `9102` (cpu)")
+    low_water: int = setting("TIDEPOOL_LOW_WATER", 4, "Offline work is pulled while fewer than this many requests "
+                             "(plus free slots) wait in the engine", parse=INT, check=(lambda v: v >= 1, "must be >= 1"))
+    lease_seconds: float = setting("TIDEPOOL_LEASE_SECONDS", 60.0, "Job lease; renewed every quarter while running",
+                                   parse=FLOAT, check=POSITIVE)
+    visibility_timeout: float = setting("TIDEPOOL_VISIBILITY_TIMEOUT", 6 * 3600.0, "Seconds before an unacked "
+                                        "message returns to its queue (longer than the longest job)", parse=FLOAT,
+                                        check=POSITIVE)
+    max_attempts: int = setting("TIDEPOOL_MAX_ATTEMPTS", 3, "Attempts before a job whose lease lapsed is failed",
+                                parse=INT, check=(lambda v: v >= 1, "must be >= 1"))
+    sweep_interval: float = setting("TIDEPOOL_SWEEP_INTERVAL", 5.0, "Seconds between beat's upkeep passes",
+                                    parse=FLOAT, check=POSITIVE)
+    republish_after: float = setting("TIDEPOOL_REPUBLISH_AFTER", 30.0, "Seconds before beat republishes a queued "
+                                     "job that was never published", parse=FLOAT, check=NON_NEGATIVE)
+    beat_schedule: str = setting("TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule", "Celery beat's schedule file")
+    # ---- engine (EngineConfig fields; the worker, serve and run-batch flags win over them) --------------------
+    kv_blocks: int | None = setting("TIDEPOOL_KV_BLOCKS", None, "KV pool size in blocks (`--kv-blocks`)", parse=INT,
+                                    check=POSITIVE, shown="sized from `max_num_seqs` × `max_model_len`, capped by "
+                                    "memory")
+    max_num_seqs: int | None = setting("TIDEPOOL_MAX_NUM_SEQS", None, "Sequences in one batch (`--max-num-seqs`)",
+                                       parse=INT, check=POSITIVE, shown="`256`")
+    max_batched_tokens: int | None = setting("TIDEPOOL_MAX_BATCHED_TOKENS", None, "Tokens in one engine step "
+                                             "(`--max-num-batched-tokens`)", parse=INT, check=POSITIVE,
+                                             shown="`2048`")
+    max_model_len: int | None = setting("TIDEPOOL_MAX_MODEL_LEN", None, "Longest prompt + output "
+                                        "(`--max-model-len`); the API also refuses `max_tokens` past it",
+                                        parse=INT, check=POSITIVE, shown="the model's context")
+    attention_backend: str | None = setting("TIDEPOOL_ATTENTION_BACKEND", None, "`torch` or `triton`: force the "
+                                            "attention implementation", parse=_choice("torch", "triton"),
+                                            shown="by device")
+    enforce_eager: bool = setting("TIDEPOOL_ENFORCE_EAGER", False, "`1` runs GPU decode steps eagerly instead of "
+                                  "replaying CUDA graphs", parse=_bool)
+    sla_realtime_ttft_ms: float | None = setting(
+        "TIDEPOOL_SLA_REALTIME_TTFT_MS", None, "Engine `sla_targets`: while realtime work is active, its prompts "
+        "are chunked for this first-token target", parse=FLOAT, check=POSITIVE, shown="GPU 200, CPU 600")
+    sla_realtime_itl_ms: float | None = setting(
+        "TIDEPOOL_SLA_REALTIME_ITL_MS", None, "Engine `sla_targets`: while realtime work is active, steps are kept "
+        "within this inter-token target", parse=FLOAT, check=POSITIVE, shown="GPU 50, CPU 120")
+    sla_interactive_ttft_ms: float | None = setting(
+        "TIDEPOOL_SLA_INTERACTIVE_TTFT_MS", None, "The same first-token target for interactive work", parse=FLOAT,
+        check=POSITIVE, shown="GPU 1000, CPU 2000")
+    sla_interactive_itl_ms: float | None = setting(
+        "TIDEPOOL_SLA_INTERACTIVE_ITL_MS", None, "The same inter-token target for interactive work", parse=FLOAT,
+        check=POSITIVE, shown="GPU 100, CPU 300")
+    capacity_policy: str = setting("TIDEPOOL_CAPACITY_POLICY", "max_utilization", "`no_evict` admits a sequence "
+                                   "only if it can reach `max_tokens` without evicting anything, and never preempts",
+                                   parse=_choice("max_utilization", "no_evict"))
+    online_reserve: float = setting("TIDEPOOL_ONLINE_RESERVE", 0.1, "Share of KV blocks and of `max_num_seqs` only "
+                                    "realtime and interactive sequences may take", parse=FLOAT, check=SHARE)
+    swap_space_gib: float | None = setting("TIDEPOOL_SWAP_SPACE_GIB", None, "Host pool for KV blocks swapped out "
+                                           "under memory pressure (pinned on CUDA)", parse=FLOAT, check=NON_NEGATIVE,
+                                           shown="`4` on CUDA, `0` on CPU")
+    cpu_kernels: bool = setting("TIDEPOOL_CPU_KERNELS", True, "`0` keeps the CPU engine on plain torch: decode "
+                                "attention, the fused element-wise ops and F.linear instead of the native kernels "
+                                "and oneDNN-prepacked linears", parse=_bool)
+    kernel_cache: str | None = setting("TIDEPOOL_KERNEL_CACHE", None, "Where the native CPU kernel is built and "
+                                       "cached", shown="`~/.cache/tidepool/kernels`")
+    # ---- logs -----------------------------------------------------------------------------------------------
+    log_level: str = setting("TIDEPOOL_LOG_LEVEL", "INFO", "Log level (`DEBUG` also lets werkzeug, Celery, kombu "
+                             "and alembic speak below WARNING)", parse=_level, check=(lambda v: v in LOG_LEVELS,
+                                                                                      "must be a level name"))
+    log_format: str = setting("TIDEPOOL_LOG_FORMAT", "json", "`json`: one JSON object per line; `text`: plain "
+                              "lines, same fields", parse=_choice("json", "text"),
+                              check=(lambda v: v in ("json", "text"), "must be json or text"))
+    # ---- set in code only (tests, embedding) ----------------------------------------------------------------
     max_file_bytes: int = 200 * 1024 * 1024
     max_batch_lines: int = 50_000
     batch_chunk_size: int = 5_000
     dispatch_chunk_size: int = 1_000
     page_size: int = 20
-    extra: dict = field(default_factory=dict)
+    online_timeout: float = 600.0     # seconds an online request waits for its job before it is answered 504
 
     def __post_init__(self):
+        for f in fields(self):
+            _check(f, getattr(self, f.name))
         # Relative paths are resolved once, here, against the start-up directory: Flask's send_file (and any
         # later chdir) would otherwise read them against another folder.
         if not self.database_url:
@@ -34,8 +202,6 @@ class Config:
             self.model = os.path.abspath(os.path.expanduser(self.model))   # abspath: a symlink keeps its name
         if self.served_model_name is None and self.model:
             self.served_model_name = Path(self.model.rstrip("/")).name or self.model
-        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"TIDEPOOL_REDIS_URL must be a redis:// URL, got {self.redis_url!r}")
         for name in ("max_file_bytes", "max_batch_lines", "batch_chunk_size", "dispatch_chunk_size", "page_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -44,8 +210,8 @@ class Config:
     def context_len(self) -> int | None:
         """Longest prompt + output the workers accept: TIDEPOOL_MAX_MODEL_LEN, else the model's own context (its
         config.json, capped at a sliding window); None when the model folder cannot be read here."""
-        if os.environ.get("TIDEPOOL_MAX_MODEL_LEN"):
-            return int(os.environ["TIDEPOOL_MAX_MODEL_LEN"])
+        if self.max_model_len:
+            return self.max_model_len
         if not self.model:
             return None
         try:
@@ -63,19 +229,83 @@ class Config:
     def broker_url(self) -> str:
         return self.redis_url or "memory://"
 
+    def engine_fields(self) -> dict:
+        """EngineConfig fields these settings set (unset ones are left to the engine's defaults)."""
+        out = {"num_kv_blocks": self.kv_blocks, "max_num_seqs": self.max_num_seqs,
+               "max_num_batched_tokens": self.max_batched_tokens, "max_model_len": self.max_model_len,
+               "attention_backend": self.attention_backend, "enforce_eager": self.enforce_eager,
+               "capacity_policy": self.capacity_policy, "online_reserve": self.online_reserve,
+               "swap_space_gib": self.swap_space_gib}
+        return {k: v for k, v in out.items() if v is not None}
+
+    def sla_overrides(self) -> dict:
+        """The TIDEPOOL_SLA_* targets that are set, as {class: {target: ms}} (laid over the device's defaults)."""
+        out: dict = {}
+        for cls, target in ONLINE_TARGETS:
+            value = getattr(self, f"sla_{cls}_{target}")
+            if value is not None:
+                out.setdefault(cls, {})[target] = value
+        return out
+
     @classmethod
-    def from_env(cls, overrides: dict | None = None) -> "Config":
-        env = os.environ
-        values = {
-            "database_url": env.get("TIDEPOOL_DATABASE_URL", ""),
-            "redis_url": env.get("TIDEPOOL_REDIS_URL") or None,
-            "storage_dir": env.get("TIDEPOOL_STORAGE_DIR", "var/storage"),
-            "admin_token": env.get("TIDEPOOL_ADMIN_TOKEN") or None,
-            "model": env.get("TIDEPOOL_MODEL") or None,
-            "served_model_name": env.get("TIDEPOOL_SERVED_MODEL_NAME") or None,
-        }
+    def env_values(cls, environ=None) -> dict:
+        """The fields the environment sets, parsed and checked (no side effects: the CLI calls it before any
+        command); SettingsError names the first variable with a bad value. An empty variable counts as unset."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in fields(cls):
+            env = f.metadata.get("env")
+            raw = environ.get(env) if env else None
+            if raw is None or not raw.strip():
+                continue
+            try:
+                values[f.name] = f.metadata["parse"](raw)
+            except ValueError as exc:
+                raise SettingsError(f"{env}: {exc}, got {raw!r}") from None
+            _check(f, values[f.name])
+        return values
+
+    @classmethod
+    def from_env(cls, overrides: dict | None = None, environ=None) -> "Config":
+        """The settings from the environment, with `overrides` (field name -> value; unknown names are ignored)
+        laid over them."""
+        values = cls.env_values(environ)
         known = {f.name for f in fields(cls)}
-        for key, value in (overrides or {}).items():
-            if key in known:
-                values[key] = value
+        values.update({k: v for k, v in (overrides or {}).items() if k in known})
         return cls(**values)
+
+
+def variables() -> list[tuple[str, str, str]]:
+    """(variable, default as README shows it, meaning) for every setting, in field order."""
+    out = []
+    for f in fields(Config):
+        if "env" not in f.metadata:
+            continue
+        shown = f.metadata["shown"]
+        if shown is None:
+            default = f.default if f.default is not MISSING else None
+            shown = ("unset" if default is None else f"`{int(default)}`" if isinstance(default, bool)
+                     else f"`{default:g}`" if isinstance(default, float) else f"`{default}`")
+        out.append((f.metadata["env"], shown, f.metadata["meaning"]))
+    return out
+
+
+# Variables Tidepool documents but does not read itself.
+OTHER_VARIABLES = [("PROMETHEUS_MULTIPROC_DIR", "unset",
+                    "Empty folder for prometheus-client multiprocess mode under gunicorn")]
+
+
+def readme_table() -> str:
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    rows += [f"| `{env}` | {shown} | {meaning} |" for env, shown, meaning in variables() + OTHER_VARIABLES]
+    return "\n".join(rows) + "\n"
+
+
+def log_settings() -> tuple[str, str]:
+    """(TIDEPOOL_LOG_LEVEL, TIDEPOOL_LOG_FORMAT) from the environment, checked."""
+    values = {**{f.name: f.default for f in fields(Config)}, **Config.env_values()}
+    return values["log_level"], values["log_format"]
+
+
+if __name__ == "__main__":
+    print(readme_table(), end="")

@@ -26,6 +26,7 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
 from . import doorbell
+from .config import Config
 from .models import Job, JobStatus, utcnow
 
 TASK = "tidepool.run_job"
@@ -89,7 +90,7 @@ FROM unnest(%(ids)s::varchar[], %(xmins)s::text[], %(ats)s::timestamptz[]) AS m(
 WHERE jobs.id = m.id AND jobs.dispatched_at IS NULL
   AND (jobs.status <> 'queued' OR jobs.xmin::text = m.x)
 """
-MARK_INTERVAL = 0.05  # seconds between two flushes of dispatched_at marks (TIDEPOOL_MARK_INTERVAL)
+MARK_INTERVAL = Config.mark_interval  # seconds between two flushes of dispatched_at marks (TIDEPOOL_MARK_INTERVAL)
 
 
 class MarkFlusher:
@@ -204,7 +205,7 @@ class Dispatcher:
         self.celery, self.engine, self.chunk_size = celery, engine, chunk_size
         self.default_model = default_model   # its jobs keep the bare class queues (queue_name)
         if mark_interval is None:
-            mark_interval = float(os.environ.get("TIDEPOOL_MARK_INTERVAL", MARK_INTERVAL))
+            mark_interval = MARK_INTERVAL
         self.marks = MarkFlusher(engine, mark_interval) if engine.dialect.name == "postgresql" else None
         self._direct = None
         self._direct_lock = threading.Lock()

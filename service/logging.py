@@ -85,13 +85,15 @@ class _StderrHandler(logging.StreamHandler):
 def configure(level: str | int | None = None, stream=None, fmt: str | None = None) -> logging.Handler:
     """Send the root logger to JSON lines (TIDEPOOL_LOG_FORMAT=text: plain lines) on stream (stderr), at
     TIDEPOOL_LOG_LEVEL (INFO); idempotent. Every process calls it first (the CLI, gunicorn's app module)."""
-    import os
+    from .config import log_settings
     root = logging.getLogger()
     ours = [h for h in root.handlers if isinstance(h.formatter, (JsonFormatter, TextFormatter))]
     if ours and stream is None:
         return ours[0]
-    level = level or os.environ.get("TIDEPOOL_LOG_LEVEL", "INFO").upper()
-    fmt = (fmt or os.environ.get("TIDEPOOL_LOG_FORMAT") or "json").lower()
+    if level is None or fmt is None:
+        env_level, env_fmt = log_settings()
+        level, fmt = level or env_level, fmt or env_fmt
+    fmt = fmt.lower()
     if fmt not in ("json", "text"):
         raise ValueError(f"TIDEPOOL_LOG_FORMAT must be json or text, got {fmt!r}")
     handler = logging.StreamHandler(stream) if stream is not None else _StderrHandler()

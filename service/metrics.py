@@ -63,7 +63,7 @@ def _registry_for_scrape() -> CollectorRegistry:
 
 @bp.get("/metrics")
 def metrics():
-    token = os.environ.get("TIDEPOOL_METRICS_TOKEN")  # optional: scrapers then send it as a bearer token
+    token = current_app.config["TIDEPOOL"].metrics_token  # optional: scrapers then send it as a bearer token
     if token and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
                                          f"Bearer {token}".encode()):
         return Response("metrics token required\n", status=401, content_type="text/plain")

@@ -15,9 +15,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from service.config import Config, SettingsError
     from service.logging import configure
 
     args = build_parser().parse_args(argv)
+    try:
+        Config.env_values()     # every TIDEPOOL_* variable is checked before any command starts
+    except SettingsError as exc:
+        print(f"tidepool: {exc}", file=sys.stderr)
+        return 2
     configure()
     return int(args.func(args) or 0)
 

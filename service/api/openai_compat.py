@@ -97,7 +97,7 @@ def _serve(endpoint: str):
     sub = _hub().subscribe(job.id)       # before dispatch, so no event can be missed
     ext("dispatcher").publish_one(job.id, sla, xmin)
     marks["publish"] = time.time()
-    waiter = _Waiter(ext("sessions"), sub, job.id, conf.extra.get("online_timeout", 600.0), marks)
+    waiter = _Waiter(ext("sessions"), sub, job.id, conf.online_timeout, marks)
     fmt = _Format(endpoint, job.id, int(now.timestamp()), body.get("model") or conf.served_model_name,
                   bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body), checked.body)
     try:

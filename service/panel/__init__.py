@@ -2,7 +2,6 @@
 form carries a per-session CSRF token. The JSON admin API (/v1/admin) stays bearer-only."""
 import hashlib
 import hmac
-import os
 import secrets
 from datetime import timedelta
 from pathlib import Path
@@ -97,13 +96,13 @@ def init_app(app) -> None:
     from . import dashboard, views  # noqa: F401  (routes)
 
     cfg = app.config["TIDEPOOL"]
-    secret = os.environ.get("TIDEPOOL_SECRET_KEY") or cfg.extra.get("secret_key")
+    secret = cfg.secret_key
     if not secret and cfg.admin_token:  # every web process derives the same key from the shared admin token
         secret = hashlib.sha256(b"tidepool-panel-session:" + cfg.admin_token.encode()).hexdigest()
     app.secret_key = app.secret_key or secret or secrets.token_hex(32)
     register_secret(cfg.admin_token)
     register_secret(app.secret_key)
-    insecure = os.environ.get("TIDEPOOL_INSECURE_COOKIES") == "1" or cfg.extra.get("insecure_cookies")
+    insecure = cfg.insecure_cookies
     app.config.update(SESSION_COOKIE_NAME="tidepool_admin", SESSION_COOKIE_HTTPONLY=True,
                       SESSION_COOKIE_SAMESITE="Strict", SESSION_COOKIE_SECURE=not insecure,
                       SESSION_COOKIE_PATH="/admin", PERMANENT_SESSION_LIFETIME=timedelta(hours=12))

@@ -24,7 +24,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 
 def make_app(pg_url: str, tmp_path, **extra):
     return create_app({"database_url": pg_url, "redis_url": REDIS, "storage_dir": str(tmp_path / "storage"),
-                       "admin_token": ADMIN, "extra": extra})
+                       "admin_token": ADMIN, **extra})
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from service import jobs as transitions
 from service.logging import JsonFormatter, configure, log_job, scrub
 from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
 
-from .conftest import ADMIN
+from .conftest import ADMIN, make_app
 
 BEARER = {"Authorization": f"Bearer {ADMIN}"}
 ENGINE_NAMES = ["tidepool:time_to_first_token_seconds", "tidepool:inter_token_latency_seconds",
@@ -232,11 +232,16 @@ def test_grafana_dashboard_plots_only_metrics_that_exist(client):
     assert len(dash["panels"]) >= 15 and {p["gridPos"]["w"] for p in dash["panels"]} <= {12, 24}
 
 
-def test_metrics_token_when_configured(client, monkeypatch):
-    monkeypatch.setenv("TIDEPOOL_METRICS_TOKEN", "scrape-secret")
-    assert client.get("/metrics").status_code == 401
-    r = client.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
-    assert r.status_code == 200 and "tidepool:http_requests_total" in r.text
+def test_metrics_token_when_configured(pg_url, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIDEPOOL_METRICS_TOKEN", "scrape-secret")     # read once, when the app is built
+    app = make_app(pg_url, tmp_path)
+    try:
+        client = app.test_client()
+        assert client.get("/metrics").status_code == 401
+        r = client.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
+        assert r.status_code == 200 and "tidepool:http_requests_total" in r.text
+    finally:
+        app.extensions["tidepool.engine"].dispose()
 
 
 def test_http_requests_are_logged_as_json(client):

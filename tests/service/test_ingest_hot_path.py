@@ -50,7 +50,7 @@ def _queue(redis_client, queue="interactive") -> list[str]:
 
 def _app(pg_url, redis_url, tmp_path, **extra):
     return create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
-                       "admin_token": ADMIN, "extra": extra})
+                       "admin_token": ADMIN, **extra})
 
 
 # ---- the message ----------------------------------------------------------------------------------------

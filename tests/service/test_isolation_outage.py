@@ -28,7 +28,7 @@ def outage(pg_url, redis_url, tmp_path):
     host, port = pg_url.split("@", 1)[1].split("/", 1)[0].split(":")
     proxy = TcpProxy(host, int(port)).start()
     app = create_app({"database_url": proxy.url_for(pg_url), "redis_url": redis_url, "admin_token": ADMIN,
-                      "storage_dir": str(tmp_path / "storage"), "extra": {"auth_cache_ttl": 0}})
+                      "storage_dir": str(tmp_path / "storage"), "auth_cache_ttl": 0})
     direct = create_engine(pg_url)
     _, key = Admin(app.test_client()).tenant()
     yield app, proxy, direct, key, token_stream.for_redis(app.extensions["tidepool.redis"])

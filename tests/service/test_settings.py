@@ -1,0 +1,84 @@
+"""One settings object (service/config.py's Config): README's configuration table is its table, and a bad value
+stops a process at start-up with a message naming the variable."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from service import create_app
+from service.config import Config, SettingsError, readme_table, variables
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_table() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("| variable | default | meaning |")
+    return text[start:text.index("\n\n", start) + 1]
+
+
+def test_readme_configuration_table_is_the_settings_table():
+    assert _readme_table() == readme_table(), "README's configuration table drifted: paste `python -m service.config`"
+
+
+def test_every_setting_has_a_variable_a_meaning_and_a_default_shown():
+    names = [env for env, _, _ in variables()]
+    assert len(names) == len(set(names)) and all(n.startswith("TIDEPOOL_") for n in names)
+    assert all(shown and meaning for _, shown, meaning in variables())
+    assert {"TIDEPOOL_VISIBILITY_TIMEOUT", "TIDEPOOL_LOG_LEVEL", "TIDEPOOL_SLA_REALTIME_ITL_MS",
+            "TIDEPOOL_CAPACITY_POLICY", "TIDEPOOL_METRICS_PORT"} <= set(names)
+
+
+@pytest.mark.parametrize("var,value,says", [
+    ("TIDEPOOL_VISIBILITY_TIMEOUT", "abc", "expected a number"),
+    ("TIDEPOOL_VISIBILITY_TIMEOUT", "-5", "must be > 0"),
+    ("TIDEPOOL_LOW_WATER", "1.5", "expected an integer"),
+    ("TIDEPOOL_LOG_LEVEL", "LOUD", "expected one of"),
+    ("TIDEPOOL_CAPACITY_POLICY", "greedy", "expected one of"),
+    ("TIDEPOOL_INSECURE_COOKIES", "maybe", "expected 1/true"),
+    ("TIDEPOOL_ONLINE_RESERVE", "1.5", "must be in [0, 1)"),
+    ("TIDEPOOL_REDIS_URL", "http://127.0.0.1:6379", "must be a redis:// URL"),
+])
+def test_a_bad_value_names_its_variable(var, value, says):
+    with pytest.raises(SettingsError, match=var) as raised:
+        Config.from_env(environ={var: value})
+    assert says in str(raised.value)
+
+
+def test_values_are_typed_and_empty_means_unset(tmp_path):
+    cfg = Config.from_env({"storage_dir": str(tmp_path)}, environ={
+        "TIDEPOOL_VISIBILITY_TIMEOUT": "120", "TIDEPOOL_LOW_WATER": "2", "TIDEPOOL_INSECURE_COOKIES": "1",
+        "TIDEPOOL_LOG_LEVEL": "debug", "TIDEPOOL_SLA_REALTIME_ITL_MS": "80", "TIDEPOOL_METRICS_PORT": "0",
+        "TIDEPOOL_KV_BLOCKS": "", "TIDEPOOL_DATABASE_URL": f"sqlite:///{tmp_path}/t.db"})
+    assert (cfg.visibility_timeout, cfg.low_water, cfg.insecure_cookies, cfg.log_level) == (120.0, 2, True, "DEBUG")
+    assert cfg.metrics_port == 0 and cfg.kv_blocks is None and cfg.sla_overrides() == {"realtime": {"itl_ms": 80.0}}
+    assert "num_kv_blocks" not in cfg.engine_fields() and cfg.engine_fields()["online_reserve"] == 0.1
+
+
+def test_overrides_in_code_are_checked_too(tmp_path):
+    with pytest.raises(SettingsError, match="TIDEPOOL_LEASE_SECONDS"):
+        Config.from_env({"lease_seconds": 0, "storage_dir": str(tmp_path)}, environ={})
+
+
+def test_secrets_stay_out_of_the_repr(tmp_path):
+    cfg = Config.from_env({"storage_dir": str(tmp_path), "database_url": f"sqlite:///{tmp_path}/t.db"},
+                          environ={"TIDEPOOL_ADMIN_TOKEN": "adm-secret-1", "TIDEPOOL_METRICS_TOKEN": "m-secret-2"})
+    assert cfg.admin_token == "adm-secret-1" and "adm-secret-1" not in repr(cfg) and "m-secret-2" not in repr(cfg)
+
+
+def test_the_app_factory_refuses_a_bad_value(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIDEPOOL_AUTH_CACHE_TTL", "soon")
+    with pytest.raises(SettingsError, match="TIDEPOOL_AUTH_CACHE_TTL"):
+        create_app({"database_url": f"sqlite:///{tmp_path}/t.db", "storage_dir": str(tmp_path)})
+
+
+def test_the_cli_stops_at_start_up_naming_the_variable(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")}
+    env.update(TIDEPOOL_VISIBILITY_TIMEOUT="abc", TIDEPOOL_DATABASE_URL=f"sqlite:///{tmp_path}/t.db")
+    out = subprocess.run([sys.executable, "-m", "workers.cli", "db", "upgrade"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out
+    assert out.stderr.strip() == "tidepool: TIDEPOOL_VISIBILITY_TIMEOUT: expected a number, got 'abc'"
+    assert not (tmp_path / "t.db").exists()      # nothing ran
