@@ -27,11 +27,10 @@ from sqlalchemy.engine import Engine
 
 from . import doorbell
 from .config import Config
-from .models import Job, JobStatus, utcnow
+from .models import SLA_CLASSES, Job, JobStatus, utcnow
 
 TASK = "tidepool.run_job"
 log = logging.getLogger(__name__)
-SLA_QUEUES = ("realtime", "interactive", "batch", "deferrable")
 
 
 def queue_name(sla_class: str, model: str | None = None) -> str:
@@ -288,11 +287,11 @@ class Dispatcher:
 
     def model_depths(self, models) -> list[dict]:
         """Messages waiting per (model, SLA class) for the given registry model names."""
-        pairs = [(m, c, self.queue(c, m)) for m in models for c in SLA_QUEUES]
+        pairs = [(m, c, self.queue(c, m)) for m in models for c in SLA_CLASSES]
         depths = self.queue_depths([q for _, _, q in pairs])
         return [{"model": m, "sla_class": c, "queue": q, "depth": depths.get(q, 0)} for m, c, q in pairs]
 
-    def queue_depths(self, queues=SLA_QUEUES) -> dict[str, int]:
+    def queue_depths(self, queues=SLA_CLASSES) -> dict[str, int]:
         depths = defaultdict(int)
         with self.celery.connection_for_read() as conn:
             channel = conn.default_channel

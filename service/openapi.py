@@ -3,8 +3,7 @@ import json
 
 from . import bodies, structured
 from .bodies import ALLOWED, CHAT, COMPLETIONS
-from .config import SLA_CLASSES
-from .models import BatchStatus, JobStatus
+from .models import ONLINE_CLASSES, SLA_CLASSES, BatchStatus, JobStatus
 
 # (method, path, summary, security, request schema, success status, response schema)
 ROUTES = [
@@ -62,7 +61,7 @@ _STR = {"type": "string"}
 _NUM = {"type": "number"}
 _BOOL = {"type": "boolean"}
 _NULL_STR = {"type": ["string", "null"]}
-_DEFAULT_CLASS = {"enum": ["realtime", "interactive", None], "description": "class of online requests that name none"}
+_DEFAULT_CLASS = {"enum": [*ONLINE_CLASSES, None], "description": "class of online requests that name none"}
 _TS = {"type": ["integer", "null"], "description": "Unix seconds"}
 
 
@@ -149,7 +148,7 @@ _JOB_EXTRA = {"sla_class": {"enum": list(SLA_CLASSES), "default": "interactive"}
                                                {"type": "number", "description": "future Unix time",
                                                 "maximum": 253402300799}]}),
               "metadata": _METADATA}
-_ONLINE_EXTRA = {"sla_class": _nullable({"enum": ["realtime", "interactive"]}),
+_ONLINE_EXTRA = {"sla_class": _nullable({"enum": list(ONLINE_CLASSES)}),
                  "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}})}
 _QUOTA = {name: _nullable(_int(0, (1 << 63) - 1 if name in ("monthly_token_budget", "max_file_bytes") else (1 << 31) - 1))
           for name in ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued",

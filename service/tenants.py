@@ -4,9 +4,8 @@ from sqlalchemy.orm import Session
 
 from . import keys
 from .bodies import bad_text
-from .config import SLA_CLASSES
 from .errors import APIError, bad_request
-from .models import ApiKey, AuditLog, Quota, Tenant, utcnow
+from .models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, AuditLog, Quota, Tenant, utcnow
 
 QUOTA_FIELDS = {
     "requests_per_minute": int, "tokens_per_minute": int, "max_running": int, "max_queued": int,
@@ -39,9 +38,6 @@ def check_quota_fields(values: dict) -> dict:
                               name)
         out[name] = value
     return out
-
-
-ONLINE_CLASSES = ("realtime", "interactive")
 
 
 def _check_weight(weight) -> float:

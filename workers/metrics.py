@@ -20,9 +20,9 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 
+from service.models import SLA_CLASSES
 from service.snapshots import SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore  # noqa: F401 (the workers' import point)
 
-SLA_CLASSES = ("realtime", "interactive", "batch", "deferrable")
 PUBLISH_INTERVAL = 1.0
 MAX_TENANT_LABELS = 100  # beyond this many distinct tenants, the rest share the label "other"
 

@@ -33,7 +33,7 @@ from sqlalchemy.orm import Session
 
 from service import doorbell, jobs
 from service.db import make_engine
-from service.models import Job, JobStatus, Tenant, cache_namespace, utcnow
+from service.models import ONLINE_CLASSES, SLA_CLASSES, Job, JobStatus, SlaClass, Tenant, cache_namespace, utcnow
 from service import token_stream
 from service.dispatch import queue_name
 from workers.broker import take
@@ -41,8 +41,7 @@ from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_me
 from workers.openai_bodies import CHAT, logprob_entries, prompt_ids, sampling_params
 
 log = logging.getLogger(__name__)
-ONLINE = ("realtime", "interactive")
-QUEUES = {"gpu": ("realtime", "interactive", "batch", "deferrable"), "cpu": ("deferrable",)}
+QUEUES = {"gpu": SLA_CLASSES, "cpu": (SlaClass.deferrable.value,)}   # the SLA classes each kind of worker serves
 HEARTBEAT_KEY = "tidepool:worker:{}"
 RUNNING: dict[str, "Worker"] = {}   # workers of this process, by name (embedded mode, admin panel)
 # A result the ledger refused (e.g. during a database restart) is written again in place, the pause doubling
@@ -102,6 +101,10 @@ class WorkerConfig:
     @property
     def queues(self) -> tuple[str, ...]:
         return tuple(queue_name(c, self.serves) for c in QUEUES[self.kind])
+
+    @property
+    def online_queues(self) -> frozenset[str]:
+        return frozenset(queue_name(c, self.serves) for c in ONLINE_CLASSES)
 
     @classmethod
     def from_env(cls, kind: str = "gpu", device: str | None = None, **overrides) -> "WorkerConfig":
@@ -361,7 +364,7 @@ class Worker:
             for name, message in held:
                 self._accept(name, message)
         for name in self.cfg.queues:
-            online = name in ONLINE
+            online = name in self.cfg.online_queues
             while len(self.inflight) < self.cfg.max_inflight:
                 if not online and not self._has_room():
                     return got       # no spare capacity: leave offline work in the broker
@@ -388,7 +391,7 @@ class Worker:
             return
         token, early = secrets.token_hex(16), None
         try:
-            if queue_name in ONLINE:     # prefill and claim overlap
+            if queue_name in self.cfg.online_queues:     # prefill and claim overlap
                 early = self._start_early(job_id, token, message, taken_at)
             with Session(self.db, expire_on_commit=False) as s:
                 started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds, token=token,
@@ -429,7 +432,7 @@ class Worker:
                     self._publish_tok(early, event)
                 early.held = []
             return
-        inf = Inflight(job_id, started.lease_token, sla, message, online=sla in ONLINE, tenant=job.tenant_id,
+        inf = Inflight(job_id, started.lease_token, sla, message, online=sla in ONLINE_CLASSES, tenant=job.tenant_id,
                        queue_time=queue_time)
         if inf.online and taken_at is not None:
             inf.marks = {"take": taken_at, "claim": claimed_at}
@@ -463,7 +466,7 @@ class Worker:
         if row is None or row.status != JobStatus.queued:
             return None
         sla = row.sla_class.value
-        inf = Inflight(job_id, token, sla, message, online=sla in ONLINE, tenant=row.tenant_id, claimed=False,
+        inf = Inflight(job_id, token, sla, message, online=sla in ONLINE_CLASSES, tenant=row.tenant_id, claimed=False,
                        marks={"take": taken_at} if taken_at is not None else {})
         try:
             prompt, params = build_request(self.engine.tokenizer, row.endpoint, row.request)

@@ -4,10 +4,9 @@ from sqlalchemy import select
 
 from .. import tenants
 from ..auth import admin_required
-from ..config import SLA_CLASSES
 from ..db import session
 from ..errors import bad_request, not_found
-from ..models import ApiKey, AuditLog, Batch, Job, JobStatus, Quota, Tenant
+from ..models import SLA_CLASSES, ApiKey, AuditLog, Batch, Job, JobStatus, Quota, Tenant
 from . import cfg, ext, json_body, limit_arg, page, ts
 from .batches import batch_json
 from .jobs import job_json

@@ -8,11 +8,10 @@ from sqlalchemy.exc import IntegrityError
 
 from .. import bodies, jobs as transitions, logprobs, quotas, structured
 from ..auth import tenant_required
-from ..config import SLA_CLASSES
 from ..db import session
 from ..errors import APIError, bad_request, not_found
 from ..logging import log_job
-from ..models import Job, JobStatus, SlaClass, new_id, utcnow
+from ..models import SLA_CLASSES, Job, JobStatus, SlaClass, new_id, utcnow
 from . import cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("jobs", __name__)

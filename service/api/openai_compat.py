@@ -14,11 +14,10 @@ from service import token_stream
 from .. import bodies, jobs as transitions, logprobs, quotas, structured
 from ..auth import tenant_required
 from ..errors import APIError, bad_request
-from ..models import TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
+from ..models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
 from . import cfg, ext, json_body
 
 bp = Blueprint("openai", __name__)
-ONLINE = ("realtime", "interactive")
 QUIET = 1.0   # seconds without an event before the ledger is consulted (and an SSE keep-alive is sent)
 log = logging.getLogger("tidepool.online")
 
@@ -79,8 +78,8 @@ def _serve(endpoint: str):
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", "stream_options")
     sla = body.pop("sla_class", None) or g.tenant.default_sla_class or "interactive"
-    if sla not in ONLINE:
-        raise bad_request(f"'sla_class' must be one of {list(ONLINE)} here; queue other classes with "
+    if sla not in ONLINE_CLASSES:
+        raise bad_request(f"'sla_class' must be one of {list(ONLINE_CLASSES)} here; queue other classes with "
                           "/v1/jobs or /v1/batches.", "sla_class")
     quota, conf = g.quota, cfg()
     checked = bodies.check(body, endpoint, served_model=conf.served_model_name,

@@ -10,9 +10,8 @@ from sqlalchemy import func, select
 from service.snapshots import SNAPSHOT_TTL, SnapshotStore
 
 from ..api import ext
-from ..config import SLA_CLASSES
 from ..db import session as db
-from ..models import Job, JobStatus, utcnow
+from ..models import SLA_CLASSES, Job, JobStatus, utcnow
 from . import bp
 
 LATENCY_WINDOW = timedelta(minutes=15)

@@ -9,11 +9,10 @@ from werkzeug.exceptions import HTTPException
 
 from .. import batches as ledger, jobs as transitions, tenants
 from ..api import cfg, ext
-from ..config import SLA_CLASSES
 from ..db import session as db
 from ..errors import APIError
 from ..logging import log_job
-from ..models import ApiKey, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, Usage
+from ..models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, Usage
 from ..quotas import period
 from . import bp, check_token, sign_in, signed_in
 
@@ -94,7 +93,7 @@ def _usage_by_tenant() -> dict[str, dict]:
 def tenants_page():
     rows = db().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.name)).all()
     return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
-                           online_classes=tenants.ONLINE_CLASSES, form={}, errors={})
+                           online_classes=ONLINE_CLASSES, form={}, errors={})
 
 
 @bp.post("/tenants")
@@ -119,7 +118,7 @@ def create_tenant():
             return _show_key_once(tenant.id, key)
     rows = db().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.name)).all()
     return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
-                           online_classes=tenants.ONLINE_CLASSES,
+                           online_classes=ONLINE_CLASSES,
                            form={"name": name, "weight": raw_weight, "default_sla_class": raw_class}, errors=errors), 400
 
 
@@ -138,8 +137,8 @@ def _parse_default_class(raw: str, errors: dict) -> str | None:
     """'' is no default (online requests that name no class run as interactive)."""
     if raw == "":
         return None
-    if raw not in tenants.ONLINE_CLASSES:
-        errors["default_sla_class"] = (f"Choose {' or '.join(tenants.ONLINE_CLASSES)}, or no default "
+    if raw not in ONLINE_CLASSES:
+        errors["default_sla_class"] = (f"Choose {' or '.join(ONLINE_CLASSES)}, or no default "
                                        "(interactive).")
         return None
     return raw
@@ -167,7 +166,7 @@ def _tenant_page(tenant_id: str, *, new_key: str | None = None, quota_form: dict
     recent = s.scalars(select(Job).where(Job.tenant_id == tenant_id).order_by(Job.id.desc()).limit(10)).all()
     return render_template("tenant.html", t=t, quota=quota, keys=keys, new_key=new_key, qf=quota_form,
                            sf=scheduling_form, errors=errors or {}, fields=INT_FIELDS, help=FIELD_HELP,
-                           classes=SLA_CLASSES, online_classes=tenants.ONLINE_CLASSES,
+                           classes=SLA_CLASSES, online_classes=ONLINE_CLASSES,
                            usage=_usage_by_tenant().get(tenant_id), recent=recent), status
 
 

@@ -72,3 +72,16 @@ def test_dashboard_charts_are_seeded_from_the_ledger(client, app):
     rt = [p for p in points if p["ttft_p99"]["realtime"] is not None]
     assert len(rt) in (1, 2) and all(abs(p["ttft_p99"]["realtime"] - 0.5) < 0.01 for p in rt)
     assert [p["e2e_p99"]["batch"] for p in points if p["e2e_p99"]["batch"] is not None] == [2.0]
+
+
+def test_dashboard_script_gets_the_classes_from_the_server(client):
+    import json
+    import re
+
+    from service.models import SLA_CLASSES
+    sign_in(client)
+    page = client.get("/admin/", base_url=HTTPS).text
+    raw = re.search(r'data-classes="([^"]*)"', page).group(1).replace("&#34;", '"')
+    assert tuple(json.loads(raw)) == SLA_CLASSES
+    script = (WEB / "static" / "dashboard.js").read_text()
+    assert not any(f'"{c}"' in script for c in SLA_CLASSES)

@@ -3,9 +3,9 @@
   var root = document.getElementById("dashboard");
   if (!root) return;
   var src = root.getAttribute("data-src"), every = parseInt(root.getAttribute("data-refresh-ms"), 10) || 3000;
-  var CLASSES = ["realtime", "interactive", "batch", "deferrable"];
-  var COLORS = {realtime: "#d9480f", interactive: "#1971c2", batch: "#2f9e44", deferrable: "#868e96"};
-  var classSeries = CLASSES.map(function (c) { return {name: c, color: COLORS[c]}; });
+  var CLASSES = JSON.parse(root.getAttribute("data-classes"));   // the server's SLA classes, highest first
+  var COLORS = ["#d9480f", "#1971c2", "#2f9e44", "#868e96", "#5f3dc4", "#e8590c"];
+  var classSeries = CLASSES.map(function (c, i) { return {name: c, color: COLORS[i % COLORS.length]}; });
   var charts = {
     queue: new TinyChart(document.getElementById("c-queue"), classSeries, {label: "queue depth"}),
     tps: new TinyChart(document.getElementById("c-tps"), [{name: "generation", color: "#5f3dc4"}], {label: "tokens per second"}),

@@ -1,0 +1,21 @@
+"""The facts the API, the workers and the engine share are defined once: the engine, which imports nothing of the
+ledger, keeps its own names for its priority ranks, and these tests hold them equal to the ledger's enum."""
+from service.models import ONLINE_CLASSES, SLA_CLASSES, SlaClass
+from workers.engine import SLA_CLASSES as ENGINE_CLASSES
+from workers.engine.config import ONLINE_CLASSES as ENGINE_ONLINE
+from workers.engine.sequence import CLASS_RANK, ONLINE_RANKS
+from workers.worker import QUEUES
+
+
+def test_engine_classes_are_the_ledger_enum_in_priority_order():
+    assert ENGINE_CLASSES == SLA_CLASSES == tuple(c.value for c in SlaClass)
+    assert [CLASS_RANK[c] for c in SLA_CLASSES] == list(range(len(SLA_CLASSES)))
+
+
+def test_engine_online_classes_are_the_ledgers():
+    assert ENGINE_ONLINE == ONLINE_CLASSES
+    assert tuple(c for c in SLA_CLASSES if CLASS_RANK[c] in ONLINE_RANKS) == ONLINE_CLASSES
+
+
+def test_gpu_workers_serve_every_class_and_cpu_workers_a_subset():
+    assert QUEUES["gpu"] == SLA_CLASSES and set(QUEUES["cpu"]) <= set(SLA_CLASSES)
