@@ -30,8 +30,8 @@ import time
 from collections import OrderedDict
 
 from .models import cache_namespace
+from .snapshots import HEARTBEAT_KEY
 
-HEARTBEAT_KEY = "tidepool:worker:{}"     # a live worker's heartbeat: JSON of Worker.stats(), with a TTL
 SEP = ">"                                # private queue = "<shared queue>><worker name>" (queue names use "@")
 PREFIX_CHARS = 512                       # characters of prompt text a key covers (~128 tokens and more)
 ADVERTISED = 64                          # keys a heartbeat carries, newest first

@@ -1,8 +1,11 @@
-"""Worker stats snapshots: what workers publish and what the API and panel read (Flask- and torch-free).
+"""Worker stats snapshots and heartbeats: what workers publish and what the API, the panel and beat read
+(Flask- and torch-free).
 
-Contract: Redis hash SNAPSHOT_KEY, one field per worker name, value the JSON of a worker's snapshot
-(`ts` in Unix seconds). Readers ignore snapshots older than SNAPSHOT_TTL. Without Redis (embedded mode)
-the snapshots live in a process-local dict.
+Snapshots: Redis hash SNAPSHOT_KEY, one field per worker name, value the JSON of a worker's metrics snapshot
+(`ts` in Unix seconds). Readers ignore snapshots older than SNAPSHOT_TTL.
+Heartbeats: one Redis key per live worker, HEARTBEAT_KEY.format(name), value the JSON of Worker.stats()
+(`name`, `at` in Unix seconds, `started_at`, `engine`: its engine's stats, ...), expiring unless renewed.
+Without Redis (embedded mode) both live in process-local dicts.
 """
 import json
 import threading
@@ -10,6 +13,7 @@ import time
 
 SNAPSHOT_KEY = "tidepool:worker_stats"
 SNAPSHOT_TTL = 30.0
+HEARTBEAT_KEY = "tidepool:worker:{}"
 
 
 class SnapshotStore:
@@ -45,3 +49,42 @@ class SnapshotStore:
         else:
             with self._lock:
                 self._local.clear()
+
+
+class Heartbeats:
+    """Live workers' heartbeats: a key each in Redis (expiring after `ttl` seconds), or a process-local dict."""
+
+    _local: dict[str, dict] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, redis_client=None):
+        self.redis = redis_client
+
+    def put(self, stats: dict, ttl: int) -> None:
+        if self.redis is not None:
+            self.redis.set(HEARTBEAT_KEY.format(stats["name"]), json.dumps(stats), ex=ttl)
+        else:
+            with self._lock:
+                self._local[stats["name"]] = stats
+
+    def get(self, name: str) -> dict | None:
+        if self.redis is not None:
+            raw = self.redis.get(HEARTBEAT_KEY.format(name))
+            return json.loads(raw) if raw else None
+        with self._lock:
+            return self._local.get(name)
+
+    def delete(self, name: str) -> None:
+        if self.redis is not None:
+            self.redis.delete(HEARTBEAT_KEY.format(name))
+        else:
+            with self._lock:
+                self._local.pop(name, None)
+
+    def read(self) -> list[dict]:
+        """Every heartbeat there is (Redis: not yet expired)."""
+        if self.redis is None:
+            with self._lock:
+                return list(self._local.values())
+        return [json.loads(raw) for key in self.redis.scan_iter(HEARTBEAT_KEY.format("*"), count=100)
+                if (raw := self.redis.get(key))]

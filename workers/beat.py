@@ -64,7 +64,8 @@ def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
     between taking a message and claiming its job would otherwise strand the job until the visibility
     timeout (6 h). A message of a live worker restored by mistake costs a duplicate, dropped at claim."""
     from workers.broker import OWNERS_KEY
-    from workers.worker import HEARTBEAT_KEY, transport_options
+    from service.snapshots import Heartbeats
+    from workers.worker import transport_options
     client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
     if client is None or not url.startswith("redis"):
         return 0
@@ -74,13 +75,14 @@ def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
         tags = client.zrangebyscore(qos.unacked_index_key, 0, time.time() - grace)
         owners = client.hmget(OWNERS_KEY, tags) if tags else []
         started: dict[str, float | None] = {}
+        heartbeats = Heartbeats(client)
         for tag, owner in zip(tags, owners):
             if owner is None:
                 continue
             name, started_at = json.loads(owner)
             if name not in started:
-                beat = client.get(HEARTBEAT_KEY.format(name))
-                started[name] = json.loads(beat).get("started_at") if beat else None
+                beat = heartbeats.get(name)
+                started[name] = beat.get("started_at") if beat else None
             if started[name] != started_at:
                 qos.restore_by_tag(tag, client, leftmost=True)
                 client.hdel(OWNERS_KEY, tag)

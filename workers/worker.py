@@ -37,13 +37,12 @@ from service.models import ONLINE_CLASSES, SLA_CLASSES, Job, JobStatus, SlaClass
 from service import token_stream
 from service.dispatch import queue_name
 from workers.broker import take
+from service.snapshots import Heartbeats
 from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
 from workers.openai_bodies import CHAT, logprob_entries, prompt_ids, sampling_params
 
 log = logging.getLogger(__name__)
 QUEUES = {"gpu": SLA_CLASSES, "cpu": (SlaClass.deferrable.value,)}   # the SLA classes each kind of worker serves
-HEARTBEAT_KEY = "tidepool:worker:{}"
-RUNNING: dict[str, "Worker"] = {}   # workers of this process, by name (embedded mode, admin panel)
 # A result the ledger refused (e.g. during a database restart) is written again in place, the pause doubling
 # from WRITE_RETRY_FIRST to WRITE_RETRY_MAX seconds, for up to WRITE_PATIENCE seconds: the write is guarded by
 # the lease, so it lands exactly once, or not at all if the sweeper has requeued the job meanwhile.
@@ -184,6 +183,7 @@ class Worker:
         # Gauges and counters move in the engine thread; the dashboard snapshot goes out with the heartbeat.
         self.metrics = EngineMetrics(worker=cfg.name, device=cfg.device, model=cfg.model)
         self.snapshots = SnapshotStore(redis_client)
+        self.heartbeats = Heartbeats(redis_client)
         self.inflight: dict[str, Inflight] = {}
         self.counters = {"claimed": 0, "completed": 0, "failed": 0, "aborted": 0, "dropped": 0, "throttled": 0}
         self.preempted = {c: 0 for c in QUEUES["gpu"]}   # engine preemptions suffered, by SLA class
@@ -221,7 +221,6 @@ class Worker:
 
     def run(self) -> None:
         """Serve until stop(); in-flight jobs are then released back to the queue."""
-        RUNNING[self.cfg.name] = self
         engine_thread = threading.Thread(target=self._engine_loop, name=f"{self.cfg.name}-engine", daemon=True)
         engine_thread.start()
         doorbell.register(self._wake)
@@ -259,12 +258,10 @@ class Worker:
             doorbell.unregister(self._wake)
             engine_thread.join(10)
             self._release_all()
-            RUNNING.pop(self.cfg.name, None)
-            if self.redis is not None:
-                try:
-                    self.redis.delete(HEARTBEAT_KEY.format(self.cfg.name))
-                except Exception:
-                    pass
+            try:
+                self.heartbeats.delete(self.cfg.name)
+            except Exception:
+                pass
             if self._conn is not None:
                 self._conn.release()    # closing the channel restores its unacked messages to their queues
             self.db.dispose()
@@ -623,11 +620,8 @@ class Worker:
             self.snapshots.put(self.metrics.snapshot(self.engine.stats()))
         except Exception as exc:
             log.warning("worker %s: stats snapshot failed: %s", self.cfg.name, exc)
-        if self.redis is None:
-            return
         try:
-            self.redis.set(HEARTBEAT_KEY.format(self.cfg.name), json.dumps(self.stats()),
-                           ex=int(self.cfg.heartbeat_interval * 5) + 1)
+            self.heartbeats.put(self.stats(), ttl=int(self.cfg.heartbeat_interval * 5) + 1)
         except Exception as exc:
             log.warning("worker %s: heartbeat failed: %s", self.cfg.name, exc)
 
@@ -664,16 +658,6 @@ class Worker:
 
 def _dt(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, timezone.utc)
-
-
-def workers_from_redis(client) -> list[dict]:
-    """Heartbeats of live workers (for the admin panel and tests)."""
-    out = []
-    for key in client.scan_iter(HEARTBEAT_KEY.format("*")):
-        raw = client.get(key)
-        if raw:
-            out.append(json.loads(raw))
-    return out
 
 
 def main(args) -> int:

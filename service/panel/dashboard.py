@@ -1,13 +1,11 @@
 """Dashboard: one JSON document computed from the ledger, the broker and the worker snapshots
 (service.snapshots.SnapshotStore); the page polls it and draws the charts."""
-import json
-import sys
 from datetime import timedelta
 
 from flask import current_app, render_template, request
 from sqlalchemy import func, select
 
-from service.snapshots import SNAPSHOT_TTL, SnapshotStore
+from service.snapshots import SNAPSHOT_TTL, Heartbeats, SnapshotStore
 
 from ..api import ext
 from ..db import session as db
@@ -71,7 +69,6 @@ def history() -> list[dict]:
              "e2e_p99": {c: percentile(v, 0.99) for c, v in b["e2e"].items()}} for i, b in enumerate(buckets)]
 
 
-HEARTBEAT_PATTERN = "tidepool:worker:*"  # workers/worker.py heartbeats: {"name", "device", "at", "engine": stats}
 _last_totals: dict[str, tuple[float, int]] = {}  # worker → (at, total generation tokens) seen in a heartbeat
 
 
@@ -97,13 +94,7 @@ def _from_heartbeat(hb: dict) -> dict | None:
 def worker_snapshots() -> list[dict]:
     """Snapshots published through workers.metrics, plus the heartbeats of workers that publish none."""
     snaps = {s["worker"]: s for s in snapshot_store().read()}
-    client = current_app.extensions["tidepool.redis"]
-    beats = []
-    if client is not None:
-        beats = [json.loads(raw) for key in client.scan_iter(HEARTBEAT_PATTERN, count=100)
-                 if (raw := client.get(key))]
-    elif "workers.worker" in sys.modules:  # embedded: the workers run in this process
-        beats = [w.stats() for w in list(sys.modules["workers.worker"].RUNNING.values())]
+    beats = Heartbeats(current_app.extensions["tidepool.redis"]).read()
     now = utcnow().timestamp()
     for hb in beats:
         snap = _from_heartbeat(hb)

@@ -21,6 +21,7 @@ from werkzeug.serving import make_server
 
 from service import create_app, tenants
 from service.models import Job
+from service.snapshots import HEARTBEAT_KEY, Heartbeats
 
 REDIS = os.environ.get("TIDEPOOL_TEST_WORKERS_REDIS")     # default: a private redis-server
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +100,7 @@ class Stack:
         proc.log_path = log.name
         self.procs.append(proc)
         if wait_for:
-            self.wait(lambda: self.redis.exists(f"tidepool:worker:{wait_for}") or proc.poll() is not None, 60,
+            self.wait(lambda: self.redis.exists(HEARTBEAT_KEY.format(wait_for)) or proc.poll() is not None, 60,
                       f"worker {wait_for} to start")
             assert proc.poll() is None, Path(proc.log_path).read_text()
         return proc
@@ -110,8 +111,7 @@ class Stack:
                           **env)
 
     def heartbeat(self, name: str) -> dict:
-        raw = self.redis.get(f"tidepool:worker:{name}")
-        return json.loads(raw) if raw else {}
+        return Heartbeats(self.redis).get(name) or {}
 
     def serve(self) -> str:
         self.server = make_server("127.0.0.1", 0, self.app, threaded=True)

@@ -8,7 +8,7 @@ import pytest
 from service.models import JobStatus
 from workers import beat
 from workers.broker import OWNERS_KEY
-from workers.worker import HEARTBEAT_KEY
+from service.snapshots import HEARTBEAT_KEY
 
 from .test_intake import Killed, _close, _drop, _job, _run_engine, _worker
 
