@@ -1,15 +1,16 @@
-"""Alembic, configured from code so `tidepool db upgrade` finds migrations/ next to this package."""
+"""Alembic, configured from code (no alembic.ini) so `tidepool db upgrade` finds the migrations in a checkout and in
+an installed wheel alike (service/resources.py)."""
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config as AlembicConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+from service.resources import MIGRATIONS
 
 
 def alembic_config(url: str) -> AlembicConfig:
-    cfg = AlembicConfig(str(ROOT / "alembic.ini"))
-    cfg.set_main_option("script_location", str(ROOT / "migrations"))
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
     from service.db import split_url
     url = split_url(url)[0].render_as_string(hide_password=False)     # migrations run unprepared anyway
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))

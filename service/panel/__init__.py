@@ -4,13 +4,12 @@ import hashlib
 import hmac
 import secrets
 from datetime import timedelta
-from pathlib import Path
 
 from flask import Blueprint, current_app, redirect, render_template, request, session, url_for
 
 from ..logging import register_secret
+from ..resources import WEB
 
-WEB = Path(__file__).resolve().parents[2] / "web"
 bp = Blueprint("panel", __name__, url_prefix="/admin", template_folder=str(WEB / "templates"),
                static_folder=str(WEB / "static"), static_url_path="/static")
 PUBLIC = {"panel.login", "panel.static"}
