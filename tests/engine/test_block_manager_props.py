@@ -1,4 +1,5 @@
-"""Hypothesis state machine over the block manager: no block leaked or double-owned, prefix hits exact."""
+"""Hypothesis state machine over the block manager: no block leaked or double-owned, prefix hits exact, and
+with forks (n / best_of) copy-on-write keeps what every sequence reads through its block table its own."""
 from collections import Counter
 
 from hypothesis import settings
@@ -22,6 +23,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(NUM_BLOCKS, BLOCK, enable_prefix_caching=True)
         self.live: list[Sequence] = []
         self.n = 0
+        self.kv: dict[int, dict[int, int]] = {}      # the KV pool as tokens: block -> {slot: token written}
+
+    def _compute(self, seq, upto):
+        """The device side of a step: the pending copy-on-write copies, then seq's tokens up to `upto`."""
+        for src, dst in self.bm.take_copies():
+            self.kv[dst] = dict(self.kv.get(src, {}))
+        for p in range(seq.num_computed_tokens, upto):
+            self.kv.setdefault(seq.block_table[p // BLOCK], {})[p % BLOCK] = seq.token_ids[p]
+        seq.num_computed_tokens = upto
 
     def _new_seq(self, ids):
         self.n += 1
@@ -38,7 +48,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert block.hash == chain_hash(seq.block_hashes[i - 1] if i else None, block.token_ids)
         assert seq.num_computed_tokens < len(ids)
         if self.bm.allocate(seq, seq.num_uncomputed_tokens):
-            seq.num_computed_tokens = seq.num_tokens
+            self._compute(seq, seq.num_tokens)
             self.bm.commit(seq)
             self.live.append(seq)
         else:
@@ -49,11 +59,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def append(self, data, token):
         seq = data.draw(st.sampled_from(self.live))
         seq.token_ids.append(token)
+        shared_tail = seq.num_computed_tokens % BLOCK and \
+            self.bm.blocks[seq.block_table[seq.num_computed_tokens // BLOCK]].ref_count > 1
         if self.bm.allocate(seq, 1):
-            seq.num_computed_tokens += 1
+            if shared_tail:         # copied before the write: now its own
+                assert self.bm.blocks[seq.block_table[seq.num_computed_tokens // BLOCK]].ref_count == 1
+            self._compute(seq, seq.num_computed_tokens + 1)
             self.bm.commit(seq)
         else:
             seq.token_ids.pop()
+            assert not self.bm.copies
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -74,8 +89,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         partial = seq.num_computed_tokens % BLOCK != 0
         if shared_tail and partial:
             assert copy is not None and self.bm.blocks[seq.block_table[-1]].ref_count == 1
+        if copy is not None:
+            self.kv[copy[1]] = dict(self.kv.get(copy[0], {}))
         seq.token_ids.append(token)
-        seq.num_computed_tokens += 1
+        self._compute(seq, seq.num_computed_tokens + 1)
         self.bm.commit(seq)
 
     @precondition(lambda self: self.live)
@@ -94,6 +111,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert len(self.bm.free) + len(owners) == NUM_BLOCKS
         for seq in self.live:
             assert len(seq.block_table) == -(-seq.num_computed_tokens // BLOCK)
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        for seq in self.live:
+            read = [self.kv.get(seq.block_table[p // BLOCK], {}).get(p % BLOCK)
+                    for p in range(seq.num_computed_tokens)]
+            assert read == seq.token_ids[:seq.num_computed_tokens]
 
     @invariant()
     def hash_index_points_at_matching_blocks(self):

@@ -40,6 +40,9 @@ class BlockManager:
         self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
         # Host blocks read by this step's swap-ins: reusable once the step's copies are done.
         self._host_released: list[int] = []
+        self.copies: list[tuple[int, int]] = []   # copy-on-write (src, dst) device copies not yet taken
+        self.forks = 0                  # sequences that took their blocks from a sibling (n / best_of)
+        self.cow_copies = 0             # shared partial blocks copied before a write
 
     @property
     def num_blocks(self) -> int:
@@ -91,14 +94,38 @@ class BlockManager:
             parent = h
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * bs
 
+    def _shared_tail(self, seq: Sequence) -> bool:
+        """The next token would be written into a partially filled block that another sequence shares (fork)."""
+        return (seq.num_computed_tokens % self.block_size != 0
+                and self.blocks[seq.block_table[seq.num_computed_tokens // self.block_size]].ref_count > 1)
+
+    def _copy_on_write(self, seq: Sequence) -> tuple[int, int]:
+        """Give seq its own copy of its shared partial block; returns (src, dst) for the device copy."""
+        i = seq.num_computed_tokens // self.block_size
+        src = seq.block_table[i]
+        dst = self._take_free()
+        self._release(src)             # still held by the sibling(s): never freed here
+        seq.block_table[i] = dst
+        self.cow_copies += 1
+        return src, dst
+
     def allocate(self, seq: Sequence, num_new_tokens: int, keep_free: int = 0) -> bool:
         """Make room for num_new_tokens more tokens of seq, leaving at least keep_free blocks free;
-        False (and nothing changed) if the pool is short."""
+        False (and nothing changed) if the pool is short. A shared partially filled block about to be
+        written is copied first (copy-on-write): the (src, dst) pair waits in `copies` for `take_copies`."""
         needed = self.blocks_needed(seq, num_new_tokens)
-        if needed and needed > len(self.free) - keep_free:
+        cow = num_new_tokens > 0 and self._shared_tail(seq)
+        if (needed or cow) and needed + cow > len(self.free) - keep_free:
             return False
+        if cow:
+            self.copies.append(self._copy_on_write(seq))
         seq.block_table.extend(self._take_free() for _ in range(needed))
         return True
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write (src, dst) block copies made since the last call: to do before the step runs."""
+        copies, self.copies = self.copies, []
+        return copies
 
     def commit(self, seq: Sequence) -> None:
         """Register the blocks that the last step filled completely, so later prompts can share them."""
@@ -118,13 +145,15 @@ class BlockManager:
             parent = h
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """child shares every block of parent (copy-on-write happens in `append_slot`)."""
+        """child shares every block of parent; a shared partial block is copied before either writes into it
+        (`allocate`, `append_slot`)."""
         assert not child.block_table
         for block_id in parent.block_table:
             self._ref(block_id)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_computed_tokens = parent.num_computed_tokens
+        self.forks += 1
 
     def append_slot(self, seq: Sequence) -> tuple[int, int] | None:
         """Room for one more token. Returns (src, dst) when a shared partial block had to be copied.
@@ -137,15 +166,11 @@ class BlockManager:
                 raise MemoryError("no free KV block")
             seq.block_table.append(self._take_free())
             return None
-        last = seq.block_table[-1]
-        if self.blocks[last].ref_count == 1:
+        if not self._shared_tail(seq):
             return None
         if not self.free:
             raise MemoryError("no free KV block")
-        new = self._take_free()
-        self._release(last)
-        seq.block_table[-1] = new
-        return last, new
+        return self._copy_on_write(seq)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -13,8 +13,19 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.structured import StructuredDecoding
-from workers.engine.swap import HostKVPool
+from workers.engine.swap import HostKVPool, copy_blocks
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a finished request."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float = 0.0
 
 
 @dataclass
@@ -33,20 +44,38 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    # n / best_of > 1: the text, token ids, logprobs, delta and new tokens above are those of choice `index`
+    # (each event is one choice's); the finished output lists the choices returned in `outputs` (always,
+    # one for n = 1), and generated_tokens counts the tokens of every sequence (best_of included).
+    index: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    generated_tokens: int = 0
 
 
-class _Request:
-    """Per-request state the engine keeps beside its Sequence."""
+class _Choice:
+    """Per-sequence state the engine keeps beside each of a request's Sequences."""
 
-    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, on_token, arrival: float):
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer):
         self.seq = seq
         self.detok = detok
-        self.on_token = on_token
         self.emitted = 0                      # characters of detok.text already handed out
         self.text = ""
         self.logprobs: list[dict] | None = [] if seq.params.logprobs is not None else None
+        self.finish_reason: str | None = None
+
+
+class _Request:
+    """Per-request state: its choices (one sequence each; n / best_of > 1 fork off the first after prefill)."""
+
+    def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, on_token, arrival: float):
+        self.choices = [_Choice(seq, detok)]
+        self.on_token = on_token
         self.arrival_time = arrival
         self.first_token_time: float | None = None
+
+    @property
+    def seq(self) -> Sequence:
+        return self.choices[0].seq
 
 
 class LLMEngine:
@@ -155,78 +184,132 @@ class LLMEngine:
             return outputs
         prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
                             for s, n in zip(batch.seqs, batch.num_new_tokens))
-        if batch.swap_out or batch.swap_in:
-            self.host_pool.copy(batch.swap_out, batch.swap_in)
+        if batch.swap_out:
+            self.host_pool.copy(batch.swap_out, [])
+        if batch.copies:     # copy-on-write: after swap-outs read their blocks, before swap-ins overwrite any
+            copy_blocks(self.runner.model.layers, batch.copies)
+        if batch.swap_in:
+            self.host_pool.copy([], batch.swap_in)
         logits = self.runner.run(batch)
         t2 = time.perf_counter()
         ready = self.scheduler.postprocess(batch)
         if ready:
+            ready, logits = self._fork(ready, logits)
             tokens, logprobs = self.sampler(logits, ready, self.structured.bitmask([s.grammar for s in ready]))
             for seq, token, lp in zip(ready, tokens, logprobs):
-                outputs.append(self._append_token(self.requests[seq.request_id], token, lp))
+                request = self.requests[seq.request_id]
+                outputs.append(self._append_token(request, request.choices[seq.index], token, lp))
         t3 = time.perf_counter()
         self.cost_model.observe(batch.num_tokens, batch.attended, t3 - t0)
         self._record(batch, prompt_tokens, t1 - t0, t2 - t1, t3 - t2)
         return outputs
 
-    def _append_token(self, request: _Request, token: int, logprob: dict | None) -> RequestOutput:
-        seq, params = request.seq, request.seq.params
+    def _fork(self, ready: list[Sequence], logits):
+        """A request of several sequences whose prompt was just computed: its siblings fork off the first
+        one (sharing every prompt block), and each samples its first token from the same logits row."""
+        rows, seqs = [], []
+        for row, seq in enumerate(ready):
+            rows.append(row)
+            seqs.append(seq)
+            request = self.requests[seq.request_id]
+            if seq.index or seq.num_output_tokens or len(request.choices) >= seq.params.num_seqs:
+                continue
+            prompt = seq.token_ids[:seq.num_prompt_tokens]
+            for index in range(1, seq.params.num_seqs):
+                child = seq.fork(index)
+                self.block_manager.fork(seq, child)
+                if seq.params.structured is not None:
+                    child.grammar = self.structured.matcher(seq.params.structured)
+                self.scheduler.add_forked(child)
+                request.choices.append(_Choice(child, IncrementalDetokenizer(self.tokenizer, prompt,
+                                                                             seq.params.skip_special_tokens)))
+                rows.append(row)
+                seqs.append(child)
+        if len(seqs) == len(ready):
+            return ready, logits
+        return seqs, logits[rows]
+
+    def _append_token(self, request: _Request, choice: _Choice, token: int, logprob: dict | None) -> RequestOutput:
+        seq, params = choice.seq, choice.seq.params
         now = time.time()
         if request.first_token_time is None:
             request.first_token_time = now
         seq.token_ids.append(token)
         self._totals["generation_tokens"] += 1
-        if request.logprobs is not None:
-            request.logprobs.append(logprob)
+        if logprob is not None:
+            seq.cumulative_logprob += logprob["logprob"]
+        if choice.logprobs is not None:
+            choice.logprobs.append(logprob)
         reason = None
         if seq.grammar is not None and (not seq.grammar.accept_token(token) or seq.grammar.is_terminated()):
             reason = "stop"       # the grammar is complete (a rejected token cannot happen under its mask)
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             reason = "stop"
         else:
-            request.detok.add(token)
-            text = request.detok.text
+            choice.detok.add(token)
+            text = choice.detok.text
             for stop in params.stop:
-                at = text.find(stop, max(0, len(request.text) - len(stop)))
+                at = text.find(stop, max(0, len(choice.text) - len(stop)))
                 if at != -1:
                     text, reason = text[:at], "stop"
                     break
-            request.text = text
+            choice.text = text
         if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
-        if reason is not None and request.text == request.detok.text:     # not cut at a stop string
-            request.detok.flush()
-            request.text = request.detok.text
+        if reason is not None and choice.text == choice.detok.text:     # not cut at a stop string
+            choice.detok.flush()
+            choice.text = choice.detok.text
         if reason is not None:
-            return self._finish(request, reason, new_tokens=[token])
+            return self._finish(request, reason, new_tokens=[token], choice=choice)
         # Hold back text that could still turn out to be the start of a stop string.
         hold = max((len(s) - 1 for s in params.stop), default=0)
-        return self._emit(request, [token], upto=max(request.emitted, len(request.text) - hold))
+        return self._emit(request, choice, [token], upto=max(choice.emitted, len(choice.text) - hold))
 
-    def _emit(self, request: _Request, new_tokens: list[int], upto: int, finished: bool = False,
+    def _emit(self, request: _Request, choice: _Choice, new_tokens: list[int], upto: int, finished: bool = False,
               reason: str | None = None) -> RequestOutput:
-        seq = request.seq
-        delta = request.text[request.emitted:upto]
-        request.emitted = upto
+        seq = choice.seq
+        delta = choice.text[choice.emitted:upto]
+        choice.emitted = upto
         out = RequestOutput(
             request_id=seq.request_id, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids, text=request.text, finished=finished, finish_reason=reason,
-            new_token_ids=new_tokens, delta_text=delta, logprobs=request.logprobs,
-            num_cached_tokens=seq.num_cached_tokens, num_preemptions=seq.num_preemptions,
+            token_ids=seq.output_token_ids, text=choice.text, finished=finished, finish_reason=reason,
+            new_token_ids=new_tokens, delta_text=delta, logprobs=choice.logprobs,
+            num_cached_tokens=request.seq.num_cached_tokens,
+            num_preemptions=sum(c.seq.num_preemptions for c in request.choices),
             arrival_time=request.arrival_time, first_token_time=request.first_token_time,
-            finished_time=time.time() if finished else None)
+            finished_time=time.time() if finished else None, index=seq.index,
+            outputs=self._outputs(request) if finished else [],
+            generated_tokens=sum(c.seq.num_output_tokens for c in request.choices))
         if request.on_token is not None:
             request.on_token(out)
         return out
 
-    def _finish(self, request: _Request, reason: str, new_tokens: list[int] | None = None) -> RequestOutput:
-        seq = request.seq
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        self.sampler.forget(seq.request_id)
-        del self.requests[seq.request_id]
-        self._totals["aborted" if reason == "abort" else "finished"] += 1
-        return self._emit(request, new_tokens or [], upto=len(request.text), finished=True, reason=reason)
+    @staticmethod
+    def _outputs(request: _Request) -> list[CompletionOutput]:
+        """The choices returned: all of them, or with best_of the n of highest cumulative logprob."""
+        params = request.seq.params
+        choices = request.choices
+        if params.num_seqs > params.n:
+            choices = sorted(choices, key=lambda c: c.seq.cumulative_logprob, reverse=True)[:params.n]
+        return [CompletionOutput(i, c.text, c.seq.output_token_ids, c.finish_reason, c.logprobs,
+                                 c.seq.cumulative_logprob) for i, c in enumerate(choices)]
+
+    def _finish(self, request: _Request, reason: str, new_tokens: list[int] | None = None,
+                choice: _Choice | None = None) -> RequestOutput:
+        """Finish one choice (without one: every unfinished choice, an abort). The request is finished when
+        all its choices are (before the fork, an abort finishes it at once)."""
+        for c in [choice] if choice is not None else request.choices:
+            if c.finish_reason is None:
+                c.finish_reason = c.seq.finish_reason = reason
+                self.scheduler.remove(c.seq)
+                self.sampler.forget(c.seq.request_id, c.seq.index)
+        choice = choice or request.choices[0]
+        done = all(c.finish_reason is not None for c in request.choices) and \
+            (len(request.choices) == request.seq.params.num_seqs or reason == "abort")
+        if done:
+            del self.requests[request.seq.request_id]
+            self._totals["aborted" if reason == "abort" else "finished"] += 1
+        return self._emit(request, choice, new_tokens or [], upto=len(choice.text), finished=done, reason=reason)
 
     # -- stats ----------------------------------------------------------------------------------
     def _record(self, batch, prompt_tokens: int, schedule_s: float, model_s: float, sample_s: float) -> None:
@@ -267,6 +350,8 @@ class LLMEngine:
             "cost_model": self.cost_model.as_dict(),
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
+            "forked_seqs": bm.forks,
+            "cow_copies": bm.cow_copies,
             "structured_mask_s": self.structured.mask_s,
             "structured_masked_rows": self.structured.masked_rows,
             "decode_graph_replays": self.runner.decode_graphs.replays if self.runner.decode_graphs else 0,

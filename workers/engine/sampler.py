@@ -12,18 +12,19 @@ class Sampler:
         self.generators: dict[str, torch.Generator] = {}
 
     def generator_for(self, seq: Sequence) -> torch.Generator:
-        g = self.generators.get(seq.request_id)
+        """The sequence's own random stream: seeded with seed + its index among its request's sequences."""
+        g = self.generators.get((seq.request_id, seq.index))
         if g is None:
             g = torch.Generator(device=self.device)
             if seq.params.seed is None:
                 g.seed()
             else:
-                g.manual_seed(seq.params.seed)
-            self.generators[seq.request_id] = g
+                g.manual_seed(seq.params.seed + seq.index)
+            self.generators[(seq.request_id, seq.index)] = g
         return g
 
-    def forget(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+    def forget(self, request_id: str, index: int = 0) -> None:
+        self.generators.pop((request_id, index), None)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask=None):
@@ -31,7 +32,7 @@ class Sampler:
         rows' allowed tokens (StructuredDecoding.bitmask), or None."""
         logits = logits.float().clone()
         raw_logprobs = None
-        if any(s.params.logprobs is not None for s in seqs):
+        if any(s.params.needs_logprob for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if bitmask is not None:
             apply_bitmask(logits, bitmask)
@@ -78,10 +79,10 @@ class Sampler:
             return [None] * len(seqs)
         result = []
         for i, seq in enumerate(seqs):
-            n = seq.params.logprobs
-            if n is None:
+            if not seq.params.needs_logprob:
                 result.append(None)
                 continue
+            n = seq.params.logprobs or 0      # None here: only the sampled token's, to rank best_of
             top = torch.topk(raw[i], n) if n else None
             result.append({
                 "token_id": tokens[i],

@@ -56,6 +56,10 @@ class SamplingParams:
     logprobs: int | None = None         # top-N log-probabilities per generated token
     skip_special_tokens: bool = True
     structured: StructuredOutput | dict | None = None   # a dict is StructuredOutput's fields
+    n: int = 1                          # choices returned
+    best_of: int | None = None          # sequences generated (>= n; None: n); the n with the highest
+                                        # cumulative logprob are returned. All share the prompt's KV blocks,
+                                        # and sequence i samples with seed + i.
 
     def __post_init__(self):
         if isinstance(self.structured, dict):
@@ -79,10 +83,23 @@ class SamplingParams:
             (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]"),
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs must be in [0, 20]"),
+            (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
+            (self.best_of is None or (isinstance(self.best_of, int) and self.best_of >= self.n),
+             "best_of must be an integer >= n"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences generated for the request (best_of, else n)."""
+        return self.best_of or self.n
+
+    @property
+    def needs_logprob(self) -> bool:
+        """The sampled token's logprob is needed: asked for, or to rank best_of sequences."""
+        return self.logprobs is not None or self.num_seqs > self.n
 
     @property
     def greedy(self) -> bool:

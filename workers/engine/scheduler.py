@@ -38,6 +38,8 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block), before the step
     swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block), after swap_out
+    copies: list[tuple[int, int]] = field(default_factory=list)     # copy-on-write (src, dst) device blocks,
+                                                                    # after swap_out and before swap_in
     attended: int = 0                      # context tokens the step's new tokens attend to
     predicted_s: float = 0.0               # the cost model's estimate of the step (0 without a model)
     time_limit_s: float | None = None      # the itl bound it was built under; None: offline runs flat out
@@ -84,6 +86,12 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self._activate_tenant(seq)
         seq.status = WAITING
+        self.waiting.append(seq)
+
+    def add_forked(self, seq: Sequence) -> None:
+        """A sibling forked off a running sequence (n / best_of): it holds its blocks and waits, suspended,
+        for a seat (the next step gives it one if the seat limit allows)."""
+        seq.status = SUSPENDED
         self.waiting.append(seq)
 
     def offline_seats_free(self) -> int:
@@ -237,6 +245,7 @@ class Scheduler:
             self.served[(seq.rank, seq.tenant)] += n / seq.weight
         if self.cost_model is not None and batch:
             batch.predicted_s = time_used
+        batch.copies = bm.take_copies()
         return batch
 
     def _seat(self, seq: Sequence, offline_running: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
@@ -356,7 +365,12 @@ class Scheduler:
         total = seq.num_prompt_tokens + seq.params.max_tokens
         if self.max_model_len is not None:
             total = min(total, self.max_model_len)
-        return max(0, -(-total // self.block_manager.block_size) - len(seq.block_table))
+        bs = self.block_manager.block_size
+        need = max(0, -(-total // bs) - len(seq.block_table))
+        if seq.params.num_seqs > 1 and seq.index == 0 and seq.num_output_tokens == 0:
+            # siblings still to be forked: each writes its own output (and a copy of the shared partial block)
+            need += (seq.params.num_seqs - 1) * (-(-(total - seq.num_prompt_tokens) // bs) + 1)
+        return need
 
     def _future_blocks(self) -> int:
         return sum(self._blocks_to_finish(s) for s in self.running) + \

@@ -52,6 +52,20 @@ class Sequence:
         self.num_lost_tokens = 0               # computed tokens thrown away by a recompute preemption
         self.finish_reason: str | None = None
         self.grammar = None                    # structured output: its matcher (workers.engine.structured)
+        self.index = 0                         # which of its request's sequences (n / best_of > 1) this is
+        self.cumulative_logprob = 0.0          # of the sampled tokens (kept when they are computed)
+
+    def fork(self, index: int) -> "Sequence":
+        """A sibling for choice `index`: same prompt, output and place in line; no blocks yet (the block
+        manager's fork shares them) and no grammar state (the caller gives it its own)."""
+        child = object.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.token_ids = list(self.token_ids)
+        child.block_table, child.block_hashes, child.host_block_table = [], [], []
+        child.num_computed_tokens = child.num_cached_tokens = 0
+        child.num_preemptions = child.num_lost_tokens = 0
+        child.grammar, child.index = None, index
+        return child
 
     def __len__(self) -> int:
         return len(self.token_ids)

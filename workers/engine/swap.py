@@ -28,3 +28,13 @@ class HostKVPool:
             for i, layer in enumerate(self.layers):
                 for j, cache in enumerate((layer.self_attn.k_cache, layer.self_attn.v_cache)):
                     cache.index_copy_(0, dev, self.cache[i, j].index_select(0, host).to(self.device))
+
+
+@torch.inference_mode()
+def copy_blocks(layers, pairs: list[tuple[int, int]]) -> None:
+    """Copy-on-write of forked sequences: device block src -> dst, every layer's K and V (all reads first)."""
+    cache = layers[0].self_attn.k_cache
+    src, dst = (torch.tensor(ids, device=cache.device) for ids in zip(*pairs))
+    for layer in layers:
+        for cache in (layer.self_attn.k_cache, layer.self_attn.v_cache):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
