@@ -9,27 +9,23 @@ records it in the background, batched (MarkFlusher), and only on a row nobody ch
 (same xmin) or that has left the queued state: a worker that claimed the job and handed it back for
 republishing (throttled, retried) has changed the row, and its request wins."""
 import atexit
-import base64
 import logging
 import os
-import socket
 import threading
 import time
-import uuid
 import weakref
 from collections import defaultdict
 from datetime import timedelta
 
 from celery import Celery
-from kombu.utils.json import dumps as kombu_dumps
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
 from . import doorbell
 from .config import Config
 from .models import SLA_CLASSES, Job, JobStatus, utcnow
+from .wire import make_celery, publish_task as _publish_task, task_message  # noqa: F401 (make_celery: create_app)
 
-TASK = "tidepool.run_job"
 log = logging.getLogger(__name__)
 
 
@@ -39,47 +35,6 @@ def queue_name(sla_class: str, model: str | None = None) -> str:
     one-model deployment routes exactly as before the registry; any other registered model gets
     `<class>@<model>` (registry names never hold '@')."""
     return sla_class if model is None else f"{sla_class}@{model}"
-
-
-def make_celery(broker_url: str) -> Celery:
-    app = Celery("tidepool.service", broker=broker_url, set_as_current=False)
-    app.conf.update(task_publish_retry=False, broker_connection_timeout=2, broker_connection_retry=False,
-                    task_serializer="json", accept_content=["json"])
-    return app
-
-
-_ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
-_EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
-
-
-def _publish_task(producer, job_id: str, queue: str) -> None:
-    """One Celery protocol-2 message for `tidepool.run_job(job_id)`, routed straight to `queue`.
-    Equivalent to `celery.send_task(TASK, args=[job_id], queue=queue)` at a fraction of the cost,
-    which matters when a 50,000-line batch is dispatched."""
-    task_id = str(uuid.uuid4())
-    headers = {"lang": "py", "task": TASK, "id": task_id, "shadow": None, "eta": None, "expires": None,
-               "group": None, "group_index": None, "retries": 0, "timelimit": [None, None],
-               "root_id": task_id, "parent_id": None, "argsrepr": repr([job_id]), "kwargsrepr": "{}",
-               "origin": _ORIGIN, "ignore_result": False}
-    producer.publish(([job_id], {}, _EMBED), exchange="", routing_key=queue, serializer="json",
-                     headers=headers, correlation_id=task_id, reply_to="", retry=False,
-                     delivery_mode=2)
-
-
-def task_message(job_id: str, queue: str) -> str:
-    """The exact Redis list entry kombu's Redis transport writes for _publish_task(producer, job_id, queue)
-    (tests/service compare the two field by field), built without a producer, a channel or a client."""
-    task_id = str(uuid.uuid4())
-    headers = {"lang": "py", "task": TASK, "id": task_id, "shadow": None, "eta": None, "expires": None,
-               "group": None, "group_index": None, "retries": 0, "timelimit": [None, None],
-               "root_id": task_id, "parent_id": None, "argsrepr": repr([job_id]), "kwargsrepr": "{}",
-               "origin": _ORIGIN, "ignore_result": False}
-    body = base64.b64encode(kombu_dumps(([job_id], {}, _EMBED)).encode()).decode()
-    return kombu_dumps({"body": body, "content-encoding": "utf-8", "content-type": "application/json",
-                        "headers": headers,
-                        "properties": {"correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
-                                       "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0,
-                                       "body_encoding": "base64", "delivery_tag": str(uuid.uuid4())}})
 
 
 # Marks one flush records (or skips): on a row left untouched since its INSERT (xmin) or no longer queued.

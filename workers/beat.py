@@ -50,7 +50,7 @@ def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_
 
 
 def _restore_visible(app, visibility_timeout: float) -> None:
-    from workers.worker import transport_options
+    from service.wire import transport_options
     url = app.config["TIDEPOOL"].broker_url
     if not url.startswith("redis"):
         return
@@ -65,7 +65,7 @@ def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
     timeout (6 h). A message of a live worker restored by mistake costs a duplicate, dropped at claim."""
     from workers.broker import OWNERS_KEY
     from service.snapshots import Heartbeats
-    from workers.worker import transport_options
+    from service.wire import transport_options
     client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
     if client is None or not url.startswith("redis"):
         return 0

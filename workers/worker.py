@@ -36,6 +36,7 @@ from service.db import make_engine
 from service.models import ONLINE_CLASSES, SLA_CLASSES, Job, JobStatus, SlaClass, Tenant, cache_namespace, utcnow
 from service import token_stream
 from service.dispatch import queue_name
+from service.wire import job_id as message_job_id, transport_options
 from workers.broker import take
 from service.snapshots import Heartbeats
 from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
@@ -62,11 +63,6 @@ def _env_float(name: str, default: float) -> float:
 def default_device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def transport_options(visibility_timeout: float) -> dict:
-    # priority: a consumer of several queues drains them in the listed order (strict class order).
-    return {"visibility_timeout": visibility_timeout, "queue_order_strategy": "priority"}
 
 
 @dataclass
@@ -376,7 +372,7 @@ class Worker:
 
     def _accept(self, queue_name: str, message, taken_at: float | None = None) -> None:
         try:
-            job_id = message.decode()[0][0]
+            job_id = message_job_id(message)
         except Exception:
             log.warning("worker %s: dropping malformed message on %s", self.cfg.name, queue_name)
             message.ack()

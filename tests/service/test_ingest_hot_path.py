@@ -16,7 +16,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service import create_app, jobs, tenants
-from service.dispatch import _lpush, _publish_task, make_celery, task_message
+from service.dispatch import _lpush
+from service.wire import make_celery, publish_task as _publish_task, task_message
 from service.errors import APIError
 from service.models import ApiKey, Job, JobStatus, SlaClass, Tenant, Usage, new_id, utcnow
 from service.quotas import GroupAdmission
