@@ -21,7 +21,7 @@ from celery import Celery
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
-from . import doorbell
+from . import affinity, doorbell
 from .config import Config
 from .models import SLA_CLASSES, Job, JobStatus, utcnow
 from .wire import make_celery, publish_task as _publish_task, task_message  # noqa: F401 (make_celery: create_app)
@@ -163,6 +163,8 @@ class Dispatcher:
         self.marks = MarkFlusher(engine, mark_interval) if engine.dialect.name == "postgresql" else None
         self._direct = None
         self._direct_lock = threading.Lock()
+        self.affinity = True     # prefix-affinity routing of keyed jobs (service/affinity.py); False: shared queues
+        self.router: affinity.Router | None = None
 
     def _direct_client(self):
         """A Redis client for publish_one when the broker is plain Redis (no transport options that change
@@ -179,10 +181,24 @@ class Dispatcher:
                     self._direct = client
         return self._direct or None
 
-    def publish_one(self, job_id: str, queue: str, xmin: str | None = None) -> bool:
+    def route(self, queue: str, prefix: str | None) -> str:
+        """Where a job of `queue` whose prompt has prefix key `prefix` (affinity.prefix_key) is published: the
+        private queue of the worker holding that prefix, or `queue` itself (affinity.Router)."""
+        if prefix is None or not self.affinity:
+            return queue
+        if self.router is None:
+            client = self._direct_client()
+            if client is None:   # embedded mode: one worker, nothing to choose
+                return queue
+            self.router = affinity.Router(client)
+        return self.router.route(queue, prefix)
+
+    def publish_one(self, job_id: str, queue: str, xmin: str | None = None, prefix: str | None = None) -> bool:
         """Publish one job committed with the given xmin (Postgres) and record it dispatched in the
         background; True once the message is in the broker. Without an xmin or a plain Redis broker this is
-        publish([(job_id, queue)]), which records dispatched_at before returning."""
+        publish([(job_id, queue)]), which records dispatched_at before returning. prefix: the job's prefix
+        key, for affinity routing."""
+        queue = self.route(queue, prefix)
         client = self._direct_client() if xmin is not None and self.marks is not None else None
         if client is None:
             return self.publish([(job_id, queue)]) == 1
@@ -195,9 +211,9 @@ class Dispatcher:
         self.marks.add(job_id, xmin)
         return True
 
-    def publish(self, jobs: list[tuple[str, str]]) -> int:
-        """Publish (job_id, sla_class) pairs in chunks over one producer connection and mark each
-        chunk dispatched once it reached the broker. Returns how many were published; a broker
+    def publish(self, jobs: list[tuple]) -> int:
+        """Publish (job_id, queue) pairs, or (job_id, queue, prefix key) triples (routed by prefix), in chunks
+        over one producer connection and mark each chunk dispatched once it reached the broker. Returns how many were published; a broker
         failure is logged and leaves the rest undispatched for the sweeper."""
         sent = 0
         try:
@@ -205,10 +221,10 @@ class Dispatcher:
                 for i in range(0, len(jobs), self.chunk_size):
                     chunk = jobs[i:i + self.chunk_size]
                     with producer.batch(max_size=self.chunk_size):
-                        for job_id, sla_class in chunk:
-                            _publish_task(producer, job_id, sla_class)
+                        for job_id, queue, *prefix in chunk:
+                            _publish_task(producer, job_id, self.route(queue, prefix[0] if prefix else None))
                     self._ring()
-                    self._mark([job_id for job_id, _ in chunk])
+                    self._mark([job[0] for job in chunk])
                     sent += len(chunk)
         except Exception:  # the broker is down: the rows stay undispatched and the sweeper retries
             log.exception("publishing %d jobs failed; %d published", len(jobs), sent)
