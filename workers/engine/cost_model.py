@@ -3,8 +3,18 @@
 Fitted from the engine's own measured steps (exponentially weighted least squares, so it follows the
 device's current speed), seeded by a short calibration when the engine starts. The scheduler reads the
 three coefficients only, so a test can hand it any object that has them.
+
+The fit is robust to stalls: on a shared or oversubscribed host a step now and then takes many times its
+usual time (the OS ran another thread, a GC pause), and a least-squares mean over such steps would predict
+every step slower than it is, shrinking the online step budget (and offline throughput) for nothing. An
+observation counts at most STALL_CLIP times what the model predicted, so the fit follows the typical step
+(a genuine slow-down still moves it, by up to that factor per step), and calibration keeps the fastest of
+three runs of each shape.
 """
 import numpy as np
+
+STALL_CLIP = 1.5          # an observed step counts at most this many times the prediction (after WARMUP steps)
+WARMUP = 8
 
 
 def attended(start: int, num_new: int) -> int:
@@ -22,6 +32,7 @@ class CostModel:
         self._xty = np.zeros(3)
         self._prior = np.array([fixed, per_token, per_context])
         self.observations = 0
+        self.seeded = False                # seeded by calibration: observations are clipped from the start
 
     def predict(self, num_tokens: int, num_attended: int) -> float:
         return self.fixed + self.per_token * num_tokens + self.per_context * num_attended
@@ -29,12 +40,14 @@ class CostModel:
     def seed(self, fixed: float, per_token: float, per_context: float) -> None:
         self.fixed, self.per_token, self.per_context = fixed, per_token, per_context
         self._prior = np.array([fixed, per_token, per_context])
+        self.seeded = True
 
     def observe(self, num_tokens: int, num_attended: int, seconds: float) -> None:
-        if self.observations >= 8:
+        predicted = self.predict(num_tokens, num_attended)
+        if predicted > 0 and (self.seeded or self.observations >= WARMUP):
             # One step slowed by something outside the engine (another process, a GC pause) must not
-            # drag the fit: clip it to a few times what the model expected.
-            seconds = min(seconds, 3.0 * max(self.predict(num_tokens, num_attended), 1e-6))
+            # drag the fit: clip it to a little more than what the model expected.
+            seconds = min(seconds, STALL_CLIP * predicted)
         x = np.array([1.0, float(num_tokens), float(num_attended)])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
@@ -97,7 +110,7 @@ def calibrate(cost: "CostModel", runner, num_blocks: int, block_size: int, max_n
         if batch is None:
             continue
         best = float("inf")
-        for _ in range(2):                              # the faster of two: less noise from other processes
+        for _ in range(3):                              # the fastest of three: less noise from other processes
             t0 = time.perf_counter()
             runner.run(batch)
             best = min(best, time.perf_counter() - t0)
