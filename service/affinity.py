@@ -163,6 +163,7 @@ class Router:
         self.held: dict[str, set] = {}          # name -> advertised keys
         self.routed: dict[str, int] = {}        # name -> messages routed to it since its last heartbeat read
         self.placed: OrderedDict = OrderedDict()    # key -> worker this router placed it on
+        self.groups: dict[str, int] = {}        # name -> keys in `placed` that are on it
         self.read_at = float("-inf")
         self.counts = {"private": 0, "shared": 0, "overflow": 0}
 
@@ -185,6 +186,18 @@ class Router:
         self.workers = workers
         self.held = {name: set(beat.get("prefixes") or ()) for name, beat in workers.items()}
         self.read_at = self.clock()
+
+    def _place(self, key: str, name: str) -> None:
+        old = self.placed.get(key)
+        if old != name:
+            if old is not None:
+                self.groups[old] -= 1
+            self.groups[name] = self.groups.get(name, 0) + 1
+        self.placed[key] = name
+        self.placed.move_to_end(key)
+        while len(self.placed) > REMEMBERED:
+            _, gone = self.placed.popitem(last=False)
+            self.groups[gone] -= 1
 
     def load(self, name: str) -> int:
         beat = self.workers[name]
@@ -212,12 +225,12 @@ class Router:
                 holders = [placed]
             if holders:
                 best = min(holders, key=lambda n: (loads[n], n))
-            else:   # nobody holds it: the least-loaded worker takes it, and the rest of its group follows
-                best = min(eligible, key=lambda n: (loads[n], hashlib.blake2b(f"{key}{n}".encode()).digest()))
-            self.placed[key] = best
-            self.placed.move_to_end(key)
-            while len(self.placed) > REMEMBERED:
-                self.placed.popitem(last=False)
+            else:
+                # Nobody holds it: the worker with the fewest groups placed on it (a group's size is not known
+                # yet; in expectation they are equal), then the least loaded, takes it; the rest of the group follows.
+                best = min(eligible, key=lambda n: (self.groups.get(n, 0), loads[n],
+                                                    hashlib.blake2b(f"{key}{n}".encode()).digest()))
+            self._place(key, best)
             seats = max(1, int(self.workers[best].get("seats") or 1))
             if loads[best] - min(loads.values()) >= seats:
                 self.counts["overflow"] += 1
