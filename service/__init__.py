@@ -1,11 +1,18 @@
-"""Tidepool service: the Flask app factory. Never imports torch."""
-from flask import Flask
+"""Tidepool service: the Flask app factory. Never imports torch or workers.
+
+Importing the package does not import Flask: the workers import its Flask-free part (ledger models, guarded
+transitions, shared protocol; the list is in tests/service/test_isolation_meta.py) through it."""
+from typing import TYPE_CHECKING
 
 from .config import Config
 
+if TYPE_CHECKING:
+    from flask import Flask
 
-def create_app(test_config: dict | Config | None = None) -> Flask:
+
+def create_app(test_config: dict | Config | None = None) -> "Flask":
     import redis as redis_lib
+    from flask import Flask
 
     from . import db, errors, logging, metrics, panel
     from . import api

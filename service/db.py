@@ -1,10 +1,10 @@
-"""Database engine and per-request sessions."""
+"""Database engine and per-request sessions. Only the per-request helpers import Flask (when called), so the
+workers build their engine here without it."""
 import select as _select
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from flask import current_app, g
 from sqlalchemy import create_engine, event, exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -93,6 +93,7 @@ def init_app(app, url: str) -> None:
 
 
 def get_engine() -> Engine:
+    from flask import current_app
     return current_app.extensions["tidepool.engine"]
 
 
@@ -113,12 +114,14 @@ def autocommit() -> Iterator[Connection]:
 
 
 def session() -> Session:
+    from flask import current_app, g
     if "db_session" not in g:
         g.db_session = current_app.extensions["tidepool.sessions"]()
     return g.db_session
 
 
 def _close_session(_exc=None) -> None:
+    from flask import g
     s = g.pop("db_session", None)
     if s is not None:
         s.close()

@@ -1,8 +1,6 @@
 """OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right HTTP status."""
-from flask import jsonify
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import InterfaceError, OperationalError
-from werkzeug.exceptions import HTTPException
 
 OUTAGE_RETRY_AFTER = 5   # seconds a client is asked to wait when the database or the broker is unreachable
 
@@ -29,6 +27,7 @@ def not_found(kind: str, obj_id: str) -> APIError:
 
 
 def error_response(status: int, message: str, code=None, param=None, retry_after=None):
+    from flask import jsonify
     resp = jsonify({"error": {"message": message, "type": TYPES.get(status, "api_error"),
                               "param": param, "code": code}})
     resp.status_code = status
@@ -38,6 +37,8 @@ def error_response(status: int, message: str, code=None, param=None, retry_after
 
 
 def init_app(app) -> None:
+    from werkzeug.exceptions import HTTPException
+
     @app.errorhandler(APIError)
     def _api_error(exc: APIError):
         return error_response(exc.status, exc.message, exc.code, exc.param, exc.retry_after)

@@ -2,16 +2,20 @@
 (tenant counters, usage), executed in the caller's transaction; the caller commits."""
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import case, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from .models import Job, JobStatus, Quota, Tenant, Usage, utcnow
-from .quotas import period
 
 Q, R = JobStatus.queued, JobStatus.running
+
+
+def period(now: datetime | None = None) -> str:
+    """The month a budget and a usage row count in (Tenant.budget_period, Usage.period): "YYYY-MM", UTC."""
+    return (now or datetime.now(timezone.utc)).strftime("%Y-%m")
 
 
 @dataclass

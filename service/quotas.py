@@ -20,6 +20,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from .errors import APIError
+from .jobs import period
 from .metrics import quota_rejected
 from .models import ApiKey, Job, Quota, Tenant
 
@@ -98,10 +99,6 @@ def check_rate(limiter, quota: Quota, tokens: int, now: float | None = None) -> 
         quota_rejected(quota.tenant_id, code)
         raise APIError(429, f"Rate limit reached for {what}; retry after the window resets.", code,
                        retry_after=WINDOW - int(now) % WINDOW)
-
-
-def period(now: datetime | None = None) -> str:
-    return (now or datetime.now(timezone.utc)).strftime("%Y-%m")
 
 
 def _seconds_to_next_month(now: datetime) -> int:

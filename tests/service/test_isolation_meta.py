@@ -1,6 +1,8 @@
-"""No route leaks another tenant's object; OpenAPI covers every route; health; CLI."""
+"""No route leaks another tenant's object; OpenAPI covers every route; health; CLI; which way imports point."""
+import ast
 import io
 import json
+from pathlib import Path
 
 from service.openapi import ROUTES
 from workers import cli
@@ -113,3 +115,155 @@ def test_service_never_imports_torch(tmp_path):
             f"create_app({{'database_url': 'sqlite:///{tmp_path}/t.db', 'storage_dir': '{tmp_path}'}}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- import direction ---------------------------------------------------------------------------------------------
+# workers may import the Flask-free part of service; service never imports workers; the engine (workers/engine) and
+# the kernels import neither. Every `import` statement of every module counts, the ones inside functions too.
+
+# The Flask-free part of service: ledger models, guarded transitions, shared protocol (queues, wire format, token
+# stream, snapshots and heartbeats, affinity keys, OpenAI bodies and choices), settings and logging. Importing one
+# of these imports neither Flask nor any web-side service module (their Flask-using helpers import Flask inside
+# the function, for the API's callers only).
+FLASK_FREE = {
+    "service", "service.affinity", "service.bodies", "service.choices", "service.config", "service.db",
+    "service.dispatch", "service.doorbell", "service.errors", "service.jobs", "service.logging", "service.logprobs",
+    "service.models", "service.resources", "service.snapshots", "service.structured", "service.token_stream",
+    "service.wire",
+}
+# workers modules that put the web side together with the workers, and so may import any of service; a gpu/cpu
+# worker process imports none of them but the CLI (test_gpu_worker_imports_without_flask)
+COMPOSERS = {
+    "workers.cli": "the `tidepool` command registers service's subcommands (db, tenants, keys, web)",
+    "workers.commands": "the CLI's engine-side subcommands; `tidepool models` holds service's registry commands too",
+    "workers.embedded": "`tidepool serve`: the API and a worker in one process",
+    "workers.celery_app": "beat's upkeep tasks run with the app (create_app)",
+    "workers.beat": "the sweeper and the batch finaliser, run by beat and by `tidepool serve` (service.batches)",
+}
+WEB = ("flask", "werkzeug")
+LEDGER_AND_QUEUES = ("sqlalchemy", "alembic", "psycopg", "celery", "kombu", "redis")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _project_modules() -> dict[str, Path]:
+    return {_module_name(p): p for top in ("service", "workers", "kernels") for p in (ROOT / top).rglob("*.py")
+            if "__pycache__" not in p.parts}
+
+
+def _imports(name: str, path: Path, modules, top_level_only: bool = False) -> set[str]:
+    """Modules `path` imports: each `import a.b` / `from a.b import c` gives a.b (and a.b.c when that is a module);
+    relative imports resolved. top_level_only: statements that run at import time (not inside a def)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    nodes = []
+    if top_level_only:
+        stack = list(tree.body)
+        while stack:
+            node = stack.pop()
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                stack.extend(node.orelse)
+                continue
+            nodes.append(node)
+            stack.extend(ast.iter_child_nodes(node))
+    else:
+        nodes = list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            found.add(module)
+            found |= {f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in modules}
+    return found
+
+
+def _with_parents(names) -> set[str]:
+    """Importing a.b.c runs a/__init__ and a/b/__init__ first."""
+    return {".".join(n.split(".")[:i]) for n in names for i in range(1, len(n.split(".")) + 1)}
+
+
+def _import_time_closure(start: str, modules) -> set[str]:
+    """Every module importing `start` loads (project modules followed through their top-level imports)."""
+    seen, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        for dep in _with_parents(_imports(name, modules[name], modules, top_level_only=True)):
+            if dep not in seen:
+                seen.add(dep)
+                if dep in modules:
+                    todo.append(dep)
+    return seen
+
+
+def _roots(names) -> set[str]:
+    return {n.split(".")[0] for n in names}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_imports_point_one_way():
+    modules = _project_modules()
+    assert COMPOSERS.keys() <= modules.keys(), f"listed but missing: {sorted(COMPOSERS.keys() - modules.keys())}"
+    wrong = []
+    for name, path in sorted(modules.items()):
+        deps = _imports(name, path, modules)
+        if _within(name, "service"):
+            wrong += [f"{name} imports {d} (service never imports workers)" for d in deps if _within(d, "workers")]
+        elif _within(name, "kernels"):
+            wrong += [f"{name} imports {d} (kernels import only kernels)" for d in deps
+                      if _roots([d]) & {"service", "workers", *WEB, *LEDGER_AND_QUEUES}]
+        elif _within(name, "workers.engine"):
+            wrong += [f"{name} imports {d} (the engine imports neither service nor the workers)" for d in deps
+                      if _roots([d]) & {"service", *WEB, *LEDGER_AND_QUEUES}
+                      or (_within(d, "workers") and not _within(d, "workers.engine") and d != "workers")]
+        elif name not in COMPOSERS:
+            wrong += [f"{name} imports {d} (workers import only the Flask-free part of service)"
+                      for d in deps if _within(d, "service") and d not in FLASK_FREE
+                      and not (d.rpartition(".")[0] in FLASK_FREE and d not in modules)]    # `from service.x import y`
+    for name in sorted(FLASK_FREE & modules.keys()):
+        loaded = _import_time_closure(name, modules)
+        wrong += [f"importing {name} loads {d}" for d in sorted(loaded)
+                  if _roots([d]) & {*WEB, "torch", "workers"} or (d in modules and _within(d, "service")
+                                                                    and d not in FLASK_FREE)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_gpu_worker_imports_without_flask():
+    """A gpu worker process (`tidepool worker --kind gpu`) imports the CLI, then workers.worker and everything that
+    can import (inside the workers' and kernels' functions too: the engine, torch), and never Flask."""
+    import subprocess
+    import sys
+    modules = _project_modules()
+    needed, todo = set(), ["workers.worker"]
+    while todo:
+        name = todo.pop()
+        lazy_too = not _within(name, "service")   # service's lazy imports serve the API's callers
+        for dep in _with_parents(_imports(name, modules[name], modules, top_level_only=not lazy_too)):
+            if dep in modules and dep not in needed:
+                needed.add(dep)
+                todo.append(dep)
+    assert {"workers.engine", "service.jobs", "service.models"} <= needed
+    code = ("import importlib, sys\n"
+            "from workers import cli\n"
+            "args = cli.build_parser().parse_args(['worker', '--kind', 'gpu'])\n"
+            f"for name in {sorted(needed)!r}:\n"
+            "    importlib.import_module(name)\n"
+            "web = sorted(m for m in sys.modules if m.split('.')[0] in ('flask', 'werkzeug'))\n"
+            "assert not web, web\n"
+            "assert 'torch' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
