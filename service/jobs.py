@@ -70,6 +70,25 @@ def renew_lease(s: Session, job_id: str, lease_token: str, lease_seconds: float 
                      .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))).rowcount == 1
 
 
+def current_leases(s: Session, leases: dict[str, str], renew_seconds: float | None = None) -> set[str]:
+    """Of `leases` (job id -> lease token), the jobs still running under that lease (one read); with renew_seconds,
+    their leases are renewed to now + renew_seconds (one guarded UPDATE)."""
+    if not leases:
+        return set()
+    rows = dict(s.execute(select(Job.id, Job.lease_token).where(Job.id.in_(list(leases)), Job.status == R)).all())
+    live = {job_id for job_id, token in leases.items() if rows.get(job_id) == token}
+    if renew_seconds is not None and live:
+        s.execute(update(Job).where(Job.id.in_(live), Job.lease_token.in_([leases[j] for j in live]), Job.status == R)
+                  .values(lease_expires_at=utcnow() + timedelta(seconds=renew_seconds)))
+    return live
+
+
+def undispatch(s: Session, job_id: str) -> bool:
+    """A queued job a worker may not start now (its tenant is at max_running) goes back to the sweeper, which
+    republishes it after TIDEPOOL_REPUBLISH_AFTER."""
+    return s.execute(update(Job).where(Job.id == job_id, Job.status == Q).values(dispatched_at=None)).rowcount == 1
+
+
 def first_token(s: Session, job_id: str, lease_token: str, at: datetime | None = None) -> bool:
     return s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token,
                                        Job.first_token_at.is_(None))

@@ -13,6 +13,11 @@ messages that service/dispatch.py publishes; they are taken one at a time (worke
 queue and into the unacked set in one step) and acked late, so an unacked message of a dead worker
 returns to its queue after the visibility timeout. Each attempt of a job is its own engine request
 (`Inflight.request_id`), so nothing meant for an earlier attempt reaches a later one.
+
+By concern: this module holds the configuration, the intake (broker, claims, token events) and the wiring;
+workers/engine_thread.py the engine thread, workers/results.py the ledger writes of finished attempts and lease
+checks, workers/attempt.py one attempt's state and the job-to-engine-request mapping. Tests drive a worker
+without threads through connect(), pull(), engine_step(), finish_done(), check_leases() and close().
 """
 import json
 import logging
@@ -24,30 +29,29 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
 from functools import partial
 
 from kombu import Connection, Queue
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import doorbell, jobs
 from service.db import make_engine
-from service.models import ONLINE_CLASSES, SLA_CLASSES, Job, JobStatus, SlaClass, Tenant, cache_namespace, utcnow
+from service.models import ONLINE_CLASSES, SLA_CLASSES, Job, JobStatus, SlaClass, Tenant, cache_namespace
 from service import token_stream
 from service.dispatch import queue_name
 from service.wire import job_id as message_job_id, transport_options
 from workers.broker import take
+from workers.engine import PromptTooLong
 from service.snapshots import Heartbeats
 from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
-from workers.openai_bodies import CHAT, logprob_entries, prompt_ids, sampling_params
+from workers.attempt import Inflight, build_request, ledger_text, utc
+from workers.engine_thread import EngineThread
+from workers.openai_bodies import logprob_entries
+from workers.results import WRITE_RETRY_FIRST, Results
 
 log = logging.getLogger(__name__)
 QUEUES = {"gpu": SLA_CLASSES, "cpu": (SlaClass.deferrable.value,)}   # the SLA classes each kind of worker serves
-# A result the ledger refused (e.g. during a database restart) is written again in place, the pause doubling
-# from WRITE_RETRY_FIRST to WRITE_RETRY_MAX seconds, for up to WRITE_PATIENCE seconds: the write is guarded by
-# the lease, so it lands exactly once, or not at all if the sweeper has requeued the job meanwhile.
-WRITE_RETRY_FIRST, WRITE_RETRY_MAX, WRITE_PATIENCE = 0.25, 4.0, 300.0
 
 
 def _env_int(name: str, default: int | None) -> int | None:
@@ -120,52 +124,7 @@ class WorkerConfig:
         return cls(**values)
 
 
-@dataclass
-class Inflight:
-    job_id: str
-    lease_token: str
-    sla_class: str
-    message: object
-    online: bool
-    tenant: str = "default"
-    queue_time: float | None = None   # seconds between queued and started in the ledger
-    pos: int = 0                      # characters streamed so far
-    first_token_at: float | None = None
-    marks: dict = field(default_factory=dict)   # online: stage timestamps, sent with the first token
-    first_recorded: bool = False
-    aborted: bool = False
-    # An online attempt enters the engine before its claim commits: its stream events wait in `held` until
-    # the claim succeeded (claimed), and a refused claim drops the attempt unseen (dropped, then aborted).
-    claimed: bool = True
-    dropped: bool = False
-    entered_at: float | None = None   # when an early attempt was added to the engine
-    held: list = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def request_id(self) -> str:
-        """This attempt's engine request. Never the job id alone: an abort or an output meant for an
-        earlier attempt of the job (the engine applies aborts by id, at its next step) must not reach this one."""
-        return f"{self.job_id}@{self.lease_token[:8]}"
-
-
-def ledger_text(text: str) -> str:
-    """Postgres text cannot hold NUL, which byte-level tokens can produce; stream and ledger both get U+FFFD."""
-    return text.replace("\x00", "\ufffd")
-
-
-def build_request(tokenizer, endpoint: str, body: dict):
-    """A ledger job's normalised request body -> (prompt token ids, SamplingParams). Raises ValueError."""
-    try:
-        prompt = prompt_ids(endpoint, body, tokenizer)
-    except Exception as exc:  # template errors (jinja raise_exception) are the caller's input
-        if endpoint != CHAT:
-            raise
-        raise ValueError(f"the chat template rejected these messages: {exc}") from exc
-    return prompt, sampling_params(endpoint, body)
-
-
-class Worker:
+class Worker(EngineThread, Results):
     def __init__(self, cfg: WorkerConfig, engine=None, redis_client=None):
         from workers.engine import EngineConfig, LLMEngine
         self.cfg = cfg
@@ -215,6 +174,13 @@ class Worker:
         self._stop.set()
         self._wake.set()
 
+    def close(self) -> None:
+        """Without run() (tests drive connect, pull, engine_step, finish_done): give back the broker connection
+        (its unacked messages return to their queues) and the ledger's connections."""
+        if self._conn is not None:
+            self._conn.release()
+        self.db.dispose()
+
     def run(self) -> None:
         """Serve until stop(); in-flight jobs are then released back to the queue."""
         engine_thread = threading.Thread(target=self._engine_loop, name=f"{self.cfg.name}-engine", daemon=True)
@@ -224,24 +190,24 @@ class Worker:
             doorbell.listen(self.cfg.broker_url, self._wake, self._stop)
         log.info("worker %s: %s on %s, queues %s", self.cfg.name, self.cfg.model, self.cfg.device, self.cfg.queues)
         try:
-            self._connect()
+            self.connect()
             while not self._stop.is_set():
                 busy = False
                 self._wake.clear()            # a ring from here on makes the wait below return at once
                 try:
-                    busy = self._pull()       # online first: bookkeeping of offline work can wait
+                    busy = self.pull()       # online first: bookkeeping of offline work can wait
                 except self._broker_errors as exc:  # broker gone (restart, network): reconnect, carry on
                     log.warning("worker %s: broker error %s; reconnecting", self.cfg.name, exc)
                     time.sleep(1.0)
                     try:
-                        self._connect()
+                        self.connect()
                     except Exception as again:  # still down: the next pass tries again
                         log.warning("worker %s: reconnect failed: %s", self.cfg.name, again)
                 except Exception:  # a claimed job's lease lapses and the sweeper requeues it
                     log.exception("worker %s: intake failed", self.cfg.name)
                     time.sleep(self.cfg.poll_interval)
                 try:
-                    busy = self._finish_done() or busy
+                    busy = self.finish_done() or busy
                     self._record_first_tokens()
                     self._housekeeping()
                 except Exception:  # ledger unreachable: unacked messages and lapsing leases cover it
@@ -263,35 +229,6 @@ class Worker:
             self.db.dispose()
         if self._error is not None:
             raise RuntimeError(f"engine loop failed: {self._error!r}") from self._error
-
-    # -- engine thread ----------------------------------------------------------------------------
-    def _engine_loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                if not self.engine.has_unfinished():
-                    self.engine.wait_for_work(0.25)   # add_request wakes it; the timeout only notices stop()
-                    continue
-                self._step_at = time.time()
-                for out in self.engine.step():
-                    if out.finished:
-                        self._observe(out)
-                        self._done.put(out)
-                        self._wake.set()
-                self.metrics.update_from_stats(self.engine.stats())
-        except BaseException as exc:  # a broken engine ends the worker; leases lapse, jobs are requeued
-            log.exception("worker %s: engine loop failed", self.cfg.name)
-            self._error = exc
-            self._stop.set()
-
-    def _attempt(self, request_id: str) -> Inflight | None:
-        """The in-flight attempt an engine request belongs to; None for an earlier attempt's leftovers."""
-        inf = self.inflight.get(request_id.rpartition("@")[0])
-        return inf if inf is not None and inf.request_id == request_id else None
-
-    def _observe(self, out) -> None:
-        inf = self._attempt(out.request_id)
-        if inf is not None and not inf.dropped:
-            self.metrics.observe_request(out, inf.sla_class, inf.tenant, queue_time=inf.queue_time)
 
     def _on_token(self, inf: Inflight, out) -> None:
         if self.inflight.get(inf.job_id) is not inf:
@@ -324,7 +261,7 @@ class Worker:
             pass
 
     # -- broker -----------------------------------------------------------------------------------
-    def _connect(self) -> None:
+    def connect(self) -> None:
         self._queues, self._held = {}, []     # held messages belong to the old channel
         if self._conn is not None:
             try:
@@ -348,7 +285,7 @@ class Worker:
         free_slots = stats["offline_seats_free"] if stats["offline_blocks_free"] else 0
         return stats["waiting"] < self.cfg.low_water + free_slots
 
-    def _pull(self) -> bool:
+    def pull(self) -> bool:
         if not self._queues:
             raise ConnectionError("not connected to the broker")
         got = False
@@ -388,7 +325,7 @@ class Worker:
                 early = self._start_early(job_id, token, message, taken_at)
             with Session(self.db, expire_on_commit=False) as s:
                 started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds, token=token,
-                                     at=_dt(early.entered_at) if early is not None else None)
+                                     at=utc(early.entered_at) if early is not None else None)
                 job = weight = group = None
                 if started.lease_token is not None:
                     job = s.get(Job, job_id)
@@ -396,8 +333,7 @@ class Worker:
                                               .where(Tenant.id == job.tenant_id)).one()
                 elif started.reason == "throttled":
                     # Over the tenant's max_running: hand the job back to the sweeper, which republishes it.
-                    s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.queued)
-                              .values(dispatched_at=None))
+                    jobs.undispatch(s, job_id)
                 s.commit()
         except Exception:  # ledger unreachable: the message goes back to the queue, not into limbo here
             if early is not None:
@@ -439,7 +375,7 @@ class Worker:
                 inf.marks["add"] = time.time()
         except ValueError as exc:
             self.inflight.pop(job_id, None)
-            code = "context_length_exceeded" if "at most" in str(exc) else "invalid_prompt"
+            code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_prompt"
             self._finish_failed(inf, {"code": code, "message": f"This request cannot run: {exc}."})
             return
         except Exception:  # a bug, not the caller's input: the claimed job must not wait for its lease to lapse
@@ -483,69 +419,6 @@ class Worker:
         inf.aborted = True
         self.engine.abort(inf.request_id)
 
-    # -- ledger -----------------------------------------------------------------------------------
-    def _finish_failed(self, inf: Inflight, error: dict) -> None:
-        with Session(self.db) as s:
-            jobs.fail(s, inf.job_id, inf.lease_token, error)
-            s.commit()
-        self.counters["failed"] += 1
-        self._ack(inf)
-        self._publish_end(inf, "failed")
-
-    def _finish_done(self) -> bool:
-        """Write every finished request to the ledger (one transaction for all of them), then ack."""
-        done = []
-        while True:
-            try:
-                out = self._done.get_nowait()
-            except queue.Empty:
-                break
-            inf = self._attempt(out.request_id)
-            if inf is not None:
-                del self.inflight[inf.job_id]
-                if inf.dropped:
-                    continue
-                self.preempted[inf.sla_class] += out.num_preemptions
-                done.append((inf, out))
-        if self._unwritten and (done or time.monotonic() >= self._retry_at):
-            done = [(inf, out) for inf, out, _ in self._unwritten] + done
-        if not done:
-            return False
-        try:
-            statuses = self._write_results(done)
-        except Exception:  # one bad row must not sink the others: retry one transaction each
-            log.exception("worker %s: writing %d results failed; retrying one by one", self.cfg.name, len(done))
-            statuses = [self._write_one(item) for item in done]
-        since = {inf.job_id: at for inf, _, at in self._unwritten}
-        self._unwritten, now = [], time.monotonic()
-        for (inf, out), status in zip(done, statuses):
-            if status is None:    # not in the ledger (database down?): retried in place, with backoff
-                first = since.get(inf.job_id, now)
-                if now - first < WRITE_PATIENCE:
-                    self._unwritten.append((inf, out, first))
-                else:             # given up: no ack; the lease lapses and the sweeper requeues the job
-                    log.error("worker %s: gave up writing the result of %s", self.cfg.name, inf.job_id)
-                continue
-            self.counters[{"completed": "completed", "lost": "dropped"}.get(status, "aborted")] += 1
-            if status == "released":
-                self._requeue(inf.job_id, inf.message)    # back to the broker: the job is queued again
-            else:
-                self._ack(inf)        # only now: the result (or the cancellation) is in the ledger
-            self._publish_end(inf, "queued" if status == "released" else status)
-        if self._unwritten:
-            self._retry_at = now + self._retry_pause
-            self._retry_pause = min(self._retry_pause * 2, WRITE_RETRY_MAX)
-        else:
-            self._retry_pause = WRITE_RETRY_FIRST
-        return True
-
-    def _write_one(self, item) -> str | None:
-        try:
-            return self._write_results([item])[0]
-        except Exception:
-            log.exception("worker %s: writing the result of %s failed", self.cfg.name, item[0].job_id)
-            return None
-
     def _write_results(self, done: list) -> list[str]:
         statuses = []
         with Session(self.db) as s:
@@ -557,7 +430,7 @@ class Worker:
                     statuses.append("released" if released else "cancelled")
                     continue
                 if inf.first_token_at is not None and not inf.first_recorded:
-                    jobs.first_token(s, inf.job_id, inf.lease_token, _dt(inf.first_token_at))
+                    jobs.first_token(s, inf.job_id, inf.lease_token, utc(inf.first_token_at))
                 ok = jobs.complete(s, inf.job_id, inf.lease_token, output=ledger_text(out.text),
                                    output_token_ids=list(out.token_ids), prompt_tokens=len(out.prompt_token_ids),
                                    completion_tokens=len(out.token_ids), finish_reason=out.finish_reason,
@@ -566,50 +439,16 @@ class Worker:
             s.commit()
         return statuses
 
-    def _record_first_tokens(self) -> None:
-        firsts = []
-        while True:
-            try:
-                firsts.append(self._firsts.get_nowait())
-            except queue.Empty:
-                break
-        pending = [inf for inf in firsts if self.inflight.get(inf.job_id) is inf and inf.claimed and not inf.dropped]
-        if not pending:
-            return
-        with Session(self.db) as s:
-            for inf in pending:
-                jobs.first_token(s, inf.job_id, inf.lease_token, _dt(inf.first_token_at))
-                inf.first_recorded = True
-            s.commit()
-
     def _housekeeping(self) -> None:
         now = time.monotonic()
         if now >= self._next_check and self.inflight:
             self._next_check = now + self.cfg.check_interval
-            self._check_leases(renew=now >= self._next_renew)
+            self.check_leases(renew=now >= self._next_renew)
             if now >= self._next_renew:
                 self._next_renew = now + self.cfg.lease_seconds / 4
         if now >= self._next_beat:
             self._next_beat = now + self.cfg.heartbeat_interval
             self._heartbeat()
-
-    def _check_leases(self, renew: bool) -> None:
-        """Abort what was cancelled (or lost its lease) in the ledger; renew the other leases."""
-        current = list(self.inflight.values())
-        with Session(self.db) as s:
-            rows = dict(s.execute(select(Job.id, Job.lease_token).where(
-                Job.id.in_([i.job_id for i in current]), Job.status == JobStatus.running)).all())
-            live = [i for i in current if rows.get(i.job_id) == i.lease_token]
-            if renew and live:
-                s.execute(update(Job).where(Job.id.in_([i.job_id for i in live]),
-                                            Job.lease_token.in_([i.lease_token for i in live]),
-                                            Job.status == JobStatus.running)
-                          .values(lease_expires_at=utcnow() + timedelta(seconds=self.cfg.lease_seconds)))
-            s.commit()
-        for inf in current:
-            if rows.get(inf.job_id) != inf.lease_token and not inf.aborted:
-                inf.aborted = True
-                self.engine.abort(inf.request_id)
 
     def _heartbeat(self) -> None:
         try:
@@ -620,41 +459,6 @@ class Worker:
             self.heartbeats.put(self.stats(), ttl=int(self.cfg.heartbeat_interval * 5) + 1)
         except Exception as exc:
             log.warning("worker %s: heartbeat failed: %s", self.cfg.name, exc)
-
-    def _ack(self, inf: Inflight) -> None:
-        try:
-            inf.message.ack()
-        except Exception as exc:  # the broker restarted: the message is gone, the ledger holds the result
-            log.warning("worker %s: ack of %s failed: %s", self.cfg.name, inf.job_id, exc)
-
-    def _requeue(self, job_id: str, message) -> None:
-        try:
-            message.requeue()
-        except Exception as exc:  # broker gone: the message is restored with its channel, or republished
-            log.warning("worker %s: requeue of %s failed: %s", self.cfg.name, job_id, exc)
-
-    def _publish_end(self, inf: Inflight, status: str) -> None:
-        if inf.online:
-            try:
-                self.stream.publish(inf.job_id, {"t": "end", "status": status})
-            except Exception:
-                pass
-
-    def _release_all(self) -> None:
-        """Shutdown: what is still running goes back to queued (its message back to the broker)."""
-        self._finish_done()
-        if not self.inflight:
-            return
-        with Session(self.db) as s:
-            for inf in self.inflight.values():
-                jobs.release(s, inf.job_id, inf.lease_token)
-            s.commit()
-        self.inflight.clear()
-
-
-def _dt(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, timezone.utc)
-
 
 def main(args) -> int:
     cfg = WorkerConfig.from_env(kind=args.kind, device=args.device)

@@ -34,12 +34,12 @@ def test_tokens_made_before_the_claim_commits_are_streamed_after_it(stack, monke
 
     monkeypatch.setattr("service.jobs.start", start)
     try:
-        assert w._pull()
+        assert w.pull()
         assert seen == {"claimed": False, "held": 1, "events": [], "status": JobStatus.queued}
         job = _job(st, job_id)
         assert job.status == JobStatus.running and job.lease_token == w.inflight[job_id].lease_token
         _run_engine(w)
-        w._finish_done()
+        w.finish_done()
         events = _events(sub)
         toks = [e for e in events if e["t"] == "tok"]
         assert events[-1] == {"t": "end", "status": "completed"}
@@ -68,11 +68,11 @@ def test_an_attempt_whose_claim_is_refused_leaves_no_trace(stack, monkeypatch):
 
     monkeypatch.setattr("service.jobs.start", start)
     try:
-        assert w._pull()
+        assert w.pull()
         assert w.inflight[job_id].dropped and w.counters["dropped"] == 1
         assert not st.redis.hlen("unacked")       # acked: nothing left to run
         _run_engine(w)                            # the engine drops it (abort)
-        w._finish_done()
+        w.finish_done()
         assert w.inflight == {} and w.counters["completed"] == w.counters["aborted"] == 0
         assert _events(sub) == []
         job = _job(st, job_id)
@@ -95,10 +95,10 @@ def test_offline_jobs_are_claimed_before_they_enter_the_engine(stack, monkeypatc
 
     monkeypatch.setattr("service.jobs.start", start)
     try:
-        assert w._pull()
+        assert w.pull()
         assert seen == [{}] and len(w.inflight) == 1
         _run_engine(w)
-        w._finish_done()
+        w.finish_done()
         assert st.count(Job.status == JobStatus.completed) == 1
     finally:
         _close(w)

@@ -17,13 +17,12 @@ from workers.worker import Worker, WorkerConfig
 def _worker(st, name: str) -> Worker:
     w = Worker(WorkerConfig(model=st.model, database_url=st.db_url, broker_url=st.redis_url, redis_url=st.redis_url,
                             device="cpu", name=name, lease_seconds=30))
-    w._connect()
+    w.connect()
     return w
 
 
 def _close(w: Worker) -> None:
-    w._conn.release()
-    w.db.dispose()
+    w.close()
 
 
 def _drop(w: Worker) -> None:
@@ -33,10 +32,7 @@ def _drop(w: Worker) -> None:
 
 def _step(w: Worker) -> None:
     """One pass of the engine thread's loop."""
-    for out in w.engine.step():
-        if out.finished:
-            w._observe(out)
-            w._done.put(out)
+    w.engine_step()
 
 
 def _run_engine(w: Worker) -> None:
@@ -76,7 +72,7 @@ def test_a_message_taken_by_a_worker_killed_before_it_claims_returns_to_the_queu
     # killed right after the broker handed the message over, before the worker could claim the job
     w._channel.Message = killed
     with pytest.raises(Killed):
-        w._pull()
+        w.pull()
     _drop(w)
     assert _job(st, job_id).status == JobStatus.queued
 
@@ -84,11 +80,11 @@ def test_a_message_taken_by_a_worker_killed_before_it_claims_returns_to_the_queu
     assert beat.sweep(st.app, visibility_timeout=0)["republished"] == 0
     w2 = _worker(st, "next")
     try:
-        assert w2._pull()
+        assert w2.pull()
         job = _job(st, job_id)
         assert (job.status, job.worker, job.attempts) == (JobStatus.running, "next", 1)
         _run_engine(w2)
-        w2._finish_done()
+        w2.finish_done()
         job = _job(st, job_id)
         assert (job.status, job.attempts, job.completion_tokens) == (JobStatus.completed, 1, 2)
     finally:
@@ -101,17 +97,17 @@ def test_an_abort_meant_for_a_lapsed_attempt_never_hits_the_next_one(stack):
     [job_id] = st.submit(key, 1, prompt="stale abort", max_tokens=3, ignore_eos=True)
     w = _worker(st, "w")
     try:
-        assert w._pull()                       # attempt 1 claimed and in the engine
+        assert w.pull()                       # attempt 1 claimed and in the engine
         _run_engine(w)                         # ... and finished there; its result waits for the intake
         _lapse(st, job_id)                     # meanwhile its lease lapsed: requeued and republished
-        w._check_leases(renew=True)            # the intake notices and aborts attempt 1 (already gone)
-        w._finish_done()                       # attempt 1's result is refused by the ledger (lease gone)
+        w.check_leases(renew=True)            # the intake notices and aborts attempt 1 (already gone)
+        w.finish_done()                       # attempt 1's result is refused by the ledger (lease gone)
         assert _job(st, job_id).status == JobStatus.queued
-        assert w._pull()                       # the republished message: attempt 2
+        assert w.pull()                       # the republished message: attempt 2
         job = _job(st, job_id)
         assert (job.status, job.attempts) == (JobStatus.running, 2)
         _run_engine(w)
-        w._finish_done()
+        w.finish_done()
         job = _job(st, job_id)
         assert (job.status, job.attempts, job.completion_tokens) == (JobStatus.completed, 2, 3), \
             (job.status, w.counters)
@@ -126,17 +122,17 @@ def test_an_abort_the_worker_did_not_ask_for_hands_the_job_back(stack):
     [job_id] = st.submit(key, 1, prompt="engine abort", max_tokens=3, ignore_eos=True)
     w = _worker(st, "w")
     try:
-        assert w._pull()
+        assert w.pull()
         _step(w)
         [request_id] = w.engine.requests
         w.engine.abort(request_id)             # not a cancellation: the lease is still current
         _run_engine(w)
-        w._finish_done()
+        w.finish_done()
         job = _job(st, job_id)
         assert (job.status, job.attempts, job.worker) == (JobStatus.queued, 0, None) and job.dispatched_at
-        assert w._pull()                       # its message went back to the broker with it
+        assert w.pull()                       # its message went back to the broker with it
         _run_engine(w)
-        w._finish_done()
+        w.finish_done()
         job = _job(st, job_id)
         assert (job.status, job.attempts, job.completion_tokens) == (JobStatus.completed, 1, 3)
     finally:
@@ -154,7 +150,7 @@ def test_a_job_the_worker_cannot_start_fails_at_once(stack, monkeypatch):
 
     monkeypatch.setattr("workers.worker.build_request", broken)
     try:
-        assert w._pull()
+        assert w.pull()
         job = _job(st, job_id)
         assert (job.status, job.error["code"], w.inflight) == (JobStatus.failed, "internal_error", {})
         assert not st.redis.hlen("unacked")     # acked
@@ -170,11 +166,11 @@ def test_a_message_whose_claim_fails_goes_back_to_the_queue(stack):
     ledger, w.db = w.db, make_engine("postgresql+psycopg://postgres@127.0.0.1:9/none?connect_timeout=1")
     try:
         with pytest.raises(OperationalError):
-            w._pull()                           # the ledger is unreachable
+            w.pull()                           # the ledger is unreachable
         assert st.redis.llen("interactive") == 1 and not st.redis.hlen("unacked")
         w.db.dispose()
         w.db = ledger                           # back again: the message is still there to claim
-        assert w._pull()
+        assert w.pull()
         assert _job(st, job_id).status == JobStatus.running
     finally:
         _close(w)

@@ -10,12 +10,10 @@ def _run_one(st, w: Worker, key: str) -> int:
     """Submit PROMPT as key's tenant, run it through the worker; the prefix-cache hits it scored."""
     before = w.engine.stats()["prefix_cache_hits"]
     st.submit(key, 1, prompt=PROMPT, max_tokens=1)
-    assert w._pull()
+    assert w.pull()
     while w.engine.has_unfinished():
-        for out in w.engine.step():
-            if out.finished:
-                w._done.put(out)
-    w._finish_done()
+        w.engine_step()
+    w.finish_done()
     return w.engine.stats()["prefix_cache_hits"] - before
 
 
@@ -33,12 +31,11 @@ def test_tenants_hit_only_their_own_or_their_groups_cached_prefixes(stack):
     w = Worker(WorkerConfig(model=st.model, database_url=st.db_url, broker_url=st.redis_url,
                             redis_url=st.redis_url, device="cpu", name="iso", lease_seconds=30,
                             engine={"block_size": 16, "num_kv_blocks": 64}))
-    w._connect()
+    w.connect()
     try:
         hits = [_run_one(st, w, tenant[n][1]) for n in ("a", "b", "a", "c", "d", "b")]
     finally:
-        w._conn.release()
-        w.db.dispose()
+        w.close()
     assert hits == [0, 0, 64, 0, 64, 64]   # a, then b misses; a hits its own; c, d share; b its own
 
 

@@ -22,7 +22,7 @@ def _kill_between_take_and_claim(st, name: str):
 
     w._channel.Message = killed               # SIGKILL right after the take, before the claim
     with pytest.raises(Killed):
-        w._pull()
+        w.pull()
     _drop(w)
     return w
 
@@ -30,9 +30,9 @@ def _kill_between_take_and_claim(st, name: str):
 def _complete_on_a_new_worker(st, job_id):
     w2 = _worker(st, "next")
     try:
-        assert w2._pull()
+        assert w2.pull()
         _run_engine(w2)
-        w2._finish_done()
+        w2.finish_done()
     finally:
         _close(w2)
     job = _job(st, job_id)
@@ -81,14 +81,14 @@ def test_messages_of_live_workers_and_fresh_takes_are_left_alone(stack):
     st.submit(key, 2, prompt="live", max_tokens=2)
     w = _worker(st, "alive")
     try:
-        assert w._pull()
+        assert w.pull()
         assert st.redis.hlen(OWNERS_KEY) == 2
         # no heartbeat yet, but taken within the grace period
         assert beat.sweep(st.app)["restored_orphans"] == 0
         w._heartbeat()
         assert beat.sweep(st.app, orphan_grace=0)["restored_orphans"] == 0
         _run_engine(w)
-        w._finish_done()                      # acked: their owner records are dropped by the next sweep
+        w.finish_done()                      # acked: their owner records are dropped by the next sweep
         beat.sweep(st.app, orphan_grace=0)
         assert not st.redis.hlen(OWNERS_KEY) and not st.redis.hlen("unacked")
     finally:

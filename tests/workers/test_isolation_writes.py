@@ -18,18 +18,18 @@ def test_a_result_refused_by_a_ledger_outage_is_written_when_it_returns(stack):
     w.db.dispose()
     w.db = make_engine(proxy.url_for(st.db_url))
     try:
-        assert w._pull()
+        assert w.pull()
         _run_engine(w)
         proxy.stop()                           # the database restarts just as the results are ready
-        assert w._finish_done()
+        assert w.finish_done()
         assert len(w._unwritten) == 3 and st.redis.hlen("unacked") == 3
         assert all(_job(st, i).status == JobStatus.running for i in ids)
         w._retry_at = 0
-        w._finish_done()                       # still down: kept, and the pause grows
+        w.finish_done()                       # still down: kept, and the pause grows
         assert len(w._unwritten) == 3 and w._retry_pause > 0.5
         proxy.start()
         w._retry_at = 0
-        assert w._finish_done()
+        assert w.finish_done()
         assert not w._unwritten and not st.redis.hlen("unacked")      # written, then acked
         for i in ids:
             job = _job(st, i)

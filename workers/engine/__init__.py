@@ -1,8 +1,8 @@
 """Tidepool's inference engine: continuous batching over a paged KV cache. No Flask, Celery or ledger here."""
 from workers.engine.config import EngineConfig
 from workers.engine.llm import LLM
-from workers.engine.llm_engine import LLMEngine, RequestOutput
+from workers.engine.llm_engine import LLMEngine, PromptTooLong, RequestOutput
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.sequence import SLA_CLASSES
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams", "SLA_CLASSES"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "PromptTooLong", "RequestOutput", "SamplingParams", "SLA_CLASSES"]

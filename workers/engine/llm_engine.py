@@ -17,6 +17,10 @@ from workers.engine.swap import HostKVPool, copy_blocks
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room in the model's context for one generated token."""
+
+
 @dataclass
 class CompletionOutput:
     """One choice of a finished request."""
@@ -130,7 +134,7 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; this model accepts at most {self.max_model_len - 1}")
+            raise PromptTooLong(f"prompt has {len(ids)} tokens; this model accepts at most {self.max_model_len - 1}")
         vocab = self.config.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

@@ -1,0 +1,149 @@
+"""The worker's ledger side (intake thread): finished attempts written through the guarded transitions of
+service/jobs.py, then acked (or requeued) on the broker and announced on the token stream; first tokens; lease
+checks and renewal; the hand-back at shutdown. A result the ledger refused (e.g. during a database restart) is
+written again in place, the pause doubling from WRITE_RETRY_FIRST to WRITE_RETRY_MAX seconds, for up to
+WRITE_PATIENCE seconds: the write is guarded by the lease, so it lands exactly once, or not at all if the sweeper
+has requeued the job meanwhile. Reads and writes on the Worker: db, engine, stream, inflight, counters, preempted,
+_done, _firsts, _unwritten, _retry_at, _retry_pause."""
+import logging
+import queue
+import time
+
+from sqlalchemy.orm import Session
+
+from service import jobs
+from workers.attempt import Inflight, utc
+
+log = logging.getLogger("workers.worker")
+WRITE_RETRY_FIRST, WRITE_RETRY_MAX, WRITE_PATIENCE = 0.25, 4.0, 300.0
+
+
+class Results:
+    def _finish_failed(self, inf: Inflight, error: dict) -> None:
+        with Session(self.db) as s:
+            jobs.fail(s, inf.job_id, inf.lease_token, error)
+            s.commit()
+        self.counters["failed"] += 1
+        self._ack(inf)
+        self._publish_end(inf, "failed")
+
+
+    def finish_done(self) -> bool:
+        """Write every finished request to the ledger (one transaction for all of them), then ack."""
+        done = []
+        while True:
+            try:
+                out = self._done.get_nowait()
+            except queue.Empty:
+                break
+            inf = self._attempt(out.request_id)
+            if inf is not None:
+                del self.inflight[inf.job_id]
+                if inf.dropped:
+                    continue
+                self.preempted[inf.sla_class] += out.num_preemptions
+                done.append((inf, out))
+        if self._unwritten and (done or time.monotonic() >= self._retry_at):
+            done = [(inf, out) for inf, out, _ in self._unwritten] + done
+        if not done:
+            return False
+        try:
+            statuses = self._write_results(done)
+        except Exception:  # one bad row must not sink the others: retry one transaction each
+            log.exception("worker %s: writing %d results failed; retrying one by one", self.cfg.name, len(done))
+            statuses = [self._write_one(item) for item in done]
+        since = {inf.job_id: at for inf, _, at in self._unwritten}
+        self._unwritten, now = [], time.monotonic()
+        for (inf, out), status in zip(done, statuses):
+            if status is None:    # not in the ledger (database down?): retried in place, with backoff
+                first = since.get(inf.job_id, now)
+                if now - first < WRITE_PATIENCE:
+                    self._unwritten.append((inf, out, first))
+                else:             # given up: no ack; the lease lapses and the sweeper requeues the job
+                    log.error("worker %s: gave up writing the result of %s", self.cfg.name, inf.job_id)
+                continue
+            self.counters[{"completed": "completed", "lost": "dropped"}.get(status, "aborted")] += 1
+            if status == "released":
+                self._requeue(inf.job_id, inf.message)    # back to the broker: the job is queued again
+            else:
+                self._ack(inf)        # only now: the result (or the cancellation) is in the ledger
+            self._publish_end(inf, "queued" if status == "released" else status)
+        if self._unwritten:
+            self._retry_at = now + self._retry_pause
+            self._retry_pause = min(self._retry_pause * 2, WRITE_RETRY_MAX)
+        else:
+            self._retry_pause = WRITE_RETRY_FIRST
+        return True
+
+
+    def _write_one(self, item) -> str | None:
+        try:
+            return self._write_results([item])[0]
+        except Exception:
+            log.exception("worker %s: writing the result of %s failed", self.cfg.name, item[0].job_id)
+            return None
+
+
+    def _record_first_tokens(self) -> None:
+        firsts = []
+        while True:
+            try:
+                firsts.append(self._firsts.get_nowait())
+            except queue.Empty:
+                break
+        pending = [inf for inf in firsts if self.inflight.get(inf.job_id) is inf and inf.claimed and not inf.dropped]
+        if not pending:
+            return
+        with Session(self.db) as s:
+            for inf in pending:
+                jobs.first_token(s, inf.job_id, inf.lease_token, utc(inf.first_token_at))
+                inf.first_recorded = True
+            s.commit()
+
+
+    def check_leases(self, renew: bool) -> None:
+        """Abort what was cancelled (or lost its lease) in the ledger; renew the other leases."""
+        current = list(self.inflight.values())
+        with Session(self.db) as s:
+            live = jobs.current_leases(s, {i.job_id: i.lease_token for i in current},
+                                       renew_seconds=self.cfg.lease_seconds if renew else None)
+            s.commit()
+        for inf in current:
+            if inf.job_id not in live and not inf.aborted:
+                inf.aborted = True
+                self.engine.abort(inf.request_id)
+
+
+    def _release_all(self) -> None:
+        """Shutdown: what is still running goes back to queued (its message back to the broker)."""
+        self.finish_done()
+        if not self.inflight:
+            return
+        with Session(self.db) as s:
+            for inf in self.inflight.values():
+                jobs.release(s, inf.job_id, inf.lease_token)
+            s.commit()
+        self.inflight.clear()
+
+
+    def _ack(self, inf: Inflight) -> None:
+        try:
+            inf.message.ack()
+        except Exception as exc:  # the broker restarted: the message is gone, the ledger holds the result
+            log.warning("worker %s: ack of %s failed: %s", self.cfg.name, inf.job_id, exc)
+
+
+    def _requeue(self, job_id: str, message) -> None:
+        try:
+            message.requeue()
+        except Exception as exc:  # broker gone: the message is restored with its channel, or republished
+            log.warning("worker %s: requeue of %s failed: %s", self.cfg.name, job_id, exc)
+
+
+    def _publish_end(self, inf: Inflight, status: str) -> None:
+        if inf.online:
+            try:
+                self.stream.publish(inf.job_id, {"t": "end", "status": status})
+            except Exception:
+                pass
+
