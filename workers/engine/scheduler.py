@@ -200,11 +200,15 @@ class Scheduler:
         time_used = self.cost_model.fixed if self.cost_model is not None else 0.0
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
-        offline_running = sum(not s.is_online for s in self.running)
+        offline_running = sum(not s.is_online for s in self.running)    # kept current: O(1) per admission
+        preempted_seen = 0
         admitting = True           # once a sequence is kept out, nothing below it may jump the queue
         for seq in list(self._candidates()):
             if budget == 0:
                 break
+            if len(batch.preempted) != preempted_seen:     # suspensions or evictions changed the running set
+                offline_running = sum(not s.is_online for s in self.running)
+                preempted_seen = len(batch.preempted)
             if id(seq) in scheduled or any(p is seq for p in batch.preempted):
                 continue   # made room for a higher-ranked sequence in this very step
             time_left = 0.0 if limit is None else limit - time_used
@@ -233,8 +237,7 @@ class Scheduler:
                 continue
             if new:
                 self._start(seq)
-            offline_running = sum(not s.is_online for s in self.running) if new or batch.preempted \
-                else offline_running
+                offline_running += not seq.is_online
             scheduled.add(id(seq))
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
