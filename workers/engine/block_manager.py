@@ -77,8 +77,8 @@ class BlockManager:
     def match_prefix(self, seq: Sequence) -> None:
         """Admit a fresh sequence onto the cached full blocks of its prefix (never all of its tokens)."""
         assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return      # prompt logprobs need every prompt position computed
         bs = self.block_size
         max_blocks = (seq.num_tokens - 1) // bs     # at least one token is left to compute
         parent = seq.cache_root

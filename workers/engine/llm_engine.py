@@ -54,6 +54,8 @@ class RequestOutput:
     index: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
     generated_tokens: int = 0
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {"token_id", "logprob", "top"}
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class _Choice:
@@ -74,6 +76,8 @@ class _Request:
     def __init__(self, seq: Sequence, detok: IncrementalDetokenizer, on_token, arrival: float):
         self.choices = [_Choice(seq, detok)]
         self.on_token = on_token
+        self.prompt_logprobs: list[dict | None] | None = \
+            None if seq.params.prompt_logprobs is None else [None] * seq.num_prompt_tokens
         self.arrival_time = arrival
         self.first_token_time: float | None = None
 
@@ -195,6 +199,8 @@ class LLMEngine:
         if batch.swap_in:
             self.host_pool.copy([], batch.swap_in)
         logits = self.runner.run(batch)
+        for seq, position, entry in self.runner.prompt_logprobs:    # a recomputed prompt writes the same again
+            self.requests[seq.request_id].prompt_logprobs[position + 1] = entry
         t2 = time.perf_counter()
         ready = self.scheduler.postprocess(batch)
         if ready:
@@ -283,7 +289,8 @@ class LLMEngine:
             arrival_time=request.arrival_time, first_token_time=request.first_token_time,
             finished_time=time.time() if finished else None, index=seq.index,
             outputs=self._outputs(request) if finished else [],
-            generated_tokens=sum(c.seq.num_output_tokens for c in request.choices))
+            generated_tokens=sum(c.seq.num_output_tokens for c in request.choices),
+            prompt_logprobs=request.prompt_logprobs if finished else None)
         if request.on_token is not None:
             request.on_token(out)
         return out

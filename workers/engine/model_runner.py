@@ -109,10 +109,14 @@ class ModelRunner:
         """The step's inputs as host lists: new tokens flattened over sequences, and per-sequence tables."""
         bs = self.config.block_size
         step = dict(input_ids=[], positions=[], slot_mapping=[], context_lens=[], cu_seqlens_q=[0],
-                    block_tables=[seq.block_table for seq in batch.seqs], sample_rows=[])
+                    block_tables=[seq.block_table for seq in batch.seqs], sample_rows=[], prompt_rows=[])
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
+            if seq.params.prompt_logprobs is not None:     # position p's logits score prompt token p + 1
+                row0 = step["cu_seqlens_q"][-1]
+                step["prompt_rows"].extend((row0 + p - start, seq, p)
+                                           for p in range(start, min(end, seq.num_prompt_tokens - 1)))
             step["input_ids"].extend(seq.token_ids[start:end])
             step["positions"].extend(range(start, end))
             table = seq.block_table
@@ -138,19 +142,37 @@ class ModelRunner:
         )
         return self.model(tensor(step["input_ids"]), tensor(step["positions"]), ctx)
 
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list[tuple]:
+        """(seq, position, {"token_id", "logprob", "top"}) of prompt token position + 1, per prompt row."""
+        rows = torch.tensor([r for r, _, _ in prompt_rows], device=self.device)
+        lp = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+        targets = torch.tensor([seq.token_ids[p + 1] for _, seq, p in prompt_rows], device=self.device)
+        chosen = lp.gather(1, targets[:, None])[:, 0].tolist()
+        k = max(seq.params.prompt_logprobs for _, seq, _ in prompt_rows)
+        top_lp, top_ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        out = []
+        for i, (_, seq, p) in enumerate(prompt_rows):
+            n = seq.params.prompt_logprobs
+            out.append((seq, p, {"token_id": seq.token_ids[p + 1], "logprob": chosen[i],
+                                 "top": list(zip(top_ids[i][:n], top_lp[i][:n]))}))
+        return out
+
     def _fits_graph(self, batch: ScheduledBatch) -> bool:
         return (self.decode_graphs is not None and max(batch.num_new_tokens) == 1
                 and len(batch.seqs) <= self.decode_graphs.max_batch_size)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Compute the batch's new tokens into the cache; return logits [S, V] for the rows that sample."""
+        """Compute the batch's new tokens into the cache; return logits [S, V] for the rows that sample.
+        Prompt logprobs asked for (SamplingParams.prompt_logprobs) are left in `self.prompt_logprobs`."""
         step = self._prepare(batch)
         if self._fits_graph(batch):
             hidden = self.decode_graphs.run(step["input_ids"], step["positions"], step["slot_mapping"],
                                             step["context_lens"], step["block_tables"])
         else:
             hidden = self._run_eager(step, max(batch.num_new_tokens))
+        self.prompt_logprobs = self._prompt_logprobs(hidden, step["prompt_rows"]) if step["prompt_rows"] else []
         if not step["sample_rows"]:
             return None
         rows = torch.tensor(step["sample_rows"], device=self.device)

@@ -60,6 +60,8 @@ class SamplingParams:
     best_of: int | None = None          # sequences generated (>= n; None: n); the n with the highest
                                         # cumulative logprob are returned. All share the prompt's KV blocks,
                                         # and sequence i samples with seed + i.
+    prompt_logprobs: int | None = None  # top-N log-probabilities of each prompt token after the first (computed
+                                        # in prefill; such a prompt bypasses the prefix cache, as in vLLM)
 
     def __post_init__(self):
         if isinstance(self.structured, dict):
@@ -86,6 +88,7 @@ class SamplingParams:
             (isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1"),
             (self.best_of is None or (isinstance(self.best_of, int) and self.best_of >= self.n),
              "best_of must be an integer >= n"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs must be in [0, 20]"),
         ]
         for ok, message in checks:
             if not ok:
