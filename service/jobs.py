@@ -106,13 +106,15 @@ def _add_usage(s: Session, tenant_id: str, prompt_tokens: int, completion_tokens
 
 
 def complete(s: Session, job_id: str, lease_token: str, *, output: str, output_token_ids: list[int] | None,
-             prompt_tokens: int, completion_tokens: int, finish_reason: str, logprobs: list | None = None) -> bool:
-    """running → completed with the result; False (and nothing written) if the lease is not current."""
+             prompt_tokens: int, completion_tokens: int, finish_reason: str, logprobs: list | None = None,
+             choices: list | None = None) -> bool:
+    """running → completed with the result; False (and nothing written) if the lease is not current.
+    n > 1: output & co. are the first choice, `choices` the others (Job.choices); completion_tokens counts all."""
     tenant_id = s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
                           .values(status=JobStatus.completed, finished_at=utcnow(), output=output,
                                   output_token_ids=output_token_ids, prompt_tokens=prompt_tokens,
                                   completion_tokens=completion_tokens, finish_reason=finish_reason,
-                                  logprobs=logprobs, lease_token=None, lease_expires_at=None)
+                                  logprobs=logprobs, choices=choices, lease_token=None, lease_expires_at=None)
                           .returning(Job.tenant_id, Job.estimated_tokens)).first()
     if tenant_id is None:
         return False

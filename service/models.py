@@ -239,6 +239,10 @@ class Job(Base):
     # Per generated token when the request asked for logprobs (entries as in service/logprobs.py);
     # deferred, so listings never load it: undefer(Job.logprobs) where a response needs it.
     logprobs: Mapped[list | None] = mapped_column(JSON, deferred=True)
+    # n > 1: the choices after the first, in order, each {"text", "token_ids", "finish_reason", "logprobs"}
+    # (the first is output, output_token_ids, finish_reason and logprobs above); NULL for one choice.
+    # Deferred like logprobs: undefer(Job.choices) where a response needs it (service/choices.py).
+    choices: Mapped[list | None] = mapped_column(JSON, deferred=True)
 
 
 class Usage(Base):
