@@ -41,6 +41,9 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     app.extensions["tidepool.dispatcher"] = Dispatcher(celery, app.extensions["tidepool.engine"],
                                                        cfg.dispatch_chunk_size, mark_interval=cfg.mark_interval,
                                                        default_model=cfg.served_model_name)
+    from .registry import Registry
+    app.extensions["tidepool.registry"] = Registry(app.extensions["tidepool.engine"], cfg.served_model_name, cfg.model,
+                                                   max_model_len=cfg.max_model_len)
     for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp):
         app.register_blueprint(bp)
     api.init_app(app)

@@ -17,9 +17,11 @@ def _line_error(line: int, code: str, message: str, param: str | None = None) ->
 
 
 def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, served_model: str | None,
-              max_lines: int, chunk_size: int) -> tuple[list[dict], list[tuple[str, str]]]:
+              max_lines: int, chunk_size: int, models=None, route=None) -> tuple[list[dict], list[tuple[str, str]]]:
     """Validate every line of the batch's input file, inserting job rows in chunks as it goes.
-    Returns (errors, [(job_id, sla_class)]); with any error the caller rolls the rows back."""
+    Returns (errors, [(job_id, queue)]); with any error the caller rolls the rows back. models (a registry.Registry)
+    resolves each line's model against the tenant's quota, route(sla_class, model) names the line's queue; without
+    them every line runs on served_model, in the class's queue."""
     errors: list[dict] = []
     seen: set[str] = set()
     rows: list[dict] = []
@@ -69,7 +71,10 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                                           f"the batch endpoint, got {item.get('url')!r}.", "url"))
                 continue
             try:
-                checked = bodies.check(item.get("body"), batch.endpoint, served_model=served_model,
+                body = item.get("body")
+                model = None if models is None else \
+                    models.resolve(quota, body.get("model") if isinstance(body, dict) else None).name
+                checked = bodies.check(body, batch.endpoint, served_model=served_model if models is None else None,
                                        max_tokens_cap=quota.max_tokens_per_request)
             except Exception as exc:  # APIError carries message and param
                 errors.append(_line_error(lineno, getattr(exc, "code", None) or "invalid_body",
@@ -80,10 +85,10 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
             job_id = new_id("job_")
             tokens += checked.estimated_tokens
             rows.append(dict(id=job_id, tenant_id=batch.tenant_id, batch_id=batch.id, custom_id=custom_id,
-                             sla_class=sla, status=JobStatus.queued.value, endpoint=batch.endpoint,
+                             sla_class=sla, model=model, status=JobStatus.queued.value, endpoint=batch.endpoint,
                              request=checked.body, estimated_tokens=checked.estimated_tokens, attempts=0,
                              created_at=now, queued_at=now))
-            created.append((job_id, sla))
+            created.append((job_id, sla if route is None else route(sla, model)))
             if len(rows) >= chunk_size:
                 s.execute(insert(Job), rows)
                 rows = []
@@ -120,6 +125,7 @@ def cancel(s: Session, batch: Batch) -> None:
 
 
 def _result_line(job: Job, model: str | None) -> str:
+    model = job.model or model     # the line's own model; rows older than the registry ran on the default
     created = int(job.finished_at.timestamp()) if job.finished_at else None
     usage = {"prompt_tokens": job.prompt_tokens or 0, "completion_tokens": job.completion_tokens or 0,
              "total_tokens": (job.prompt_tokens or 0) + (job.completion_tokens or 0)}

@@ -31,6 +31,67 @@ def register(sub) -> None:
     p.set_defaults(func=_web)
 
 
+def register_models(models_sub) -> None:
+    """`tidepool models register|registry|set`: the model registry (service/registry.py), beside pull and list."""
+    p = models_sub.add_parser("register", help="register a model folder under a name requests can use")
+    p.add_argument("name", help="the name requests put in `model`")
+    p.add_argument("dir", help="the model folder (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--tier", choices=("hot", "warm", "cold"), default="warm",
+                   help="hot: kept loaded; warm (default): loaded when its queue has work; cold: only on demand")
+    p.set_defaults(func=_models_register)
+    p = models_sub.add_parser("registry", help="print the registered models as a JSON array")
+    p.set_defaults(func=_models_registry)
+    p = models_sub.add_parser("set", help="retier, enable or disable a registered model")
+    p.add_argument("name")
+    p.add_argument("--tier", choices=("hot", "warm", "cold"))
+    p.add_argument("--enable", dest="enabled", action="store_true", default=None)
+    p.add_argument("--disable", dest="enabled", action="store_false")
+    p.set_defaults(func=_models_set)
+
+
+def _models_register(args) -> int:
+    from pathlib import Path
+
+    from service import registry
+    from service.errors import APIError
+    folder = Path(args.dir).expanduser()
+    if not (folder / "config.json").is_file():
+        return _fail(LookupError(f"{folder} is not a model folder (no config.json)"))
+    with _session() as s:
+        try:
+            row = registry.register(s, args.name, str(folder.resolve()), args.tier, actor="cli")
+        except APIError as exc:
+            return _fail(exc)
+        s.commit()
+        print(json.dumps({"name": row.name, "source": row.source, "tier": row.tier, "enabled": row.enabled}))
+    return 0
+
+
+def _models_registry(args) -> int:
+    from service import registry
+    cfg = _config()
+    with _session() as s:
+        entries = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).entries().values()
+        print(json.dumps([registry.entry_json(e) for e in entries]))
+    return 0
+
+
+def _models_set(args) -> int:
+    from service import registry
+    from service.errors import APIError
+    values = {k: v for k, v in (("tier", args.tier), ("enabled", args.enabled)) if v is not None}
+    cfg = _config()
+    with _session() as s:
+        default = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).get(args.name)
+        try:
+            row = registry.update(s, args.name, values, actor="cli", default=default)
+        except APIError as exc:
+            return _fail(exc)
+        s.commit()
+        print(json.dumps({"name": row.name, "source": row.source, "tier": row.tier, "enabled": row.enabled}))
+    return 0
+
+
 def _config():
     from service.config import Config
     return Config.from_env()

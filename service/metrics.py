@@ -42,11 +42,15 @@ class LedgerCollector:
                                                .group_by(Job.status, Job.sla_class)):
                 jobs.add_metric([status.value, sla.value], n)
         yield jobs
-        depth = GaugeMetricFamily("tidepool:queue_depth", "Messages waiting in the broker per SLA class queue.",
-                                  labels=["sla_class"])
+        depth = GaugeMetricFamily("tidepool:queue_depth", "Messages waiting in the broker per model and SLA class "
+                                  "(model \"\" when no model is configured).", labels=["model", "sla_class"])
         try:
-            for sla, n in self.app.extensions["tidepool.dispatcher"].queue_depths().items():
-                depth.add_metric([sla], n)
+            dispatcher, models = self.app.extensions["tidepool.dispatcher"], self.app.extensions["tidepool.registry"]
+            names = list(models.entries())
+            rows = dispatcher.model_depths(names) if names else \
+                [{"model": "", "sla_class": c, "depth": n} for c, n in dispatcher.queue_depths().items()]
+            for row in rows:
+                depth.add_metric([row["model"], row["sla_class"]], row["depth"])
         except Exception:  # broker down: report no depth rather than fail the scrape
             current_app.logger.warning("queue depth unavailable for /metrics")
         yield depth

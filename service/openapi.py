@@ -39,14 +39,26 @@ ROUTES = [
     ("post", "/v1/admin/keys/{prefix}/revoke", "Revoke an API key by prefix", "adminToken", None, 200, "Revoked"),
     ("get", "/v1/admin/jobs", "List jobs across tenants", "adminToken", None, 200, "JobList"),
     ("get", "/v1/admin/batches", "List batches across tenants", "adminToken", None, 200, "List"),
-    ("get", "/v1/admin/queues", "Broker queue depths per SLA class", "adminToken", None, 200, "Queues"),
+    ("get", "/v1/admin/queues", "Broker queue depths per SLA class, and per (model, SLA class) with whether a live "
+     "worker serves it", "adminToken", None, 200, "Queues"),
+    ("get", "/v1/admin/models", "List the model registry (with the implicit default model)", "adminToken", None,
+     200, "List"),
+    ("post", "/v1/admin/models", "Register a model", "adminToken", "ModelCreate", 201, "RegisteredModel"),
+    ("get", "/v1/admin/models/{name}", "Get a registered model", "adminToken", None, 200, "RegisteredModel"),
+    ("patch", "/v1/admin/models/{name}", "Retier, enable/disable or re-point a model", "adminToken", "ModelUpdate",
+     200, "RegisteredModel"),
+    ("post", "/v1/admin/tenants/{tenant_id}/models", "Grant a model to a tenant's allow-list", "adminToken",
+     "ModelGrant", 200, "Quota"),
+    ("delete", "/v1/admin/tenants/{tenant_id}/models/{name}", "Revoke a model from a tenant's allow-list",
+     "adminToken", None, 200, "Quota"),
     ("get", "/v1/admin/audit", "Admin audit log", "adminToken", None, 200, "List"),
     ("post", "/v1/completions", "OpenAI completion (stream: true for server-sent events)", "apiKey",
      "CompletionCreate", 200, "Completion"),
     ("post", "/v1/chat/completions", "OpenAI chat completion (stream: true for server-sent events)", "apiKey",
      "ChatCreate", 200, "Completion"),
-    ("get", "/v1/models", "The served model", "apiKey", None, 200, "List"),
-    ("get", "/v1/models/{model_id}", "Get the served model", "apiKey", None, 200, "Model"),
+    ("get", "/v1/models", "The models this tenant may use", "apiKey", None, 200, "List"),
+    ("get", "/v1/models/{model_id}", "Get a model this tenant may use (404 unknown, 403 not allowed)", "apiKey",
+     None, 200, "Model"),
 ]
 
 _ERROR_CODES = {"400": "Bad input", "401": "Bad or revoked key", "403": "Not allowed", "404": "Not found",
@@ -154,6 +166,8 @@ _QUOTA = {name: _nullable(_int(0, (1 << 63) - 1 if name in ("monthly_token_budge
           for name in ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued",
                        "monthly_token_budget", "max_tokens_per_request", "max_file_bytes")}
 _WEIGHT = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6}
+_MODEL_NAME = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"}
+_TIER = {"enum": ["hot", "warm", "cold"]}
 _CACHE_GROUP = {"type": ["string", "null"], "minLength": 1, "maxLength": 64, "pattern": "^[ -~]*$",
                 "description": "tenants of one group share cached prompt prefixes"}
 _LIST_FIELDS = {"object": {"const": "list"}, "data": {"type": "array"}, "first_id": _NULL_STR,
@@ -169,7 +183,7 @@ SCHEMAS = {
                             _request(CHAT, _JOB_EXTRA, stream=_nullable({"const": False}))]},
     "Job": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "job"}, "status": {"enum": [s.value for s in JobStatus]},
-        "sla_class": {"enum": list(SLA_CLASSES)}, "endpoint": _STR, "request": {"type": "object"},
+        "sla_class": {"enum": list(SLA_CLASSES)}, "model": _NULL_STR, "endpoint": _STR, "request": {"type": "object"},
         "metadata": {"type": ["object", "null"]}, "batch_id": _NULL_STR, "custom_id": _NULL_STR, "deadline": _TS,
         "created_at": _TS, "queued_at": _TS, "dispatched_at": _TS, "started_at": _TS, "first_token_at": _TS,
         "finished_at": _TS, "attempts": _INT, "worker": _NULL_STR, "usage": {"type": ["object", "null"]},
@@ -210,7 +224,19 @@ SCHEMAS = {
                                                 "api_key": _STR, "quota": {"$ref": "#/components/schemas/Quota"}}},
     "Quota": {"type": "object", "additionalProperties": False, "properties": {
         **_QUOTA, "allowed_sla_classes": {"type": "array", "maxItems": len(SLA_CLASSES),
-                                          "items": {"enum": list(SLA_CLASSES)}}}},
+                                          "items": {"enum": list(SLA_CLASSES)}},
+        "allowed_models": {"type": ["array", "null"], "maxItems": 1000, "items": _MODEL_NAME,
+                           "description": "null or []: every enabled model"}}},
+    "ModelCreate": {"type": "object", "additionalProperties": False, "required": ["name", "source"], "properties": {
+        "name": _MODEL_NAME, "source": {"type": "string", "minLength": 1, "maxLength": 1024},
+        "tier": _TIER, "enabled": _BOOL}},
+    "ModelUpdate": {"type": "object", "additionalProperties": False, "properties": {
+        "tier": _TIER, "enabled": _BOOL, "source": {"type": "string", "minLength": 1, "maxLength": 1024}}},
+    "ModelGrant": {"type": "object", "additionalProperties": False, "required": ["model"],
+                   "properties": {"model": _MODEL_NAME}},
+    "RegisteredModel": {"type": "object", "properties": {
+        "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "source": _NULL_STR,
+        "tier": _TIER, "enabled": _BOOL, "registered": _BOOL}},
     "CompletionCreate": _request(COMPLETIONS, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
     "ChatCreate": _request(CHAT, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
     "Completion": {"type": "object", "description": "text_completion or chat.completion; with stream: true, "
@@ -224,7 +250,10 @@ SCHEMAS = {
                                                 "created_at": _TS, "revoked_at": _TS, "last_used_at": _TS}},
     "Revoked": {"type": "object", "properties": {"prefix": _STR, "revoked": {"const": True}}},
     "Queues": {"type": "object", "properties": {"object": {"const": "queue_depths"},
-                                                "queues": {"type": "object", "additionalProperties": _INT}}},
+                                                "queues": {"type": "object", "additionalProperties": _INT},
+                                                "models": {"type": "array", "items": {"type": "object", "properties": {
+                                                    "model": _STR, "sla_class": {"enum": list(SLA_CLASSES)},
+                                                    "queue": _STR, "depth": _INT, "served": _BOOL}}}}},
 }
 
 _CURSOR = {"type": "string"}
@@ -268,12 +297,13 @@ def _operation(method, path, summary, security, req, status, resp) -> dict:
 
 
 def _served_model(schemas: dict) -> dict:
-    """In an app serving a model, `model` (where a body names one) must be that model's name."""
+    """In an app serving models, `model` (where a body names one) must be one of the enabled registry names."""
     from flask import current_app, has_app_context
-    name = current_app.config["TIDEPOOL"].served_model_name if has_app_context() else None
-    if not name:
+    names = [e.name for e in current_app.extensions["tidepool.registry"].entries().values() if e.enabled] \
+        if has_app_context() else []
+    if not names:
         return schemas
-    model = {"anyOf": [{"const": name}, {"type": "null"}]}
+    model = {"anyOf": [*({"const": n} for n in names), {"type": "null"}]}
 
     def fix(schema):
         if isinstance(schema, dict):

@@ -196,14 +196,14 @@ WITH admitted AS (
              AND api_keys.tenant_id = tenants.id AND api_keys.revoked_at IS NULL))
     RETURNING tenants.id
 )
-INSERT INTO jobs (id, tenant_id, sla_class, status, endpoint, request, metadata, idempotency_key, request_hash,
+INSERT INTO jobs (id, tenant_id, sla_class, model, status, endpoint, request, metadata, idempotency_key, request_hash,
                   estimated_tokens, deadline, attempts, created_at, queued_at)
-SELECT r.id, admitted.id, r.sla_class::sla_class, 'queued'::job_status, r.endpoint, r.request,
+SELECT r.id, admitted.id, r.sla_class::sla_class, r.model, 'queued'::job_status, r.endpoint, r.request,
        coalesce(r.metadata, 'null'::json), r.idempotency_key, r.request_hash, r.estimated_tokens, r.deadline, 0,
        r.created_at, r.queued_at
 FROM admitted, json_to_recordset(%(rows)s::json)
-     AS r(id varchar, sla_class text, endpoint varchar, request json, metadata json, idempotency_key varchar,
-          request_hash varchar, estimated_tokens integer, deadline timestamptz, created_at timestamptz,
+     AS r(id varchar, sla_class text, model varchar, endpoint varchar, request json, metadata json,
+          idempotency_key varchar, request_hash varchar, estimated_tokens integer, deadline timestamptz, created_at timestamptz,
           queued_at timestamptz)
 RETURNING jobs.id, xmin::text
 """
@@ -217,7 +217,7 @@ def _params(jobs: list, key_id: int | None) -> dict:
     """The jobs as one JSON array (one parameter, parsed by Postgres, instead of a dozen arrays). The json
     columns keep the text json.dumps gives them, as the ORM writes them; a None metadata is stored as JSON
     null, as the ORM does."""
-    rows = [{"id": j.id, "sla_class": j.sla_class.value, "endpoint": j.endpoint, "request": j.request,
+    rows = [{"id": j.id, "sla_class": j.sla_class.value, "model": j.model, "endpoint": j.endpoint, "request": j.request,
              "metadata": j.metadata_, "idempotency_key": j.idempotency_key, "request_hash": j.request_hash,
              "estimated_tokens": j.estimated_tokens, "deadline": _iso(j.deadline), "created_at": _iso(j.created_at),
              "queued_at": _iso(j.queued_at)} for j in jobs]
@@ -247,7 +247,7 @@ def admit_one(conn: Connection, job, key_id: int | None = None) -> str | None:
     if conn.execute(bump).rowcount != 1:
         refused(conn, job.tenant_id, 1, key_id, job.estimated_tokens)
     conn.execute(Job.__table__.insert().values(
-        id=job.id, tenant_id=job.tenant_id, sla_class=job.sla_class, status=job.status, endpoint=job.endpoint,
+        id=job.id, tenant_id=job.tenant_id, sla_class=job.sla_class, model=job.model, status=job.status, endpoint=job.endpoint,
         request=job.request, metadata=job.metadata_, idempotency_key=job.idempotency_key,
         request_hash=job.request_hash, estimated_tokens=job.estimated_tokens, deadline=job.deadline,
         attempts=0, created_at=job.created_at, queued_at=job.queued_at))

@@ -10,7 +10,7 @@ from .models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, AuditLog, Quota, Tenant
 QUOTA_FIELDS = {
     "requests_per_minute": int, "tokens_per_minute": int, "max_running": int, "max_queued": int,
     "monthly_token_budget": int, "max_tokens_per_request": int, "max_file_bytes": int,
-    "allowed_sla_classes": list,
+    "allowed_sla_classes": list, "allowed_models": list,
 }
 
 
@@ -32,6 +32,9 @@ def check_quota_fields(values: dict) -> dict:
         if name == "allowed_sla_classes":
             if not isinstance(value, list) or len(value) > len(SLA_CLASSES) or any(v not in SLA_CLASSES for v in value):
                 raise bad_request(f"allowed_sla_classes must be a list drawn from {list(SLA_CLASSES)}.", name)
+        elif name == "allowed_models":   # null or []: every enabled model (service/registry.py)
+            from .registry import check_allowed
+            value = check_allowed(value)
         elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                     or not 0 <= value <= _QUOTA_MAX.get(name, (1 << 31) - 1)):
             raise bad_request(f"{name} must be an integer in [0, {_QUOTA_MAX.get(name, (1 << 31) - 1)}] or null.",
@@ -96,7 +99,7 @@ def set_quota(s: Session, tenant_id: str, values: dict, actor: str = "admin") ->
     values = check_quota_fields(values)
     quota = s.get(Quota, tenant_id)
     for name, value in values.items():
-        setattr(quota, name, value if name != "allowed_sla_classes" else list(value))
+        setattr(quota, name, list(value) if isinstance(value, list) else value)
     audit(s, actor, "quota.set", tenant_id, values)
     return quota
 

@@ -18,13 +18,16 @@ def register(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_batch)
 
-    models = sub.add_parser("models", help="manage the models folder ($TIDEPOOL_MODELS_DIR, default ./models)")
+    models = sub.add_parser("models", help="the models folder ($TIDEPOOL_MODELS_DIR, default ./models) and the "
+                                           "model registry in the ledger")
     models_sub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     p = models_sub.add_parser("pull", help="download a known model once and write it as an HF folder")
     p.add_argument("name", help="e.g. smollm2-135m")
     p.set_defaults(func=models_pull)
     p = models_sub.add_parser("list", help="list the model folders present")
     p.set_defaults(func=models_list)
+    from service import commands as service_commands
+    service_commands.register_models(models_sub)
 
     register_processes(sub)
 

@@ -1,8 +1,9 @@
-"""Admin JSON API (admin token): tenants, quotas, keys, cross-tenant listings, queue depths."""
+"""Admin JSON API (admin token): tenants, quotas, keys, models and their grants, cross-tenant listings, queue
+depths."""
 from flask import Blueprint, request
 from sqlalchemy import select
 
-from .. import tenants
+from .. import registry, tenants
 from ..auth import admin_required
 from ..db import session
 from ..errors import bad_request, not_found
@@ -166,7 +167,88 @@ def list_batches():
 @bp.get("/queues")
 @admin_required
 def queue_depths():
-    return {"object": "queue_depths", "queues": ext("dispatcher").queue_depths()}
+    """Depth per class queue of the default model (`queues`), and per (model, SLA class) with whether a live
+    worker consumes that queue (`models`): jobs of a model nobody serves wait there, never failed."""
+    return {"object": "queue_depths", "queues": ext("dispatcher").queue_depths(), "models": model_queues()}
+
+
+def model_queues() -> list[dict]:
+    from ..snapshots import SnapshotStore
+    names = list(ext("registry").entries())
+    served = {q for snap in SnapshotStore(ext("redis")).read() for q in snap.get("queues", [])}
+    return [{**row, "served": row["queue"] in served} for row in ext("dispatcher").model_depths(names)]
+
+
+# ---- models ------------------------------------------------------------------------------------------------
+
+def _entry(name: str) -> registry.Entry:
+    entry = ext("registry").get(name)
+    if entry is None:
+        raise not_found("model", name)
+    return entry
+
+
+def _fresh(name: str) -> dict:
+    return registry.entry_json(_entry(name))
+
+
+@bp.get("/models")
+@admin_required
+def list_models():
+    return {"object": "list", "data": [registry.entry_json(e) for e in ext("registry").entries().values()]}
+
+
+@bp.post("/models")
+@admin_required
+def register_model():
+    body = json_body()
+    unknown = sorted(set(body) - {"name", "source", "tier", "enabled"})
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    s = session()
+    row = registry.register(s, body.get("name"), body.get("source"), body.get("tier", "warm"),
+                            body.get("enabled", True))
+    s.commit()
+    return _fresh(row.name), 201
+
+
+@bp.get("/models/<name>")
+@admin_required
+def get_model(name):
+    return _fresh(name)
+
+
+@bp.patch("/models/<name>")
+@admin_required
+def update_model(name):
+    """Retier ({"tier": "hot"|"warm"|"cold"}), enable or disable ({"enabled": bool}), or re-point ({"source"})."""
+    s = session()
+    registry.update(s, name, json_body(), default=ext("registry").get(name))
+    s.commit()
+    return _fresh(name)
+
+
+@bp.post("/tenants/<tenant_id>/models")
+@admin_required
+def grant_model(tenant_id):
+    """Let a tenant use a model ({"model": name}); a tenant without an allow-list may use every model already."""
+    body = json_body()
+    _tenant(tenant_id)
+    name = _entry(body.get("model") if isinstance(body.get("model"), str) else "").name
+    s = session()
+    quota = registry.grant(s, tenant_id, name)
+    s.commit()
+    return tenants.quota_json(quota)
+
+
+@bp.delete("/tenants/<tenant_id>/models/<name>")
+@admin_required
+def revoke_model(tenant_id, name):
+    _tenant(tenant_id)
+    s = session()
+    quota = registry.revoke(s, tenant_id, name, list(ext("registry").entries()))
+    s.commit()
+    return tenants.quota_json(quota)
 
 
 @bp.get("/audit")

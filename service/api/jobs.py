@@ -27,8 +27,7 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
     """A job as JSON; with_logprobs (one job's GET) adds output.logprobs when the request asked for them."""
     usage = None
     if job.prompt_tokens is not None:
-        usage = {"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens or 0,
-                 "total_tokens": job.prompt_tokens + (job.completion_tokens or 0)}
+        usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
     return {"id": job.id, "object": "job", "status": job.status.value, "sla_class": job.sla_class.value,
             "endpoint": job.endpoint, "request": job.request, "metadata": job.metadata_,
             "batch_id": job.batch_id, "custom_id": job.custom_id, "deadline": ts(job.deadline),
@@ -37,7 +36,7 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
             "first_token_at": ts(job.first_token_at), "finished_at": ts(job.finished_at),
             "attempts": job.attempts, "worker": job.worker, "usage": usage,
             "output": None if job.status != JobStatus.completed else
-            {"text": job.output, "token_ids": job.output_token_ids, **_tool_calls(job),
+            {"text": job.output, "token_ids": job.output_token_ids, **_tool_calls(job), **_choices(job, with_logprobs),
              **({"logprobs": logprobs.shaped(job.endpoint, job.logprobs)}
                 if with_logprobs and logprobs.requested(job.endpoint, job.request) else {})},
             "finish_reason": job.finish_reason, "error": job.error}
@@ -67,9 +66,10 @@ def create_job():
     if "prompt" in body and "messages" in body:
         raise bad_request("Send either 'prompt' or 'messages', not both.", "messages")
     endpoint = bodies.CHAT if "messages" in body else bodies.COMPLETIONS
-    checked = bodies.check(body, endpoint, served_model=conf.served_model_name,
+    model = ext("registry").resolve(quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
+    checked = bodies.check(body, endpoint, served_model=None,
                            max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA,
-                           context_len=conf.context_len)
+                           context_len=ext("registry").context_len(model))
     sla = body.get("sla_class", "interactive")
     if sla not in SLA_CLASSES:
         raise bad_request(f"'sla_class' must be one of {list(SLA_CLASSES)}.", "sla_class")
@@ -109,7 +109,7 @@ def create_job():
         if replay:
             return replay
         raise
-    if ext("dispatcher").publish_one(job.id, sla, xmin):
+    if ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin):
         job.dispatched_at = utcnow()
     log_job("job.queued", job)
     return job_json(job), 202

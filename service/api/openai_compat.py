@@ -11,7 +11,7 @@ from sqlalchemy.orm import undefer
 
 from service import token_stream
 
-from .. import bodies, jobs as transitions, logprobs, quotas, structured
+from .. import bodies, jobs as transitions, logprobs, quotas, registry, structured
 from ..auth import tenant_required
 from ..errors import APIError, bad_request
 from ..models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
@@ -26,35 +26,20 @@ def _hub():
     return token_stream.for_redis(ext("redis"))
 
 
-def _model_json() -> dict:
-    name = cfg().served_model_name
-    return {"id": name, "object": "model", "created": _model_created(cfg().model), "owned_by": "tidepool"}
-
-
-def _model_created(folder: str | None) -> int:
-    """When the model folder was written (its config.json), else when this process started."""
-    import os
-    try:
-        return int(os.stat(os.path.join(folder, "config.json")).st_mtime)
-    except (OSError, TypeError):
-        return _STARTED
-
-
-_STARTED = int(time.time())
-
-
 @bp.get("/v1/models")
 @tenant_required
 def list_models():
-    return {"object": "list", "data": [_model_json()] if cfg().served_model_name else []}
+    """Exactly the models the calling tenant may use: enabled, and on its allow-list (if it has one)."""
+    return {"object": "list", "data": [registry.public_json(e) for e in ext("registry").allowed(g.quota)]}
 
 
 @bp.get("/v1/models/<model_id>")
 @tenant_required
 def get_model(model_id):
-    if model_id != cfg().served_model_name:
+    entry = ext("registry").resolve(g.quota, model_id)
+    if entry.name is None:      # no model configured or registered at all
         raise APIError(404, f"The model '{model_id}' does not exist.", "model_not_found", "model")
-    return _model_json()
+    return registry.public_json(entry)
 
 
 @bp.post("/v1/completions")
@@ -82,22 +67,23 @@ def _serve(endpoint: str):
         raise bad_request(f"'sla_class' must be one of {list(ONLINE_CLASSES)} here; queue other classes with "
                           "/v1/jobs or /v1/batches.", "sla_class")
     quota, conf = g.quota, cfg()
-    checked = bodies.check(body, endpoint, served_model=conf.served_model_name,
-                           max_tokens_cap=quota.max_tokens_per_request, context_len=conf.context_len)
+    model = ext("registry").resolve(quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
+    checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=quota.max_tokens_per_request,
+                           context_len=ext("registry").context_len(model))
     quotas.check_class(quota, sla)
     quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
     marks["valid"] = time.time()
     now = utcnow()
-    job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), status=JobStatus.queued,
-              endpoint=endpoint, request=checked.body, metadata_=None, idempotency_key=None, request_hash=None,
+    job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), model=model.name,
+              status=JobStatus.queued, endpoint=endpoint, request=checked.body, metadata_=None, idempotency_key=None, request_hash=None,
               estimated_tokens=checked.estimated_tokens, deadline=None, attempts=0, created_at=now, queued_at=now)
     xmin = quotas.admit(job)    # counted against max_queued and the budget, inserted and committed: one statement
     marks["insert"] = time.time()
     sub = _hub().subscribe(job.id)       # before dispatch, so no event can be missed
-    ext("dispatcher").publish_one(job.id, sla, xmin)
+    ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin)
     marks["publish"] = time.time()
     waiter = _Waiter(ext("sessions"), sub, job.id, conf.online_timeout, marks)
-    fmt = _Format(endpoint, job.id, int(now.timestamp()), body.get("model") or conf.served_model_name,
+    fmt = _Format(endpoint, job.id, int(now.timestamp()), model.name,
                   bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body), checked.body)
     try:
         first = waiter.next_event(keepalive=False)

@@ -92,7 +92,7 @@ def _headers(resp):
 
 
 def init_app(app) -> None:
-    from . import dashboard, views  # noqa: F401  (routes)
+    from . import dashboard, registry_views, views  # noqa: F401  (routes)
 
     cfg = app.config["TIDEPOOL"]
     secret = cfg.secret_key

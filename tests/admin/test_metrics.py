@@ -74,7 +74,7 @@ def test_multiprocess_mode_sums_counters_across_processes(client, tmp_path, monk
     c.labels("/v1/jobs", "POST", "202").inc(7)
     page = samples(client.get("/metrics").text)
     assert value(page, "tidepool:http_requests_total", route="/v1/jobs", status="202") == 7
-    assert ("tidepool:queue_depth", frozenset({("sla_class", "batch")})) in page  # ledger gauges still served
+    assert ("tidepool:queue_depth", frozenset({("model", ""), ("sla_class", "batch")})) in page  # ledger gauges still served
 
 
 def test_engine_metrics_from_a_real_tiny_engine(tmp_path):

@@ -76,6 +76,17 @@ def test_every_route_answers_as_documented(app):
         ("get", "/v1/admin/batches", "/v1/admin/batches", {"headers": admin}),
         ("get", "/v1/admin/queues", "/v1/admin/queues", {"headers": admin}),
         ("get", "/v1/admin/audit", "/v1/admin/audit", {"headers": admin}),
+        ("post", "/v1/admin/models", "/v1/admin/models", {"headers": admin, "json": {"name": "m2", "source": "/m2"}}),
+        ("post", "/v1/admin/models", "/v1/admin/models", {"headers": admin, "json": {"name": "m2", "source": "/m2"}}),
+        ("get", "/v1/admin/models", "/v1/admin/models", {"headers": admin}),
+        ("get", "/v1/admin/models/{name}", "/v1/admin/models/m2", {"headers": admin}),
+        ("get", "/v1/admin/models/{name}", "/v1/admin/models/nope", {"headers": admin}),
+        ("patch", "/v1/admin/models/{name}", "/v1/admin/models/m2", {"headers": admin, "json": {"tier": "cold"}}),
+        ("post", "/v1/admin/tenants/{tenant_id}/models", f"/v1/admin/tenants/{tenant_id}/models",
+         {"headers": admin, "json": {"model": "m2"}}),
+        ("delete", "/v1/admin/tenants/{tenant_id}/models/{name}", f"/v1/admin/tenants/{tenant_id}/models/m2",
+         {"headers": admin}),
+        ("get", "/v1/models/{model_id}", "/v1/models/m2", {"headers": key}),
         ("post", "/v1/admin/keys/{prefix}/revoke", "/v1/admin/keys/tp_nope/revoke", {"headers": admin}),
     ]:
         check(getattr(client, method)(url, **kwargs), method, path)

@@ -1,0 +1,275 @@
+"""The model registry: which models the service serves, from which folder, how workers keep them (tier), and
+which tenants may use them. Flask- and torch-free: the admin API, the panel, the CLI and the workers share it;
+every change is written to the audit log.
+
+The deployment's default model (TIDEPOOL_MODEL, named TIDEPOOL_SERVED_MODEL_NAME or its folder's name) is served
+whether or not it has a row: without one it counts as registered, hot and enabled; a row of that name overrides
+it (an admin can retier or disable it). A tenant's quota.allowed_models lists the models it may use; NULL or an
+empty list means every enabled model.
+
+Each web process reads the table at most once per CACHE_TTL seconds; a change committed through this process
+(admin API, panel) is seen at once, one made elsewhere (CLI, another web process) within CACHE_TTL."""
+import json
+import os
+import re
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import event, select
+from sqlalchemy.orm import Session
+
+from .errors import APIError, bad_request
+from .models import Model, ModelTier, Quota, utcnow
+from .tenants import audit
+
+# '@' never appears: it separates class and model in queue names (service/dispatch.py queue_name).
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+TIERS = tuple(t.value for t in ModelTier)
+CACHE_TTL = 2.0
+MAX_ALLOWED = 1000   # names in one allow-list
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str | None
+    source: str | None
+    tier: str
+    enabled: bool
+    created: int          # Unix seconds: registration, or (implicit default model) its folder's config.json
+    registered: bool      # False: the default model, served without a row
+
+
+# What resolve() gives when there is nothing to check against (no default model, no registered model): the
+# job runs on whatever model the class queues' workers load, as before the registry.
+UNCHECKED = Entry(None, None, ModelTier.hot.value, True, 0, False)
+
+
+def entry_json(e: Entry) -> dict:
+    return {"id": e.name, "object": "model", "created": e.created, "owned_by": "tidepool", "source": e.source,
+            "tier": e.tier, "enabled": e.enabled, "registered": e.registered}
+
+
+def public_json(e: Entry) -> dict:
+    """The OpenAI model object a tenant sees (no folder, tier or state)."""
+    return {"id": e.name, "object": "model", "created": e.created, "owned_by": "tidepool"}
+
+
+def check_name(name) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise bad_request("A model name is 1 to 128 characters: letters, digits and . _ : - (starting with a "
+                          "letter or digit).", "name")
+    return name
+
+
+def check_tier(tier) -> str:
+    if tier not in TIERS:
+        raise bad_request(f"tier must be one of {list(TIERS)}.", "tier")
+    return tier
+
+
+def check_source(source) -> str:
+    if not isinstance(source, str) or not source or len(source) > 1024 or "\x00" in source \
+            or not os.path.isabs(source):
+        raise bad_request("source must be the absolute path of the model folder (at most 1024 characters).",
+                          "source")
+    return source
+
+
+def check_allowed(value) -> list | None:
+    """A quota's allowed_models: None, or a list of model names (registered or not yet)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_ALLOWED:
+        raise bad_request(f"allowed_models must be null or a list of at most {MAX_ALLOWED} model names.",
+                          "allowed_models")
+    for name in value:
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise bad_request(f"allowed_models holds {name!r}, which is not a model name.", "allowed_models")
+    return sorted(set(value))
+
+
+def _dirty(s: Session) -> None:
+    s.info["tp_models_dirty"] = True
+
+
+def register(s: Session, name, source, tier="warm", enabled=True, actor: str = "admin") -> Model:
+    name, source, tier = check_name(name), check_source(source), check_tier(tier)
+    if not isinstance(enabled, bool):
+        raise bad_request("enabled must be a boolean.", "enabled")
+    if s.get(Model, name) is not None:
+        raise APIError(409, f"A model named '{name}' is already registered.", "model_exists", "name")
+    now = utcnow()
+    row = Model(name=name, source=source, tier=tier, enabled=enabled, created_at=now, updated_at=now)
+    s.add(row)
+    audit(s, actor, "model.register", name, {"source": source, "tier": tier, "enabled": enabled})
+    _dirty(s)
+    return row
+
+
+def update(s: Session, name: str, values: dict, actor: str = "admin", default: Entry | None = None) -> Model:
+    """Retier, enable/disable or re-point a model (keys absent: unchanged). The implicit default model gets its
+    row here, with the change applied."""
+    unknown = sorted(set(values) - {"tier", "enabled", "source"})
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    row = s.get(Model, name)
+    if row is None:
+        if default is None or default.registered or default.name != name:
+            raise APIError(404, f"No model named '{name}' is registered.", "model_not_found", "name")
+        row = register(s, name, default.source, default.tier, True, actor=actor)
+        s.flush()
+    if "tier" in values:
+        row.tier = check_tier(values["tier"])
+        audit(s, actor, "model.retier", name, {"tier": row.tier})
+    if "enabled" in values:
+        if not isinstance(values["enabled"], bool):
+            raise bad_request("enabled must be a boolean.", "enabled")
+        row.enabled = values["enabled"]
+        audit(s, actor, "model.enable" if row.enabled else "model.disable", name)
+    if "source" in values:
+        row.source = check_source(values["source"])
+        audit(s, actor, "model.update", name, {"source": row.source})
+    row.updated_at = utcnow()
+    _dirty(s)
+    return row
+
+
+def grant(s: Session, tenant_id: str, name: str, actor: str = "admin") -> Quota:
+    """Add a model to the tenant's allow-list. A tenant without a list may already use every model: nothing
+    changes then (granting does not narrow what it may use)."""
+    name = check_name(name)
+    quota = s.get(Quota, tenant_id)
+    if quota.allowed_models:
+        quota.allowed_models = sorted(set(quota.allowed_models) | {name})
+    audit(s, actor, "model.grant", tenant_id, {"model": name})
+    return quota
+
+
+def revoke(s: Session, tenant_id: str, name: str, everything: list[str], actor: str = "admin") -> Quota:
+    """Take a model from the tenant's allow-list. A tenant without a list gets one: every model in `everything`
+    (the registry) but this one. An allow-list is never left empty, since empty means every model: revoking
+    the last model is refused (disable the tenant instead)."""
+    name = check_name(name)
+    quota = s.get(Quota, tenant_id)
+    current = quota.allowed_models or everything
+    left = sorted(set(current) - {name})
+    if not left:
+        raise APIError(409, f"'{name}' is the last model this tenant may use, and an empty allow-list means every "
+                            "model; disable the tenant instead.", "last_model", "model")
+    quota.allowed_models = left
+    audit(s, actor, "model.revoke", tenant_id, {"model": name})
+    return quota
+
+
+# ---- reading, cached per process ---------------------------------------------------------------------------
+
+_generation = 0
+_generation_lock = threading.Lock()
+
+
+@event.listens_for(Session, "after_commit")
+def _after_commit(session):
+    global _generation
+    if session.info.pop("tp_models_dirty", False):
+        with _generation_lock:
+            _generation += 1
+
+
+@event.listens_for(Session, "after_rollback")
+def _after_rollback(session):
+    session.info.pop("tp_models_dirty", None)
+
+
+def folder_created(folder: str | None) -> int:
+    """When a model folder was written (its config.json), else now."""
+    try:
+        return int(os.stat(os.path.join(folder, "config.json")).st_mtime)
+    except (OSError, TypeError):
+        return int(time.time())
+
+
+def folder_context_len(folder: str | None, max_model_len: int | None = None) -> int | None:
+    """Longest prompt + output for a model folder: max_model_len (TIDEPOOL_MAX_MODEL_LEN) when set, else its
+    config.json (capped at a sliding window); None when the folder cannot be read here."""
+    if max_model_len:
+        return max_model_len
+    if not folder:
+        return None
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    limits = [raw.get("max_position_embeddings"), raw.get("sliding_window")]
+    return min((v for v in limits if isinstance(v, int) and v > 0), default=None)
+
+
+class Registry:
+    """The registered models of one ledger, plus the implicit default model, read at most once per ttl."""
+
+    def __init__(self, engine, default_name: str | None = None, default_source: str | None = None,
+                 ttl: float = CACHE_TTL, max_model_len: int | None = None):
+        self.engine, self.default_name, self.default_source, self.ttl = engine, default_name, default_source, ttl
+        self.max_model_len = max_model_len     # TIDEPOOL_MAX_MODEL_LEN: caps every model's context
+        self._cached: tuple[int, float, dict[str, Entry]] | None = None
+        self._default_created = folder_created(default_source) if default_name else 0
+        self._context: dict[str, int | None] = {}
+
+    def entries(self) -> dict[str, Entry]:
+        """Every model by name, enabled or not."""
+        cached = self._cached
+        if cached is not None and cached[0] == _generation and cached[1] > time.monotonic():
+            return cached[2]
+        generation = _generation
+        with self.engine.connect() as conn:   # autocommit: no write lock on SQLite, nothing held open
+            rows = conn.execution_options(isolation_level="AUTOCOMMIT").execute(select(Model.name, Model.source, Model.tier, Model.enabled, Model.created_at)
+                                .order_by(Model.name)).all()
+        out = {r.name: Entry(r.name, r.source, r.tier, bool(r.enabled), int(r.created_at.timestamp()), True)
+               for r in rows}
+        if self.default_name and self.default_name not in out:
+            out[self.default_name] = Entry(self.default_name, self.default_source, ModelTier.hot.value, True,
+                                           self._default_created, False)
+        self._cached = (generation, time.monotonic() + self.ttl, out)
+        return out
+
+    def get(self, name: str) -> Entry | None:
+        return self.entries().get(name)
+
+    @staticmethod
+    def permits(quota: Quota | None, name: str) -> bool:
+        allowed = quota.allowed_models if quota is not None else None
+        return not allowed or name in allowed
+
+    def allowed(self, quota: Quota | None) -> list[Entry]:
+        """The enabled models this tenant may use, by name."""
+        return [e for e in self.entries().values() if e.enabled and self.permits(quota, e.name)]
+
+    def resolve(self, quota: Quota | None, requested: str | None) -> Entry:
+        """The model a request names (none: the default model), or the client's error: 404 when no such model
+        is registered, 403 when it is disabled or this tenant may not use it."""
+        if requested is not None and not isinstance(requested, str):
+            raise bad_request("'model' must be a string.", "model")
+        entries = self.entries()
+        if not entries:
+            return UNCHECKED
+        if requested is None:
+            if not self.default_name:
+                raise bad_request("'model' is required: this service has no default model.", "model",
+                                  "missing_required_parameter")
+            requested = self.default_name
+        entry = entries.get(requested)
+        if entry is None:
+            raise APIError(404, f"The model '{requested}' does not exist.", "model_not_found", "model")
+        if not entry.enabled:
+            raise APIError(403, f"The model '{requested}' is disabled.", "model_disabled", "model")
+        if not self.permits(quota, entry.name):
+            raise APIError(403, f"This tenant may not use the model '{requested}'.", "model_not_allowed", "model")
+        return entry
+
+    def context_len(self, entry: Entry) -> int | None:
+        if entry.name is None:
+            return folder_context_len(None, self.max_model_len)
+        if entry.name not in self._context:
+            self._context[entry.name] = folder_context_len(entry.source, self.max_model_len)
+        return self._context[entry.name]
