@@ -234,6 +234,9 @@ def test_imports_point_one_way():
             wrong += [f"{name} imports {d} (workers import only the Flask-free part of service)"
                       for d in deps if _within(d, "service") and d not in FLASK_FREE
                       and not (d.rpartition(".")[0] in FLASK_FREE and d not in modules)]    # `from service.x import y`
+    reference = "kernels.paged_attention"     # the pure-torch definition every attention fast path is tested against
+    wrong += [f"{reference} imports {d} (the reference is pure torch; kernels/attention.py picks the fast paths)"
+              for d in _imports(reference, modules[reference], modules) if _roots([d]) & {"kernels", "triton"}]
     for name in sorted(FLASK_FREE & modules.keys()):
         loaded = _import_time_closure(name, modules)
         wrong += [f"importing {name} loads {d}" for d in sorted(loaded)
