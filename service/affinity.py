@@ -30,6 +30,7 @@ import time
 from collections import OrderedDict
 
 from .models import cache_namespace
+from .openai_shapes import CHAT
 from .snapshots import HEARTBEAT_KEY
 
 SEP = ">"                                # private queue = "<shared queue>><worker name>" (queue names use "@")
@@ -38,7 +39,6 @@ ADVERTISED = 64                          # keys a heartbeat carries, newest firs
 REMEMBERED = 4096                        # keys a publisher remembers having placed itself
 REFRESH = 1.0                            # seconds a publisher reuses the heartbeats it read
 
-_CHAT = "/v1/chat/completions"
 
 
 def private_queue(queue: str, worker: str) -> str:
@@ -55,7 +55,7 @@ def split_private(name: str) -> tuple[str, str] | None:
 def prefix_text(endpoint: str, body: dict) -> str:
     """The start of a request's prompt as canonical text: a completion's prompt, or a chat's tools and messages
     (role and text of each, in order), which is what its rendered prompt begins with."""
-    if endpoint == _CHAT:
+    if endpoint == CHAT:
         parts = [json.dumps(body["tools"], sort_keys=True)] if body.get("tools") else []
         for m in body.get("messages") or []:
             content = m.get("content")

@@ -6,6 +6,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 
 from . import bodies, logprobs, quotas, structured
+from . import openai_shapes
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
 
@@ -127,18 +128,15 @@ def cancel(s: Session, batch: Batch) -> None:
 def _result_line(job: Job, model: str | None) -> str:
     model = job.model or model     # the line's own model; rows older than the registry ran on the default
     created = int(job.finished_at.timestamp()) if job.finished_at else None
-    usage = {"prompt_tokens": job.prompt_tokens or 0, "completion_tokens": job.completion_tokens or 0,
-             "total_tokens": (job.prompt_tokens or 0) + (job.completion_tokens or 0)}
+    usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
     lps = logprobs.shaped(job.endpoint, job.logprobs) if logprobs.requested(job.endpoint, job.request) else None
     if job.endpoint == bodies.CHAT:
         message, finish_reason = structured.message(job.request or {}, job.output, job.finish_reason, job.id)
         choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": lps}
-        body = {"id": job.id, "object": "chat.completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
+        body = {**openai_shapes.head(job.endpoint, job.id, created, model), "choices": [choice], "usage": usage}
     else:
         choice = {"index": 0, "text": job.output, "finish_reason": job.finish_reason, "logprobs": lps}
-        body = {"id": job.id, "object": "text_completion", "created": created, "model": model,
-                "choices": [choice], "usage": usage}
+        body = {**openai_shapes.head(job.endpoint, job.id, created, model), "choices": [choice], "usage": usage}
     return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
                        "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None})
 

@@ -10,9 +10,8 @@ from datetime import datetime, timezone
 from . import structured
 from .errors import bad_request
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-ENDPOINTS = (COMPLETIONS, CHAT)
+from .openai_shapes import CHAT, COMPLETIONS, ENDPOINTS  # noqa: F401 (bodies.CHAT & co. for its callers)
+
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: 512}
 # Bounds on every list and string of a request (README "Request limits"); beyond them, a 400 naming the field.
 MAX_PROMPT_TOKEN_IDS = 1 << 20     # ids in a token-id prompt

@@ -13,7 +13,6 @@ from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 
-SLA_CLASSES = ("realtime", "interactive", "batch", "deferrable")
 ONLINE_TARGETS = (("realtime", "ttft_ms"), ("realtime", "itl_ms"), ("interactive", "ttft_ms"), ("interactive", "itl_ms"))
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 

@@ -10,8 +10,7 @@ Workers store and stream one entry per generated token, in the chat shape:
     /v1/completions       {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}
     /v1/chat/completions  {"content": [entry, ...]}
 """
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
+from .openai_shapes import CHAT
 
 
 def requested(endpoint: str, body: dict | None) -> bool:

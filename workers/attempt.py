@@ -4,7 +4,8 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from workers.openai_bodies import CHAT, prompt_ids, sampling_params
+from service.openai_shapes import CHAT
+from workers.openai_bodies import prompt_ids, sampling_params
 
 @dataclass
 class Inflight:

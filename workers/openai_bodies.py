@@ -5,10 +5,10 @@ Bodies arrive already validated and normalised by `service.bodies.check`.
 import time
 
 from service import logprobs, structured
+from service import openai_shapes
+from service.openai_shapes import CHAT, COMPLETIONS  # noqa: F401 (the workers' import point)
 from workers.engine import RequestOutput, SamplingParams
 
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
 
@@ -55,7 +55,7 @@ def chat_messages(body: dict, template_renders_tools: bool) -> tuple[list[dict],
 
 def usage(out: RequestOutput) -> dict:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return openai_shapes.usage(prompt, completion)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -121,9 +121,9 @@ def response_body(endpoint: str, request_id: str, model: str, out: RequestOutput
         message, finish_reason = structured.message(body or {}, out.text, out.finish_reason, request_id)
         choice = {"index": 0, "message": message, "logprobs": chat_logprobs(out, tokenizer),
                   "finish_reason": finish_reason}
-        return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created, "model": model,
+        return {**openai_shapes.head(CHAT, f"chatcmpl-{request_id}", created, model),
                 "choices": [choice], "usage": usage(out)}
     choice = {"index": 0, "text": out.text, "logprobs": completion_logprobs(out, tokenizer),
               "finish_reason": out.finish_reason}
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
+    return {**openai_shapes.head(COMPLETIONS, f"cmpl-{request_id}", created, model),
             "choices": [choice], "usage": usage(out)}

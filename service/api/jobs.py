@@ -7,6 +7,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from .. import bodies, jobs as transitions, logprobs, quotas, structured
+from .. import openai_shapes
 from ..auth import tenant_required
 from ..db import session
 from ..errors import APIError, bad_request, not_found

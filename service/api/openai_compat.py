@@ -12,6 +12,7 @@ from sqlalchemy.orm import undefer
 from service import token_stream
 
 from .. import bodies, jobs as transitions, logprobs, quotas, registry, structured
+from .. import openai_shapes
 from ..auth import tenant_required
 from ..errors import APIError, bad_request
 from ..models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
@@ -194,8 +195,7 @@ def _job_error(job: Job) -> APIError:
 
 
 def _usage(job: Job) -> dict:
-    p, c = job.prompt_tokens or 0, job.completion_tokens or 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    return openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
 
 
 class _Format:
@@ -209,8 +209,7 @@ class _Format:
         self.offset = 0      # completions text_offset of the next streamed logprobs entry
 
     def _head(self, chunk: bool) -> dict:
-        obj = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return openai_shapes.head(self.endpoint, self.id, self.created, self.model, chunk)
 
     def whole(self, job: Job) -> dict:
         lps = logprobs.shaped(self.endpoint, job.logprobs) if self.want_logprobs else None

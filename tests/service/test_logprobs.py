@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import batches as ledger, jobs, logprobs
+from service import batches as ledger, jobs, logprobs, openai_shapes
 from service.models import Batch, Job, JobStatus
 from service import token_stream
 
@@ -32,7 +32,7 @@ def _entries(n_top: int) -> list[dict]:
 
 
 def _top_n(job: Job) -> int:
-    if job.endpoint == logprobs.CHAT:
+    if job.endpoint == openai_shapes.CHAT:
         return job.request.get("top_logprobs") or 0
     return job.request["logprobs"]
 
@@ -189,11 +189,11 @@ def test_native_job_returns_logprobs_only_when_asked(app, online):
     assert all("logprobs" not in (j["output"] or {}) for j in listed)     # listings never load them
 
 
-@pytest.mark.parametrize("endpoint", [logprobs.COMPLETIONS, logprobs.CHAT])
+@pytest.mark.parametrize("endpoint", [openai_shapes.COMPLETIONS, openai_shapes.CHAT])
 def test_batch_output_lines_carry_logprobs_when_asked(embedded_app, endpoint):
     client = embedded_app.test_client()
     _, key = Admin(client).tenant()
-    if endpoint == logprobs.CHAT:
+    if endpoint == openai_shapes.CHAT:
         bodies = [{"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 2},
                   {"messages": [{"role": "user", "content": "b"}]}]
     else:
@@ -218,7 +218,7 @@ def test_batch_output_lines_carry_logprobs_when_asked(embedded_app, endpoint):
                                                                     headers=key).data.splitlines())}
     asked, plain = (lines[k]["response"]["body"]["choices"][0]["logprobs"] for k in ("r0", "r1"))
     assert plain is None
-    if endpoint == logprobs.CHAT:
+    if endpoint == openai_shapes.CHAT:
         assert [(e["token"], e["logprob"]) for e in asked["content"]] == TOKENS
         assert all(len(e["top_logprobs"]) == 2 and e["bytes"] == list(e["token"].encode()) for e in asked["content"])
     else:
@@ -228,8 +228,8 @@ def test_batch_output_lines_carry_logprobs_when_asked(embedded_app, endpoint):
 
 def test_shapes_are_computed_without_torch():
     entries = _entries(1)
-    assert logprobs.shaped(logprobs.CHAT, entries) == {"content": entries}
-    assert logprobs.shaped(logprobs.COMPLETIONS, entries[1:], offset=3)["text_offset"] == [3, 5]
+    assert logprobs.shaped(openai_shapes.CHAT, entries) == {"content": entries}
+    assert logprobs.shaped(openai_shapes.COMPLETIONS, entries[1:], offset=3)["text_offset"] == [3, 5]
     assert logprobs.text_length(entries) == len(TEXT)
-    assert logprobs.requested(logprobs.COMPLETIONS, {"logprobs": 0})
-    assert not logprobs.requested(logprobs.CHAT, {"logprobs": False, "top_logprobs": 3})
+    assert logprobs.requested(openai_shapes.COMPLETIONS, {"logprobs": 0})
+    assert not logprobs.requested(openai_shapes.CHAT, {"logprobs": False, "top_logprobs": 3})
