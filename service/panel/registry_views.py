@@ -73,7 +73,9 @@ def update_model():
 
 @bp.post("/models/grants")
 def grant_model():
-    tenant_id, name, action = (request.form.get(k, "") for k in ("tenant_id", "model", "action"))
+    # the Revoke button posts to ?action=revoke (a submit button's own value is lost: panel.js disables it)
+    tenant_id, name = request.form.get("tenant_id", ""), request.form.get("model", "")
+    action = request.args.get("action", "grant")
     s = db()
     try:
         if s.get(Tenant, tenant_id) is None:

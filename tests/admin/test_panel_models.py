@@ -1,0 +1,102 @@
+"""The Models page (issue #17) in headless Chromium against a live server: register (with per-field errors),
+retier, disable, grant and revoke, a model's waiting jobs shown as served by no worker; every change audited
+with the panel as actor; a form without the CSRF token is refused."""
+from sqlalchemy import select
+
+from service.models import AuditLog, Quota
+
+from .conftest import ADMIN, csrf_from, shot, sign_in
+
+
+def _flash(page) -> str:
+    return page.locator(".flash").first.inner_text()
+
+
+def test_models_page_end_to_end(page, live):
+    app, _, api = live
+    page.goto("/admin/login")
+    page.fill("#token", ADMIN)
+    page.click("button[type=submit]")
+    page.wait_for_url("**/admin/")
+    page.click("nav >> text=Models")
+    page.wait_for_url("**/admin/models")
+    assert "No models yet" in page.locator("main").inner_text()
+
+    page.fill("#model-name", "beta")
+    page.fill("#model-source", "relative/beta")
+    page.click("text=Register model")
+    assert "absolute path" in page.locator("#model-source-error").inner_text()
+    assert page.input_value("#model-name") == "beta"          # what the operator typed is kept
+    page.fill("#model-source", "/srv/models/beta")
+    page.select_option("#model-tier", "cold")
+    page.click("text=Register model")
+    assert _flash(page) == "Model 'beta' registered (cold)."
+    row = page.locator("#models tr[data-model=beta]")
+    assert "/srv/models/beta" in row.inner_text() and "enabled" in row.inner_text()
+    assert row.locator("select[name=tier]").input_value() == "cold"
+
+    row.locator("select[name=tier]").select_option("hot")
+    row.locator("text=Retier").click()
+    assert _flash(page) == "Model 'beta': tier hot."
+    row = page.locator("#models tr[data-model=beta]")
+    assert row.locator("select[name=tier]").input_value() == "hot"
+    row.locator("text=Disable").click()
+    assert _flash(page) == "Model 'beta': disabled."
+    assert "disabled" in page.locator("#models tr[data-model=beta]").inner_text()
+    page.locator("#models tr[data-model=beta]").locator("text=Enable").click()
+    assert _flash(page) == "Model 'beta': enabled."
+
+    # grants: a tenant without a list may use everything; revoking gives it a list of the others
+    page.fill("#model-name", "gamma")
+    page.fill("#model-source", "/srv/models/gamma")
+    page.click("text=Register model")
+    tenant_id, key = api.tenant("models-browser")
+    page.reload()
+    assert "every enabled model" in page.locator(f"#allow-lists tr[data-tenant={tenant_id}]").inner_text()
+    page.select_option("#grant-tenant", tenant_id)
+    page.select_option("#grant-model", "beta")
+    page.click("#revoke-button")
+    assert _flash(page) == "'beta' revoked from the tenant."
+    assert page.locator(f"#allow-lists tr[data-tenant={tenant_id}]").inner_text().split()[-1] == "gamma"
+    status, body = api.call("GET", "/v1/models", token=key)
+    assert status == 200 and [m["id"] for m in body["data"]] == ["gamma"]
+    page.select_option("#grant-tenant", tenant_id)
+    page.select_option("#grant-model", "gamma")
+    page.click("#revoke-button")
+    assert "last model" in _flash(page)
+    page.select_option("#grant-tenant", tenant_id)
+    page.select_option("#grant-model", "beta")
+    page.click("#grant-button")
+    assert _flash(page) == "'beta' granted to the tenant."
+    with app.extensions["tidepool.sessions"]() as s:
+        assert s.get(Quota, tenant_id).allowed_models == ["beta", "gamma"]
+
+    # a job for a model no worker serves waits, and the page says so
+    status, job = api.call("POST", "/v1/jobs", {"prompt": "hi", "max_tokens": 2, "model": "gamma"}, token=key)
+    assert status == 202 and job["model"] == "gamma", job
+    page.goto("/admin/models")
+    assert "interactive 1 · no worker" in page.locator("#models tr[data-model=gamma]").inner_text()
+    shot(page, "models")
+    assert not page.js_errors
+
+    with app.extensions["tidepool.sessions"]() as s:
+        audit = [(a.actor, a.action, a.target) for a in s.scalars(select(AuditLog).order_by(AuditLog.id))
+                 if a.action.startswith("model.")]
+    assert audit == [("panel", "model.register", "beta"), ("panel", "model.retier", "beta"),
+                     ("panel", "model.disable", "beta"), ("panel", "model.enable", "beta"),
+                     ("panel", "model.register", "gamma"), ("panel", "model.revoke", tenant_id),
+                     ("panel", "model.grant", tenant_id)]
+
+
+def test_model_forms_need_the_csrf_token(client, app):
+    csrf = sign_in(client)
+    https = "https://localhost"
+    r = client.post("/admin/models", data={"name": "x", "source": "/x"}, base_url=https)
+    assert r.status_code in (400, 403)
+    page = client.get("/admin/models", base_url=https)
+    assert page.status_code == 200 and csrf_from(page.text) == csrf
+    r = client.post("/admin/models", data={"name": "x", "source": "/x", "csrf_token": csrf}, base_url=https)
+    assert r.status_code == 303
+    for path, data in (("/admin/models/update", {"name": "x", "tier": "hot"}),
+                       ("/admin/models/grants", {"tenant_id": "t", "model": "x", "action": "grant"})):
+        assert client.post(path, data=data, base_url=https).status_code in (400, 403)
