@@ -53,12 +53,10 @@ def test_wheel_installs_outside_the_checkout_and_renders_the_sign_in_page(tmp_pa
                 "service/migrations/script.py.mako", "kernels/csrc/paged_decode_cpu.cpp", "kernels/csrc/fused_cpu.cpp",
                 "workers/engine/data/corpus.txt"]:
         assert rel in names, f"{rel} missing from the wheel"
-    checkout = {str(p.relative_to(ROOT)) for top in ("service", "workers", "kernels") for p in (ROOT / top).rglob("*.py")
-                if "__pycache__" not in p.parts}
-    checkout |= {f"service/{p.relative_to(ROOT)}" for p in (ROOT / "web").rglob("*") if p.is_file()}
-    checkout |= {f"service/{p.relative_to(ROOT)}" for p in (ROOT / "migrations").rglob("*")
-                 if p.is_file() and "__pycache__" not in p.parts}
-    assert not checkout - names, f"in the checkout, not in the wheel: {sorted(checkout - names)}"
+    sources = {str(p.relative_to(src)) for top in ("service", "workers", "kernels") for p in (src / top).rglob("*.py")}
+    sources |= {f"service/{p.relative_to(src)}" for top in ("web", "migrations") for p in (src / top).rglob("*")
+                if p.is_file()}
+    assert not sources - names, f"in the checkout, not in the wheel: {sorted(sources - names)}"
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
