@@ -5,7 +5,7 @@ from datetime import timedelta
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 
-from . import bodies, logprobs, quotas, structured
+from . import affinity, bodies, logprobs, quotas, structured
 from . import openai_shapes
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
@@ -18,15 +18,17 @@ def _line_error(line: int, code: str, message: str, param: str | None = None) ->
 
 
 def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, served_model: str | None,
-              max_lines: int, chunk_size: int, models=None, route=None) -> tuple[list[dict], list[tuple[str, str]]]:
+              max_lines: int, chunk_size: int, cache_group: str | None = None, models=None,
+              route=None) -> tuple[list[dict], list[tuple[str, str, str | None]]]:
     """Validate every line of the batch's input file, inserting job rows in chunks as it goes.
-    Returns (errors, [(job_id, queue)]); with any error the caller rolls the rows back. models (a registry.Registry)
+    Returns (errors, [(job_id, queue, prefix key)]) (Dispatcher.publish's entries; cache_group: the tenant's
+    prefix_cache_group, for the keys); with any error the caller rolls the rows back. models (a registry.Registry)
     resolves each line's model against the tenant's quota, route(sla_class, model) names the line's queue; without
     them every line runs on served_model, in the class's queue."""
     errors: list[dict] = []
     seen: set[str] = set()
     rows: list[dict] = []
-    created: list[tuple[str, str]] = []
+    created: list[tuple[str, str, str | None]] = []
     tokens = 0
     now = utcnow()
     sla = batch.sla_class.value
@@ -89,7 +91,8 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                              sla_class=sla, model=model, status=JobStatus.queued.value, endpoint=batch.endpoint,
                              request=checked.body, estimated_tokens=checked.estimated_tokens, attempts=0,
                              created_at=now, queued_at=now))
-            created.append((job_id, sla if route is None else route(sla, model)))
+            created.append((job_id, sla if route is None else route(sla, model),
+                            affinity.job_prefix_key(batch.tenant_id, cache_group, batch.endpoint, checked.body)))
             if len(rows) >= chunk_size:
                 s.execute(insert(Job), rows)
                 rows = []

@@ -41,6 +41,7 @@ from service.models import ONLINE_CLASSES, SLA_CLASSES, Job, JobStatus, SlaClass
 from service import token_stream
 from service.dispatch import queue_name
 from service.wire import job_id as message_job_id, transport_options
+from workers.affinity import WorkerAffinity
 from workers.broker import take
 from workers.engine import PromptTooLong
 from service.snapshots import Heartbeats
@@ -138,6 +139,9 @@ class Worker(EngineThread, Results):
         # Gauges and counters move in the engine thread; the dashboard snapshot goes out with the heartbeat.
         self.metrics = EngineMetrics(worker=cfg.name, device=cfg.device, model=cfg.model)
         self.snapshots = SnapshotStore(redis_client)
+        # Prefix affinity: its private queues, the prefix keys of what it claimed (heartbeat), their hand-back.
+        self.affinity = WorkerAffinity(cfg.name, cfg.queues, redis_client, cfg.broker_url,
+                                       seats=getattr(getattr(self.engine, "config", None), "max_num_seqs", 1))
         self.heartbeats = Heartbeats(redis_client)
         self.inflight: dict[str, Inflight] = {}
         self.counters = {"claimed": 0, "completed": 0, "failed": 0, "aborted": 0, "dropped": 0, "throttled": 0}
@@ -168,7 +172,7 @@ class Worker(EngineThread, Results):
         return {"name": self.cfg.name, "kind": self.cfg.kind, "device": self.cfg.device, "model": self.cfg.model,
                 "queues": list(self.cfg.queues), "inflight": len(self.inflight), "started_at": self.started_at,
                 "at": time.time(), "metrics_port": self.metrics_port, **self.counters,
-                "preempted_by_class": dict(self.preempted), "engine": engine}
+                "preempted_by_class": dict(self.preempted), "engine": engine, **self.affinity.stats()}
 
     def stop(self) -> None:
         self._stop.set()
@@ -226,6 +230,7 @@ class Worker(EngineThread, Results):
                 pass
             if self._conn is not None:
                 self._conn.release()    # closing the channel restores its unacked messages to their queues
+                self.affinity.hand_back()    # then its private queues go to the shared ones
             self.db.dispose()
         if self._error is not None:
             raise RuntimeError(f"engine loop failed: {self._error!r}") from self._error
@@ -273,7 +278,8 @@ class Worker(EngineThread, Results):
         self._broker_errors = (OSError, *self._conn.connection_errors, *self._conn.channel_errors)
         self._conn.ensure_connection(max_retries=3)
         self._channel = self._conn.channel()
-        self._queues = {name: Queue(name, routing_key=name).bind(self._channel) for name in self.cfg.queues}
+        self._queues = {lane: Queue(lane, routing_key=lane).bind(self._channel)
+                        for name in self.cfg.queues for lane in self.affinity.lanes(name)}
 
     def _has_room(self) -> bool:
         """Spare capacity for offline work: free sequence slots outside the engine's online reserve, plus a
@@ -295,16 +301,21 @@ class Worker(EngineThread, Results):
                 self._accept(name, message)
         for name in self.cfg.queues:
             online = name in self.cfg.online_queues
-            while len(self.inflight) < self.cfg.max_inflight:
-                if not online and not self._has_room():
-                    return got       # no spare capacity: leave offline work in the broker
-                message = take(self._queues[name], accept=["json"], owner=json.dumps([self.cfg.name, self.started_at]))
-                if message is None:
+            for lane in self.affinity.lanes(name):   # its private queue (prefix affinity), then the shared one
+                message = None
+                while len(self.inflight) < self.cfg.max_inflight:
+                    if not online and not self._has_room():
+                        return got       # no spare capacity: leave offline work in the broker
+                    message = take(self._queues[lane], accept=["json"],
+                                   owner=json.dumps([self.cfg.name, self.started_at]))
+                    if message is None:
+                        break
+                    got = True
+                    self._accept(name, message, taken_at=time.time())
+                    if not online:
+                        break            # one offline message per pass, then look at the online queues again
+                if message is not None and not online:
                     break
-                got = True
-                self._accept(name, message, taken_at=time.time())
-                if not online:
-                    break            # one offline message per pass, then look at the online queues again
         return got
 
     def _accept(self, queue_name: str, message, taken_at: float | None = None) -> None:
@@ -348,6 +359,7 @@ class Worker(EngineThread, Results):
             message.ack()        # duplicate, cancelled, expired or throttled: nothing to run
             return
         self.counters["claimed"] += 1
+        self.affinity.claimed(job.tenant_id, group, job.endpoint, job.request)
         sla = job.sla_class.value
         queue_time = ((job.started_at - job.queued_at).total_seconds()
                       if job.started_at is not None and job.queued_at is not None else None)

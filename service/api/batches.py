@@ -68,7 +68,8 @@ def create_batch():
     try:
         errors, created = ledger.load_jobs(s, ext("storage"), batch, quota, served_model=conf.served_model_name,
                                            max_lines=conf.max_batch_lines, chunk_size=conf.batch_chunk_size,
-                                           models=ext("registry"), route=ext("dispatcher").queue)
+                                           cache_group=g.tenant.prefix_cache_group, models=ext("registry"),
+                                           route=ext("dispatcher").queue)
     except APIError as exc:  # budget or max_queued: the batch fails as a whole
         errors, created = [{"code": exc.code, "message": exc.message, "param": None, "line": None}], []
     if errors:

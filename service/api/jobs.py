@@ -6,7 +6,7 @@ from flask import Blueprint, g, request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from .. import bodies, jobs as transitions, logprobs, quotas, structured
+from .. import affinity, bodies, jobs as transitions, logprobs, quotas, structured
 from .. import openai_shapes
 from ..auth import tenant_required
 from ..db import session
@@ -110,7 +110,8 @@ def create_job():
         if replay:
             return replay
         raise
-    if ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin):
+    prefix = affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, endpoint, checked.body)
+    if ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin, prefix=prefix):
         job.dispatched_at = utcnow()
     log_job("job.queued", job)
     return job_json(job), 202

@@ -11,7 +11,7 @@ from sqlalchemy.orm import undefer
 
 from service import token_stream
 
-from .. import bodies, jobs as transitions, logprobs, quotas, registry, structured
+from .. import affinity, bodies, jobs as transitions, logprobs, quotas, registry, structured
 from .. import openai_shapes
 from ..auth import tenant_required
 from ..errors import APIError, bad_request
@@ -81,7 +81,9 @@ def _serve(endpoint: str):
     xmin = quotas.admit(job)    # counted against max_queued and the budget, inserted and committed: one statement
     marks["insert"] = time.time()
     sub = _hub().subscribe(job.id)       # before dispatch, so no event can be missed
-    ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin)
+    ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin,   # a chat's history
+                                  prefix=affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, endpoint,
+                                                                 checked.body))
     marks["publish"] = time.time()
     waiter = _Waiter(ext("sessions"), sub, job.id, conf.online_timeout, marks)
     fmt = _Format(endpoint, job.id, int(now.timestamp()), model.name,
