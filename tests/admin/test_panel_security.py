@@ -88,18 +88,19 @@ def test_not_found_and_bad_filters_are_shown(client):
 
 def test_dashboard_reads_worker_heartbeats(client, app):
     """Workers that only write their heartbeat (workers/worker.py) still show on the dashboard."""
-    import json
     import time
+
+    from service.snapshots import Heartbeats
     sign_in(client)
     r = app.extensions["tidepool.redis"]
     beat = {"name": "gpu-7", "device": "cuda", "at": time.time() - 1,
             "engine": {"running": 5, "waiting": 1, "kv_cache_usage": 0.5, "preemptions": 2,
                        "prefix_cache_queries": 10, "prefix_cache_hits": 5, "total_generation_tokens": 100}}
-    r.set("tidepool:worker:gpu-7", json.dumps(beat))
+    Heartbeats(r).put(beat, ttl=60)
     first = client.get("/admin/api/dashboard", base_url=HTTPS).get_json()
     beat["at"] += 1
     beat["engine"]["total_generation_tokens"] = 150
-    r.set("tidepool:worker:gpu-7", json.dumps(beat))
+    Heartbeats(r).put(beat, ttl=60)
     d = client.get("/admin/api/dashboard", base_url=HTTPS).get_json()
     [w] = d["workers"]
     assert (w["worker"], w["running"], w["waiting"], w["kv_cache_usage"]) == ("gpu-7", 5, 1, 0.5)

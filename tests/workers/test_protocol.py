@@ -19,3 +19,14 @@ def test_engine_online_classes_are_the_ledgers():
 
 def test_gpu_workers_serve_every_class_and_cpu_workers_a_subset():
     assert QUEUES["gpu"] == SLA_CLASSES and set(QUEUES["cpu"]) <= set(SLA_CLASSES)
+
+
+def test_heartbeats_round_trip_in_redis_and_in_process(stack):
+    from service.snapshots import HEARTBEAT_KEY, Heartbeats
+    for store in (Heartbeats(stack.redis), Heartbeats(None)):
+        store.put({"name": "hb-1", "at": 1.0}, ttl=30)
+        assert store.get("hb-1") == {"name": "hb-1", "at": 1.0} and {"name": "hb-1", "at": 1.0} in store.read()
+        store.delete("hb-1")
+        assert store.get("hb-1") is None and all(b["name"] != "hb-1" for b in store.read())
+    Heartbeats(stack.redis).put({"name": "hb-2"}, ttl=30)
+    assert 0 < stack.redis.ttl(HEARTBEAT_KEY.format("hb-2")) <= 30
