@@ -1,11 +1,16 @@
 // CPU paged decode attention, reading the paged KV cache in place (layout and contract: kernels/paged_attention.py).
 //
 // One query row per sequence. A work item is one sequence (or, for small batches, one of its KV heads), taken by
-// one thread: scores q.k for every cached position < context_lens[b] block by block through the block table, an
-// exact softmax over them, then the probability-weighted sum of the V rows, all accumulated in fp32. Only slots at
-// positions < context_lens[b] are read, so whatever unowned slots hold (even NaN) cannot reach the output; a row
-// with context 0 (a padding row) reads nothing and comes out as zeros. Items
-// go longest first to whichever of at::parallel_for's threads is free.
+// one thread. Only slots at positions < context_lens[b] are read, so whatever unowned slots hold (even NaN) cannot
+// reach the output; a row with context 0 (a padding row) reads nothing and comes out as zeros. Items go longest
+// first to whichever of at::parallel_for's threads is free. All accumulation is fp32.
+//
+// Two implementations of the same contract:
+//  * attend16 (AVX-512 builds, head_dim a multiple of 16; the engine's case): 16-position tiles, each K/V row read
+//    once for all the query heads of its GQA group, dot products reduced 16 at a time by vertical adds, a running
+//    (online) softmax across tiles, so K and V are read once each and interleaved, with no score buffer.
+//  * attend (every other build and head_dim): scores q.k block by block, an exact softmax, then the weighted sum
+//    of the V rows, eight lanes at a time.
 //
 // Built and loaded at first use by kernels/cpu_ops.py; registers torch.ops.tidepool_cpu.paged_decode.
 #include <ATen/Parallel.h>
@@ -15,7 +20,12 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
+#include <type_traits>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -212,6 +222,194 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
   for (int64_t i = 0; i < rows * dim; ++i) oh[i] = static_cast<T>(acc[i]);
 }
 
+#if defined(__AVX512F__)
+// AVX-512 path (head_dim a multiple of 16). The library is built with -march=native, so this is compiled in only
+// where the CPU has AVX-512; `attend` above serves every other build and head_dim. An item (a sequence's KV heads
+// [h0, h1)) walks the context in tiles of 16 positions (a tile may span blocks), reads each K and V row once for
+// all the query heads of its GQA group (bf16/fp16 rows widened to fp32 once per tile), and keeps a running softmax
+// per query row (the tile's max, rescale of the accumulator, exp): no score buffer, no second pass over K. A tile's
+// 16 dot products are reduced together (a 16x16 transpose-and-add tree of vertical adds) instead of a horizontal sum
+// each. A row's arithmetic does not depend on how rows are grouped into items or on the thread count.
+namespace avx512 {
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {    // bf16 is the top half of an fp32
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) for x <= 0, sixteen at a time (exp8_nonpos's Cephes polynomial; 2^n by scalef); NaN passes through
+inline __m512 exp16_nonpos(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);   // max_ps returns its second operand when one is NaN
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// v[0..15] -> one vector whose lane t is the sum of v[t]'s sixteen lanes: four rounds of shuffle-and-add (45
+// instructions for 16 sums, where a horizontal sum each takes ~8 apiece). The tree leaves token t in lane
+// 4 * (t % 4) + t / 4; the final permute (a 4x4 transpose, its own inverse) puts it in lane t.
+inline __m512 reduce16(const __m512* v) {
+  __m512 r[8], s[4], u[2];
+  for (int i = 0; i < 8; ++i)   // 128-bit lanes 0-1: v[2i]'s halves added; lanes 2-3: v[2i+1]'s
+    r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)   // 128-bit lane j: token 4i + j, four partial sums
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)   // 128-bit lane j: tokens 8i + j and 8i + 4 + j, two partials each
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), t);
+}
+
+constexpr int kTile = 16;
+
+// floats of per-thread scratch attend16 needs
+inline int64_t scratch_floats(const Shape& s, int64_t heads) {
+  return heads * (2 * s.group * s.dim + 2 * kTile * s.dim + 2 * s.group);
+}
+
+// One sequence's KV head h: its `group` query rows of q (the sequence's [Hq, D] row) -> the same rows of out.
+// head_dim = 16 * NC (NC = 0: read at run time).
+template <typename T, int NC>
+void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
+              int64_t h1, const Shape& s, float* scratch) {
+  constexpr int kMaxNC = NC ? NC : 16;
+  const int64_t nc = NC ? NC : s.dim / 16;
+  const int64_t dim = 16 * nc, group = s.group, bs = s.block_size, heads = h1 - h0, rows = heads * group;
+  const int64_t tok_stride = s.num_kv_heads * dim, blk_stride = bs * tok_stride, span = heads * dim;
+  const T* qh = q + h0 * group * dim;
+  T* oh = out + h0 * group * dim;
+  if (ctx == 0) {     // a padding row (CUDA-graph style): attends to nothing
+    std::fill(oh, oh + rows * dim, static_cast<T>(0.0f));
+    return;
+  }
+  const int64_t nblk = (ctx + bs - 1) / bs;
+  for (int64_t j = 0; j < nblk; ++j) {
+    TORCH_CHECK(table[j] >= 0 && table[j] < s.pool_blocks, "block table entry ", table[j], " out of range");
+  }
+  float* acc = scratch;                       // [rows, dim] un-normalised output (row = (head, query in group))
+  float* qf = acc + rows * dim;               // [rows, dim] q in fp32
+  float* kf = qf + rows * dim;                // [kTile, heads, dim] a tile's K rows widened (bf16/fp16 only)
+  float* vf = kf + kTile * span;              // [kTile, heads, dim] and its V rows
+  float* mx = vf + kTile * span;              // [rows] running max of the scaled scores
+  float* den = mx + rows;                     // [rows] running softmax denominator
+  for (int64_t i = 0; i < rows * dim; ++i) qf[i] = static_cast<float>(qh[i]);
+  std::fill(acc, acc + rows * dim, 0.0f);
+  std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
+  std::fill(den, den + rows, 0.0f);
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  const int64_t span_bytes = span * static_cast<int64_t>(sizeof(T));
+  // offsets of the tile's rows (heads h0..h1 of each position; one division per tile, not per row)
+  auto tile_offsets = [&](int64_t p0, int64_t* off) {
+    const int64_t n = std::min<int64_t>(kTile, ctx - p0);
+    int64_t j = p0 / bs, o = p0 % bs;
+    for (int64_t t = 0; t < n; ++t) {
+      off[t] = table[j] * blk_stride + o * tok_stride + h0 * dim;
+      if (++o == bs) o = 0, ++j;
+    }
+  };
+
+  const float* kr[kTile];     // this tile's rows, heads h0..h1 side by side (dim floats apart)
+  const float* vr[kTile];
+  int64_t cur[kTile], nxt[kTile];
+  tile_offsets(0, cur);
+  for (int64_t p0 = 0; p0 < ctx; p0 += kTile) {
+    const int n = static_cast<int>(std::min<int64_t>(kTile, ctx - p0));
+    if (p0 + kTile < ctx) {
+      tile_offsets(p0 + kTile, nxt);
+      for (int64_t t = 0, m = std::min<int64_t>(kTile, ctx - p0 - kTile); t < m; ++t) {
+        for (int64_t b = 0; b < span_bytes; b += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + nxt[t]) + b, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + nxt[t]) + b, _MM_HINT_T0);
+        }
+      }
+    }
+    for (int t = 0; t < n; ++t) {
+      const int64_t off = cur[t];
+      if constexpr (std::is_same_v<T, float>) {
+        kr[t] = k_cache + off;
+        vr[t] = v_cache + off;
+      } else {
+        for (int64_t c = 0; c < span / 16; ++c) {
+          _mm512_storeu_ps(kf + t * span + 16 * c, load16(k_cache + off + 16 * c));
+          _mm512_storeu_ps(vf + t * span + 16 * c, load16(v_cache + off + 16 * c));
+        }
+        kr[t] = kf + t * span;
+        vr[t] = vf + t * span;
+      }
+    }
+    std::copy(nxt, nxt + kTile, cur);
+    const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t hd = r / group * dim;     // this query row's KV head, as an offset into a tile row
+      __m512 qv[kMaxNC];
+      for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_loadu_ps(qf + r * dim + 16 * c);
+      __m512 dots[kTile];
+      for (int t = 0; t < n; ++t) {
+        const float* kt = kr[t] + hd;
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
+        for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
+        dots[t] = a;
+      }
+      for (int t = n; t < kTile; ++t) dots[t] = _mm512_setzero_ps();
+      const __m512 scores = _mm512_mul_ps(reduce16(dots), scale);
+      const float m_old = mx[r];
+      const float m_new = std::max(m_old, _mm512_mask_reduce_max_ps(valid, scores));
+      const float alpha = std::exp(m_old - m_new);     // 0 on the first tile (m_old = -inf)
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp16_nonpos(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
+      den[r] = den[r] * alpha + _mm512_reduce_add_ps(p);
+      mx[r] = m_new;
+      alignas(64) float pt[kTile];
+      _mm512_store_ps(pt, p);
+      float* ar = acc + r * dim;
+      const __m512 al = _mm512_set1_ps(alpha);
+      __m512 a0[kMaxNC], a1[kMaxNC];      // even and odd positions: two independent FMA chains
+      for (int64_t c = 0; c < nc; ++c) {
+        a0[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), al);
+        a1[c] = _mm512_setzero_ps();
+      }
+      int t = 0;
+      for (; t + 2 <= n; t += 2) {
+        const __m512 p0v = _mm512_set1_ps(pt[t]), p1v = _mm512_set1_ps(pt[t + 1]);
+        const float* v0 = vr[t] + hd;
+        const float* v1 = vr[t + 1] + hd;
+        for (int64_t c = 0; c < nc; ++c) {
+          a0[c] = _mm512_fmadd_ps(p0v, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
+          a1[c] = _mm512_fmadd_ps(p1v, _mm512_loadu_ps(v1 + 16 * c), a1[c]);
+        }
+      }
+      if (t < n) {
+        const __m512 p0v = _mm512_set1_ps(pt[t]);
+        const float* v0 = vr[t] + hd;
+        for (int64_t c = 0; c < nc; ++c) a0[c] = _mm512_fmadd_ps(p0v, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
+      }
+      for (int64_t c = 0; c < nc; ++c) _mm512_storeu_ps(ar + 16 * c, _mm512_add_ps(a0[c], a1[c]));
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.0f / den[r];
+    for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<T>(acc[r * dim + i] * inv);
+  }
+}
+
+}  // namespace avx512
+#endif
+
 template <typename T>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, float scale) {
@@ -231,6 +429,35 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
                 " is outside [0, block table width * block_size]");
     max_ctx = std::max<int64_t>(max_ctx, lens[b]);
   }
+  std::vector<int64_t> order(batch);    // longest first, so that the last items to start are short ones
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
+#if defined(__AVX512F__)
+  if (dim % 16 == 0) {    // one item per (sequence, KV head), whatever the batch
+    void (*kernel16)(const T*, T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, const Shape&,
+                     float*);
+    switch (dim) {
+      case 64: kernel16 = &avx512::attend16<T, 4>; break;
+      case 128: kernel16 = &avx512::attend16<T, 8>; break;
+      default: kernel16 = &avx512::attend16<T, 0>; break;
+    }
+    const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), batch * s.num_kv_heads));
+    // a few sequences: one item per (sequence, KV head) so that every thread has work; else one per sequence, which
+    // reads each cache block's rows (all KV heads side by side) front to back
+    const int64_t splits = batch >= 4 * threads ? 1 : s.num_kv_heads;
+    const int64_t heads_per_item = s.num_kv_heads / splits, items = batch * splits;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch(avx512::scratch_floats(s, heads_per_item));
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+        const int64_t b = order[i / splits], h0 = i % splits * heads_per_item;
+        kernel16(qp + b * num_heads * dim, op + b * num_heads * dim, kp, vp, tables + b * table_stride, lens[b], h0,
+                 h0 + heads_per_item, s, scratch.data());
+      }
+    });
+    return;
+  }
+#endif
   void (*kernel)(const T*, T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, const Shape&, float*,
                  float*);
   switch (dim) {
@@ -243,9 +470,6 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   // a few sequences: one item per (sequence, KV head) so that every thread has work
   const int64_t splits = batch >= 4 * threads ? 1 : s.num_kv_heads;
   const int64_t heads_per_item = s.num_kv_heads / splits;
-  std::vector<int64_t> order(batch);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
   const int64_t items = batch * splits;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
