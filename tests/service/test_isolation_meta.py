@@ -157,7 +157,7 @@ def _project_modules() -> dict[str, Path]:
 
 def _imports(name: str, path: Path, modules, top_level_only: bool = False) -> set[str]:
     """What `path` imports: `import a.b` gives a.b, `from a.b import c` gives a.b and a.b.c (a module or a name
-    defined in a.b); relative imports resolved. top_level_only: statements that run at import time (not inside a def)."""
+    defined in a.b); relative imports resolved. top_level_only: the statements run at import time (not in a def)."""
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     nodes = []
