@@ -17,12 +17,16 @@ _ORIGIN = f"{os.getpid()}@{socket.gethostname()}"
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
-def make_celery(broker_url: str, name: str = "tidepool.service", **conf) -> Celery:
-    """The Celery app over `broker_url`, JSON only. Its defaults suit the web's publisher (no retries: a broker
-    outage leaves jobs undispatched for the sweeper); `conf` adds or overrides settings (beat's app)."""
+# The web's publisher does not retry: a broker outage leaves jobs undispatched, for the sweeper to republish.
+PUBLISHER = {"task_publish_retry": False, "broker_connection_timeout": 2, "broker_connection_retry": False}
+
+
+def make_celery(broker_url: str, name: str = "tidepool.service", publisher: bool = True, **conf) -> Celery:
+    """The Celery app over `broker_url`, JSON only: the web's publisher (PUBLISHER settings), or with
+    publisher=False and `conf` beat's app (workers/celery_app.py)."""
     app = Celery(name, broker=broker_url, set_as_current=False)
-    app.conf.update({"task_publish_retry": False, "broker_connection_timeout": 2, "broker_connection_retry": False,
-                     "task_serializer": "json", "accept_content": ["json"], **conf})
+    app.conf.update({**(PUBLISHER if publisher else {}), "task_serializer": "json", "accept_content": ["json"],
+                     **conf})
     return app
 
 

@@ -1,4 +1,5 @@
-"""The Celery app: reliability settings shared with the workers' consumers, and the beat schedule
+"""Beat's Celery app: service/wire.py's, with reliability settings shared with the workers' consumers, and
+the beat schedule
 (sweeper, batch finaliser) whose tasks run on the `maintenance` queue of `tidepool beat`.
 
 Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|deferrable) are consumed
@@ -24,14 +25,14 @@ def _app():
 
 
 def make_celery(cfg: Config | None = None) -> Celery:
-    from workers.worker import transport_options
+    from service.wire import make_celery as celery_app, transport_options
     cfg = cfg or Config.from_env()
     visibility = float(os.environ.get("TIDEPOOL_VISIBILITY_TIMEOUT", 6 * 3600))
-    app = Celery("tidepool", broker=cfg.broker_url, set_as_current=False)
+    app = celery_app(cfg.broker_url, name="tidepool", publisher=False)
     app.conf.update(
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
         broker_transport_options=transport_options(visibility), broker_connection_retry_on_startup=True,
-        task_serializer="json", accept_content=["json"], result_backend=None, task_ignore_result=True,
+        result_backend=None, task_ignore_result=True,
         task_default_queue="maintenance", task_queues=[Queue("maintenance")],
         worker_hijack_root_logger=False, beat_schedule_filename=os.environ.get(
             "TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule"),
