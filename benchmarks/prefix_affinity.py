@@ -59,6 +59,23 @@ def wait(cond, timeout: float, what: str, every: float = 0.2):
     raise SystemExit(f"timed out waiting for {what}")
 
 
+def ideal_hit_rate(tokenizer, pairs: list[tuple[int, str]], block_size: int = 16) -> float:
+    """The hit rate of a cache that never evicts and sees every request after the first of its group has been
+    computed: each later request finds the full blocks its group shares. An upper bound for the single run."""
+    ids: dict[int, list[list[int]]] = {}
+    for g, prompt in pairs:
+        ids.setdefault(g, []).append(tokenizer.encode(prompt))
+    hits = queries = 0
+    for seqs in ids.values():
+        first = seqs[0]
+        for seq in seqs:
+            queries += len(seq)
+        for seq in seqs[1:]:
+            common = next((i for i, (a, b) in enumerate(zip(first, seq)) if a != b), min(len(first), len(seq)))
+            hits += min(common, len(seq) - 1) // block_size * block_size
+    return hits / queries
+
+
 def prompts(tokenizer, groups: int, per_group: list[int], prefix_tokens: int, seed: int = 0) -> list[tuple[int, str]]:
     """(group, prompt) pairs: each group's system prompt of at least prefix_tokens tokens, then a question."""
     rng = random.Random(seed)
@@ -184,7 +201,8 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--skip-single", action="store_true", help="leave out the single-worker reference run")
+    p.add_argument("--skip-single", action="store_true", help="leave out the single-worker reference run (the "
+                   "ideal hit rate, an upper bound of it, is printed either way)")
     args = p.parse_args()
 
     import psycopg
@@ -211,7 +229,9 @@ def main():
         migrate.upgrade(db_url)
         wait(lambda: _ping(redis_url), 10, "redis-server")
         per = [args.requests // args.groups + (g < args.requests % args.groups) for g in range(args.groups)]
-        pairs = prompts(Tokenizer(model), args.groups, per, args.prefix_tokens)
+        tokenizer = Tokenizer(model)
+        pairs = prompts(tokenizer, args.groups, per, args.prefix_tokens)
+        ideal = ideal_hit_rate(tokenizer, pairs)
         lines = b"".join(json.dumps({"custom_id": f"g{g}-{i}", "method": "POST", "url": "/v1/completions",
                                      "body": {"prompt": prompt, "max_tokens": args.max_tokens, "ignore_eos": True}})
                          .encode() + b"\n" for i, (g, prompt) in enumerate(pairs))
@@ -236,14 +256,16 @@ def main():
                                        affinity=True)
         a, na = results["affinity"], results["no_affinity"]
         summary = {"throughput_x_no_affinity": a["lines_s"] / na["lines_s"],
-                   "hit_rate_affinity": a["hit_rate"], "hit_rate_no_affinity": na["hit_rate"]}
+                   "hit_rate_affinity": a["hit_rate"], "hit_rate_no_affinity": na["hit_rate"],
+                   "hit_rate_ideal": ideal, "hit_rate_vs_ideal": a["hit_rate"] / ideal}
         if "single" in results:
             summary["hit_rate_vs_single"] = a["hit_rate"] / results["single"]["hit_rate"]
         print(json.dumps({"summary": summary, "runs": results}, indent=1))
         print(f"affinity: throughput {summary['throughput_x_no_affinity']:.2f}x no affinity (goal >= 1.3); hit rate "
               f"{a['hit_rate']:.3f} vs {na['hit_rate']:.3f} without"
               + (f", {summary['hit_rate_vs_single']:.2f} of single's {results['single']['hit_rate']:.3f} "
-                 "(goal >= 0.8)" if "single" in results else ""))
+                 "(goal >= 0.8)" if "single" in results else "")
+              + f"; {summary['hit_rate_vs_ideal']:.2f} of the ideal {ideal:.3f} (every group's prefix computed once)")
     finally:
         if app is not None:
             app.extensions["tidepool.engine"].dispose()
