@@ -38,8 +38,10 @@ def register_processes(sub) -> None:
     p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
                    help="gpu: all four queues, offline ones only with spare capacity; cpu: deferrable only")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--models", default=None, metavar="A,B",
+                   help="registered models to serve, one engine each (default: the TIDEPOOL_MODEL folder)")
     add_engine_flags(p)
-    p.set_defaults(func=lambda args: _run("workers.worker", "main", args))
+    p.set_defaults(func=lambda args: _run("workers.model_workers" if args.models else "workers.worker", "main", args))
     p = sub.add_parser("beat", help="Celery beat + upkeep: sweeper and batch finaliser (needs Redis)")
     p.set_defaults(func=lambda args: _run("workers.celery_app", "main_beat", args))
     p = sub.add_parser("serve", help="all in one process: web, workers, upkeep (SQLite + in-process queue)")

@@ -173,9 +173,14 @@ def queue_depths():
 
 
 def model_queues() -> list[dict]:
-    from ..snapshots import SnapshotStore
+    """Per (registered model, SLA class): its queue, depth, and whether a live worker's heartbeat names it."""
+    import time
+
+    from ..snapshots import SNAPSHOT_TTL, Heartbeats
     names = list(ext("registry").entries())
-    served = {q for snap in SnapshotStore(ext("redis")).read() for q in snap.get("queues", [])}
+    now = time.time()
+    served = {q for hb in Heartbeats(ext("redis")).read() if now - hb.get("at", 0) <= SNAPSHOT_TTL
+              for q in hb.get("queues", [])}
     return [{**row, "served": row["queue"] in served} for row in ext("dispatcher").model_depths(names)]
 
 

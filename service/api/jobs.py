@@ -30,14 +30,14 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
     if job.prompt_tokens is not None:
         usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
     return {"id": job.id, "object": "job", "status": job.status.value, "sla_class": job.sla_class.value,
-            "endpoint": job.endpoint, "request": job.request, "metadata": job.metadata_,
+            "model": job.model, "endpoint": job.endpoint, "request": job.request, "metadata": job.metadata_,
             "batch_id": job.batch_id, "custom_id": job.custom_id, "deadline": ts(job.deadline),
             "created_at": ts(job.created_at), "queued_at": ts(job.queued_at),
             "dispatched_at": ts(job.dispatched_at), "started_at": ts(job.started_at),
             "first_token_at": ts(job.first_token_at), "finished_at": ts(job.finished_at),
             "attempts": job.attempts, "worker": job.worker, "usage": usage,
             "output": None if job.status != JobStatus.completed else
-            {"text": job.output, "token_ids": job.output_token_ids, **_tool_calls(job), **_choices(job, with_logprobs),
+            {"text": job.output, "token_ids": job.output_token_ids, **_tool_calls(job),
              **({"logprobs": logprobs.shaped(job.endpoint, job.logprobs)}
                 if with_logprobs and logprobs.requested(job.endpoint, job.request) else {})},
             "finish_reason": job.finish_reason, "error": job.error}
@@ -91,8 +91,8 @@ def create_job():
             return replay
 
     now = utcnow()
-    job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), status=JobStatus.queued,
-              endpoint=endpoint, request=checked.body, metadata_=metadata, idempotency_key=key,
+    job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), model=model.name,
+              status=JobStatus.queued, endpoint=endpoint, request=checked.body, metadata_=metadata, idempotency_key=key,
               request_hash=request_hash, estimated_tokens=checked.estimated_tokens, deadline=deadline, attempts=0,
               created_at=now, queued_at=now)
     quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)

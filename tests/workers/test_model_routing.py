@@ -1,0 +1,89 @@
+"""Routing by model (issue #17) with real worker processes over two random-weight models of different
+architectures: each job runs on its own model (outputs equal that model's own LLM.generate), a model no live
+worker serves keeps its jobs queued and shown so, never failed, until a worker for it starts; one process
+serving both models (`tidepool worker --models a,b`) survives kill -9 with every job completed exactly once."""
+import json
+import signal
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.models import Job, JobStatus
+from workers.engine import LLM, SamplingParams
+
+ADMIN = {"Authorization": "Bearer admin"}
+
+
+@pytest.fixture(scope="module")
+def qwen_model(tmp_path_factory):
+    from workers.engine.tiny_model import make_tiny_model
+    return str(make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen"), arch="qwen2", seed=7,
+                               hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2))
+
+
+def _register(stack, name, folder):
+    r = stack.app.test_client().post("/v1/admin/models", json={"name": name, "source": folder, "tier": "hot"},
+                                     headers=ADMIN)
+    assert r.status_code == 201, r.get_json()
+
+
+def _expected(folder, prompts, max_tokens):
+    llm = LLM(folder, device="cpu")
+    return [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                  ignore_eos=True))]
+
+
+def _queues(stack):
+    rows = stack.app.test_client().get("/v1/admin/queues", headers=ADMIN).get_json()["models"]
+    return {(r["model"], r["sla_class"]): (r["depth"], r["served"]) for r in rows}
+
+
+def test_each_model_runs_its_own_jobs_and_an_unserved_model_waits(stack, qwen_model):
+    _register(stack, "qwen", qwen_model)
+    _, key = stack.tenant()
+    stack.start("worker", "--device", "cpu", "--models", "qwen", wait_for="wq", TIDEPOOL_WORKER_NAME="wq")
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    q_ids = [stack.submit(key, 1, prompt=f"qwen {i}", model="qwen", sla_class=c, **body)[0]
+             for i, c in enumerate(("interactive", "batch", "realtime"))]
+    t_ids = [stack.submit(key, 1, prompt=f"tiny {i}", **body)[0] for i in range(2)]     # the default model
+    stack.wait(lambda: stack.count(Job.id.in_(q_ids), Job.status == JobStatus.completed) == 3, 120, "qwen jobs")
+    got = {j.request["prompt"]: j for j in stack.jobs(Job.id.in_(q_ids))}
+    want = _expected(qwen_model, [f"qwen {i}" for i in range(3)], 6)
+    assert [got[f"qwen {i}"].output for i in range(3)] == want
+    assert {j.model for j in got.values()} == {"qwen"} and {j.worker for j in got.values()} == {"wq"}
+
+    # nobody serves the default model: its jobs stay queued, visible as such, and are not failed
+    stack.wait(lambda: _queues(stack)[("qwen", "interactive")][1], 30, "qwen served in the queues view")
+    assert stack.count(Job.id.in_(t_ids), Job.status == JobStatus.queued) == 2
+    default = stack.app.config["TIDEPOOL"].served_model_name
+    assert _queues(stack)[(default, "interactive")] == (2, False)
+
+    stack.worker("wt")     # a worker of the default model takes them
+    stack.wait(lambda: stack.count(Job.id.in_(t_ids), Job.status == JobStatus.completed) == 2, 120, "tiny jobs")
+    got = {j.request["prompt"]: j for j in stack.jobs(Job.id.in_(t_ids))}
+    assert [got[f"tiny {i}"].output for i in range(2)] == _expected(stack.model, ["tiny 0", "tiny 1"], 6)
+    assert {j.worker for j in got.values()} == {"wt"} and {j.model for j in got.values()} == {default}
+
+
+def test_a_two_model_worker_killed_loses_nothing(stack, qwen_model):
+    _register(stack, "qwen", qwen_model)
+    default = stack.app.config["TIDEPOOL"].served_model_name
+    _, key = stack.tenant()
+    stack.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_LEASE_SECONDS=4)
+    proc = stack.start("worker", "--device", "cpu", "--models", f"{default},qwen", wait_for="both.qwen",
+                       TIDEPOOL_WORKER_NAME="both", TIDEPOOL_LEASE_SECONDS=4)
+    body = {"max_tokens": 300, "temperature": 0, "ignore_eos": True, "sla_class": "batch"}
+    ids = stack.submit(key, 6, model="qwen", **body) + stack.submit(key, 6, **body)
+    stack.wait(lambda: stack.count(Job.id.in_(ids), Job.status == JobStatus.running) >= 2, 60, "jobs running")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stack.start("worker", "--device", "cpu", "--models", f"qwen,{default}", wait_for="again.qwen",
+                TIDEPOOL_WORKER_NAME="again", TIDEPOOL_LEASE_SECONDS=4)
+    stack.wait(lambda: stack.count(Job.id.in_(ids), Job.status == JobStatus.completed) == len(ids), 300,
+               "every job completed after the kill")
+    jobs = stack.jobs(Job.id.in_(ids))
+    assert all(j.completion_tokens == 300 for j in jobs)
+    assert {j.model for j in jobs} == {"qwen", default}
+    assert all(j.worker.startswith(("both.", "again.")) for j in jobs)
+    assert all(j.worker.endswith("." + j.model) for j in jobs)     # each ran on its own model's engine
