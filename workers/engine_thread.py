@@ -2,6 +2,7 @@
 (Worker.finish_done writes them). Reads and writes on the Worker: engine, metrics, inflight, _done, _wake,
 _stop, _step_at, _error."""
 import logging
+import threading
 import time
 
 from workers.attempt import Inflight
@@ -10,7 +11,14 @@ log = logging.getLogger("workers.worker")
 
 
 class EngineThread:
+    def _warm_grammars(self) -> None:
+        try:
+            self.engine.structured.warm()
+        except Exception as exc:  # the first structured request then pays for it (or fails with the reason)
+            log.warning("worker %s: grammar warm-up failed: %s", self.cfg.name, exc)
+
     def _engine_loop(self) -> None:
+        threading.Thread(target=self._warm_grammars, name=f"{self.cfg.name}-grammars", daemon=True).start()
         try:
             while not self._stop.is_set():
                 if not self.engine.has_unfinished():

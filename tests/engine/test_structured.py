@@ -175,3 +175,17 @@ def test_unconstrained_rows_beside_constrained_ones_are_untouched(llm):
     alone = llm.generate([[9, 8, 7]], plain)[0].token_ids
     mixed = llm.generate([[9, 8, 7], [5, 7, 9]], [plain, SamplingParams(max_tokens=30, structured={"json_schema": PERSON})])
     assert mixed[0].token_ids == alone
+
+
+def test_warm_up_builds_the_compiler_before_any_request(tiny_model_dir):
+    import torch
+
+    from workers.engine.structured import StructuredDecoding
+    config = EngineConfig(model=tiny_model_dir("llama-gqa"))
+    sd = StructuredDecoding(config.model, config.model_config.vocab_size, config.model_config.eos_token_ids,
+                            torch.device("cpu"))
+    assert sd._compiler is None
+    sd.warm()
+    assert sd._compiler is not None and len(sd._cache) == 1
+    compiled = next(iter(sd._cache.values()))
+    assert sd.compile(StructuredOutput(json_object=True)) is compiled      # the first request finds it ready

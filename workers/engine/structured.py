@@ -89,6 +89,11 @@ class StructuredDecoding:
                 self._cache.popitem(last=False)
             return got
 
+    def warm(self) -> None:
+        """Build the tokenizer tables and compile the JSON-object grammar now (seconds on the CPU), so the first
+        structured request does not wait for them (the worker calls it, in the background, at start)."""
+        self.compile(StructuredOutput(json_object=True))
+
     def matcher(self, spec: StructuredOutput, tokens: list[int] = ()):
         """A fresh matcher for spec, advanced over tokens already generated."""
         compiled = self.compile(spec)
