@@ -14,7 +14,6 @@ input preparation, linear layers, attention, norms/rotary/activation, lm_head, s
 objects, scheduling and bookkeeping (wall time of a timed run is a little longer than the plain run's).
 """
 import argparse
-import os
 import random
 import sys
 import time
@@ -161,7 +160,8 @@ def run_hf_static(model_dir: str, requests, batch_size: int, dtype, device) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=os.environ.get("TIDEPOOL_MODEL", "models/smollm2-135m"))
+    from service.config import Config
+    ap.add_argument("--model", default=Config.setting("model") or "models/smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--num-requests", type=int, default=256)

@@ -53,9 +53,8 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     engine_kw = {"max_num_seqs": args.max_num_seqs}
     targets = {k: v for k, v in (("ttft_ms", args.rt_ttft_ms), ("itl_ms", args.rt_itl_ms)) if v is not None}
     if targets:
-        from workers.engine.config import sla_targets_from_env
-        engine_kw["sla_targets"] = sla_targets_from_env(args.device)
-        engine_kw["sla_targets"]["realtime"].update(targets)
+        from workers.engine.config import sla_targets_for
+        engine_kw["sla_targets"] = sla_targets_for(args.device, {"realtime": targets})
     cfg = WorkerConfig(model=args.model, database_url=url, device=args.device, name=f"bench-{name}",
                        low_water=args.low_water, engine=engine_kw)
     worker = Worker(cfg)

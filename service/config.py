@@ -5,15 +5,15 @@ name, the parser of its text, a check of its value and a one-line meaning; `Conf
 start-up and a bad value fails there, naming the variable (SettingsError). The web app's Flask config is this
 object; the worker's WorkerConfig and the engine's EngineConfig are built from it by the workers
 (workers/settings.py), so neither the engine nor the kernels read the environment for Tidepool's knobs. README's
-configuration table is `readme_table()` (tests/service/test_settings.py keeps them equal);
-`python -m service.config` prints it."""
+configuration table is `readme_table()` (tests/service/test_settings.py keeps them equal)."""
 import json
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 
-ONLINE_TARGETS = (("realtime", "ttft_ms"), ("realtime", "itl_ms"), ("interactive", "ttft_ms"), ("interactive", "itl_ms"))
+ONLINE_TARGETS = (("realtime", "ttft_ms"), ("realtime", "itl_ms"),
+                  ("interactive", "ttft_ms"), ("interactive", "itl_ms"))
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -54,6 +54,7 @@ def _number(kind):
 
 
 POSITIVE = (lambda v: v > 0, "must be > 0")
+AT_LEAST_ONE = (lambda v: v >= 1, "must be >= 1")
 NON_NEGATIVE = (lambda v: v >= 0, "must be >= 0")
 SHARE = (lambda v: 0 <= v < 1, "must be in [0, 1)")
 PORT = (lambda v: 0 <= v < 65536, "must be a port number (0 turns it off)")
@@ -118,20 +119,21 @@ class Config:
         "next free one (shown in the worker's start-up line and heartbeat); `0` turns it off", parse=INT,
         check=PORT, shown="`9101` (gpu), `9102` (cpu)")
     low_water: int = setting("TIDEPOOL_LOW_WATER", 4, "Offline work is pulled while fewer than this many requests "
-                             "(plus free slots) wait in the engine", parse=INT, check=(lambda v: v >= 1, "must be >= 1"))
+                             "(plus free slots) wait in the engine", parse=INT, check=AT_LEAST_ONE)
     lease_seconds: float = setting("TIDEPOOL_LEASE_SECONDS", 60.0, "Job lease; renewed every quarter while running",
                                    parse=FLOAT, check=POSITIVE)
     visibility_timeout: float = setting("TIDEPOOL_VISIBILITY_TIMEOUT", 6 * 3600.0, "Seconds before an unacked "
                                         "message returns to its queue (longer than the longest job)", parse=FLOAT,
                                         check=POSITIVE)
     max_attempts: int = setting("TIDEPOOL_MAX_ATTEMPTS", 3, "Attempts before a job whose lease lapsed is failed",
-                                parse=INT, check=(lambda v: v >= 1, "must be >= 1"))
+                                parse=INT, check=AT_LEAST_ONE)
     sweep_interval: float = setting("TIDEPOOL_SWEEP_INTERVAL", 5.0, "Seconds between beat's upkeep passes",
                                     parse=FLOAT, check=POSITIVE)
     republish_after: float = setting("TIDEPOOL_REPUBLISH_AFTER", 30.0, "Seconds before beat republishes a queued "
                                      "job that was never published", parse=FLOAT, check=NON_NEGATIVE)
     beat_schedule: str = setting("TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule", "Celery beat's schedule file")
-    # ---- engine (EngineConfig fields; the worker, serve and run-batch flags win over them) --------------------
+    # ---- engine: EngineConfig fields; unset, the engine's own default applies (`shown` states it and
+    # tests/workers/test_settings_wiring.py checks that); the worker, serve and run-batch flags win over them 
     kv_blocks: int | None = setting("TIDEPOOL_KV_BLOCKS", None, "KV pool size in blocks (`--kv-blocks`)", parse=INT,
                                     check=POSITIVE, shown="sized from `max_num_seqs` × `max_model_len`, capped by "
                                     "memory")
@@ -146,8 +148,8 @@ class Config:
     attention_backend: str | None = setting("TIDEPOOL_ATTENTION_BACKEND", None, "`torch` or `triton`: force the "
                                             "attention implementation", parse=_choice("torch", "triton"),
                                             shown="by device")
-    enforce_eager: bool = setting("TIDEPOOL_ENFORCE_EAGER", False, "`1` runs GPU decode steps eagerly instead of "
-                                  "replaying CUDA graphs", parse=_bool)
+    enforce_eager: bool | None = setting("TIDEPOOL_ENFORCE_EAGER", None, "`1` runs GPU decode steps eagerly instead "
+                                         "of replaying CUDA graphs", parse=_bool, shown="`0`")
     sla_realtime_ttft_ms: float | None = setting(
         "TIDEPOOL_SLA_REALTIME_TTFT_MS", None, "Engine `sla_targets`: while realtime work is active, its prompts "
         "are chunked for this first-token target", parse=FLOAT, check=POSITIVE, shown="GPU 200, CPU 600")
@@ -160,11 +162,12 @@ class Config:
     sla_interactive_itl_ms: float | None = setting(
         "TIDEPOOL_SLA_INTERACTIVE_ITL_MS", None, "The same inter-token target for interactive work", parse=FLOAT,
         check=POSITIVE, shown="GPU 100, CPU 300")
-    capacity_policy: str = setting("TIDEPOOL_CAPACITY_POLICY", "max_utilization", "`no_evict` admits a sequence "
-                                   "only if it can reach `max_tokens` without evicting anything, and never preempts",
-                                   parse=_choice("max_utilization", "no_evict"))
-    online_reserve: float = setting("TIDEPOOL_ONLINE_RESERVE", 0.1, "Share of KV blocks and of `max_num_seqs` only "
-                                    "realtime and interactive sequences may take", parse=FLOAT, check=SHARE)
+    capacity_policy: str | None = setting("TIDEPOOL_CAPACITY_POLICY", None, "`no_evict` admits a sequence only if "
+                                          "it can reach `max_tokens` without evicting anything, and never preempts",
+                                          parse=_choice("max_utilization", "no_evict"), shown="`max_utilization`")
+    online_reserve: float | None = setting("TIDEPOOL_ONLINE_RESERVE", None, "Share of KV blocks and of "
+                                           "`max_num_seqs` only realtime and interactive sequences may take",
+                                           parse=FLOAT, check=SHARE, shown="`0.1`")
     swap_space_gib: float | None = setting("TIDEPOOL_SWAP_SPACE_GIB", None, "Host pool for KV blocks swapped out "
                                            "under memory pressure (pinned on CUDA)", parse=FLOAT, check=NON_NEGATIVE,
                                            shown="`4` on CUDA, `0` on CPU")
@@ -229,7 +232,8 @@ class Config:
         return self.redis_url or "memory://"
 
     def engine_fields(self) -> dict:
-        """EngineConfig fields these settings set (unset ones are left to the engine's defaults)."""
+        """EngineConfig fields these settings set (unset ones are left to the engine's defaults; the SLA targets,
+        which need the device, come separately from sla_overrides)."""
         out = {"num_kv_blocks": self.kv_blocks, "max_num_seqs": self.max_num_seqs,
                "max_num_batched_tokens": self.max_batched_tokens, "max_model_len": self.max_model_len,
                "attention_backend": self.attention_backend, "enforce_eager": self.enforce_eager,
@@ -263,6 +267,12 @@ class Config:
                 raise SettingsError(f"{env}: {exc}, got {raw!r}") from None
             _check(f, values[f.name])
         return values
+
+    @classmethod
+    def setting(cls, name: str, environ=None):
+        """One setting's value from the environment, else its default, without building the whole object (no
+        side effects: `tidepool models list` and the log set-up use it)."""
+        return cls.env_values(environ).get(name, cls.__dataclass_fields__[name].default)
 
     @classmethod
     def from_env(cls, overrides: dict | None = None, environ=None) -> "Config":
@@ -302,9 +312,5 @@ def readme_table() -> str:
 
 def log_settings() -> tuple[str, str]:
     """(TIDEPOOL_LOG_LEVEL, TIDEPOOL_LOG_FORMAT) from the environment, checked."""
-    values = {**{f.name: f.default for f in fields(Config)}, **Config.env_values()}
-    return values["log_level"], values["log_format"]
+    return Config.setting("log_level"), Config.setting("log_format")
 
-
-if __name__ == "__main__":
-    print(readme_table(), end="")

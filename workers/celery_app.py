@@ -5,14 +5,11 @@ the beat schedule
 Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|deferrable) are consumed
 by the gpu/cpu workers (workers/worker.py), not by a Celery worker pool: they pull offline queues only
 when their engine has room, which a prefetching Celery consumer cannot express."""
-import os
-
 from celery import Celery
 from kombu import Queue
 
 from service.config import Config
 
-SWEEP_INTERVAL = float(os.environ.get("TIDEPOOL_SWEEP_INTERVAL", "5"))
 _flask_app = None
 
 
@@ -27,28 +24,25 @@ def _app():
 def make_celery(cfg: Config | None = None) -> Celery:
     from service.wire import make_celery as celery_app, transport_options
     cfg = cfg or Config.from_env()
-    visibility = float(os.environ.get("TIDEPOOL_VISIBILITY_TIMEOUT", 6 * 3600))
+    every = cfg.sweep_interval
     app = celery_app(cfg.broker_url, name="tidepool", publisher=False)
     app.conf.update(
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
-        broker_transport_options=transport_options(visibility), broker_connection_retry_on_startup=True,
+        broker_transport_options=transport_options(cfg.visibility_timeout), broker_connection_retry_on_startup=True,
         result_backend=None, task_ignore_result=True,
         task_default_queue="maintenance", task_queues=[Queue("maintenance")],
-        worker_hijack_root_logger=False, beat_schedule_filename=os.environ.get(
-            "TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule"),
+        worker_hijack_root_logger=False, beat_schedule_filename=cfg.beat_schedule,
         beat_schedule={
-            "sweep": {"task": "tidepool.sweep", "schedule": SWEEP_INTERVAL,
-                      "options": {"expires": SWEEP_INTERVAL * 2}},
-            "finalize-batches": {"task": "tidepool.finalize_batches", "schedule": SWEEP_INTERVAL,
-                                 "options": {"expires": SWEEP_INTERVAL * 2}},
+            "sweep": {"task": "tidepool.sweep", "schedule": every, "options": {"expires": every * 2}},
+            "finalize-batches": {"task": "tidepool.finalize_batches", "schedule": every,
+                                 "options": {"expires": every * 2}},
         })
 
     @app.task(name="tidepool.sweep")
     def sweep_task():
         from workers import beat
-        return beat.sweep(_app(), republish_after=float(os.environ.get("TIDEPOOL_REPUBLISH_AFTER", "30")),
-                          max_attempts=int(os.environ.get("TIDEPOOL_MAX_ATTEMPTS", "3")),
-                          visibility_timeout=visibility)
+        return beat.sweep(_app(), republish_after=cfg.republish_after, max_attempts=cfg.max_attempts,
+                          visibility_timeout=cfg.visibility_timeout)
 
     @app.task(name="tidepool.finalize_batches")
     def finalize_task():
@@ -60,19 +54,21 @@ def make_celery(cfg: Config | None = None) -> Celery:
 
 def main_beat(args) -> int:
     """`tidepool beat`: Celery beat embedded in a one-thread worker that runs the upkeep tasks."""
-    from pathlib import Path
-    Path(os.environ.get("TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule")).parent.mkdir(parents=True, exist_ok=True)
     import logging
+    from pathlib import Path
+
+    cfg = Config.from_env()
+    Path(cfg.beat_schedule).parent.mkdir(parents=True, exist_ok=True)
 
     from celery.apps import worker as celery_worker
     from celery.signals import setup_logging
     setup_logging.connect(lambda **_: None, weak=False)   # Celery keeps to the root logger `tidepool` configured
     # its shutdown notice is printed straight to stdout; make it a log line like every other
     celery_worker.safe_say = lambda msg, f=None: logging.getLogger("tidepool.beat").info(msg.strip())
-    app = make_celery()
+    app = make_celery(cfg)
     if app.conf.broker_url.startswith("memory"):
         raise SystemExit("tidepool beat needs TIDEPOOL_REDIS_URL; embedded mode (tidepool serve) runs upkeep itself")
     worker = app.Worker(beat=True, pool="solo", concurrency=1, queues=["maintenance"],
-                        loglevel=os.environ.get("TIDEPOOL_LOG_LEVEL", "INFO"), quiet=True)
+                        loglevel=cfg.log_level, quiet=True)
     worker.start()
     return worker.exitcode or 0

@@ -53,7 +53,7 @@ def register_processes(sub) -> None:
     p.set_defaults(func=lambda args: _run("workers.embedded", "main", args))
 
 
-# Engine knobs shared by worker, serve and run-batch: flag, else environment variable, else the engine's default.
+# Engine knobs shared by worker, serve and run-batch: flag, else its setting (variable), else the engine's default.
 ENGINE_FLAGS = (("--kv-blocks", "num_kv_blocks", "TIDEPOOL_KV_BLOCKS", "KV pool size in blocks (default: sized "
                  "from max_num_seqs x max_model_len, capped by memory)"),
                 ("--max-num-seqs", "max_num_seqs", "TIDEPOOL_MAX_NUM_SEQS", "sequences in one batch (256)"),
@@ -69,13 +69,10 @@ def add_engine_flags(p) -> None:
 
 
 def engine_overrides(args) -> dict:
-    """EngineConfig fields from the flags, else from their TIDEPOOL_* variables; unset ones are left out."""
-    import os
+    """EngineConfig fields the flags set (laid over the settings' engine fields); unset ones are left out."""
     out = {}
-    for flag, field, env, _ in ENGINE_FLAGS:
+    for flag, field, _, _ in ENGINE_FLAGS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if value is None and os.environ.get(env):
-            value = int(os.environ[env])
         if value is not None:
             out[field] = value
     return out
@@ -101,37 +98,48 @@ def models_pull(args) -> int:
     if args.name not in MODELS:
         print(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))}", file=sys.stderr)
         return 2
-    pull_model(args.name)
+    pull_model(args.name, _models_dir())
     return 0
 
 
 def models_list(args) -> int:
-    from workers.engine.model_pull import list_models, models_dir
+    from workers.engine.model_pull import list_models
 
-    for name in list_models():
-        print(models_dir() / name)
+    root = _models_dir()
+    for name in list_models(root):
+        print(root / name)
     return 0
+
+
+def _models_dir():
+    from pathlib import Path
+
+    from service.config import Config
+    return Path(Config.setting("models_dir"))
 
 
 def run_batch(args) -> int:
     import json
     import logging
-    import os
     from pathlib import Path
 
     log = logging.getLogger("tidepool.run_batch")
     log.info("run-batch: starting (torch, the model, the KV pool and the native kernel load first)")
     import torch
 
+    from service.config import Config
     from workers.batch_runner import run_batch
     from workers.engine import EngineConfig, LLMEngine
+    from workers.settings import engine_fields
 
-    model = args.model or os.environ.get("TIDEPOOL_MODEL")
+    settings = Config.from_env()
+    model = args.model or settings.model
     if not model:
         print("no model: pass --model DIR or set TIDEPOOL_MODEL", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    engine = LLMEngine(EngineConfig(model=model, device=device, **engine_overrides(args)))
+    engine = LLMEngine(EngineConfig(model=model, device=device,
+                                    **{**engine_fields(settings, device), **engine_overrides(args)}))
     log.info("run-batch: engine ready; reading %s", args.input)
     counts = run_batch(engine, args.input, args.output, Path(model).name, progress=not args.no_progress)
     print(json.dumps(counts))

