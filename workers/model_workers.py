@@ -94,3 +94,44 @@ def main(args) -> int:
     for t in threads:
         t.join(60)
     return 0
+
+
+def register_first_start(engine, settings, actor: str = "serve") -> list[str]:
+    """`tidepool serve` on an empty registry: register the default model (hot) and every other model folder in
+    TIDEPOOL_MODELS_DIR (warm, named after its folder); returns the names registered (none after the first
+    start: the registry is the operator's from then on)."""
+    from pathlib import Path
+
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from service import registry
+    from service.models import Model
+    with Session(engine) as s:
+        if s.scalar(select(Model.name).limit(1)) is not None:
+            return []
+        names = []
+        if settings.served_model_name and settings.model:
+            registry.register(s, settings.served_model_name, str(Path(settings.model).resolve()), "hot", actor=actor)
+            names.append(settings.served_model_name)
+        root = Path(settings.models_dir)
+        for folder in sorted(root.iterdir()) if root.is_dir() else []:
+            if (folder / "config.json").is_file() and registry.NAME.fullmatch(folder.name) \
+                    and folder.name not in names and folder.resolve() != Path(settings.model or "").resolve():
+                registry.register(s, folder.name, str(folder.resolve()), "warm", actor=actor)
+                names.append(folder.name)
+        s.commit()
+    return names
+
+
+def other_model_configs(engine, settings, device: str, engine_overrides: dict | None = None,
+                        base_name: str = "embedded-gpu") -> list:
+    """Worker configs for `tidepool serve`: every enabled hot or warm registered model besides the default one
+    (which the embedded gpu worker serves), named `<base_name>.<model>`; cold models wait for an operator."""
+    from service.registry import Registry
+    entries = Registry(engine, settings.served_model_name, settings.model).entries().values()
+    names = [e.name for e in entries if e.enabled and e.tier != "cold" and e.name != settings.served_model_name]
+    cfgs = model_configs(names, settings, "gpu", device, engine_overrides, base_name) if names else []
+    if len(names) == 1:
+        cfgs[0].name = f"{base_name}.{names[0]}"
+    return cfgs
