@@ -30,6 +30,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask=None):
         """logits [S, V] (fp32) -> (token ids [S], per-row logprob info or None). bitmask: the constrained
         rows' allowed tokens (StructuredDecoding.bitmask), or None."""
+        if bitmask is None and all(s.params.greedy and not s.params.has_penalties and not s.params.needs_logprob
+                                   for s in seqs):
+            return logits.argmax(dim=-1).tolist(), [None] * len(seqs)   # all greedy: no copy, no softmax
         logits = logits.float().clone()
         raw_logprobs = None
         if any(s.params.needs_logprob for s in seqs):
