@@ -91,12 +91,14 @@ class Config:
         check=(lambda v: v.startswith(("redis://", "rediss://", "unix://")), "must be a redis:// URL"))
     storage_dir: str = setting("TIDEPOOL_STORAGE_DIR", "var/storage",
                                "Folder for uploaded and generated files (bytes never go in the database)")
-    model: str | None = setting("TIDEPOOL_MODEL", None, "Model folder; its basename is the served model name (a "
-                                "request's `model`, if given, must match)")
+    model: str | None = setting("TIDEPOOL_MODEL", None, "The default model's folder: served under its basename to "
+                                "requests that name no `model`, registered or not (see Models); every process of "
+                                "a deployment must agree on it")
     served_model_name: str | None = setting("TIDEPOOL_SERVED_MODEL_NAME", None, "Override the served model name",
                                             shown="basename of `TIDEPOOL_MODEL`")
     models_dir: str = setting("TIDEPOOL_MODELS_DIR", "models", "Where `tidepool models pull` writes model folders "
-                              "(and `tidepool serve` finds its default model)")
+                              "(and `tidepool serve` finds its default model and, at its first start, registers "
+                              "every model folder in it)")
     # ---- web ------------------------------------------------------------------------------------------------
     admin_token: str | None = setting("TIDEPOOL_ADMIN_TOKEN", None, "Bearer token for `/v1/admin/*` and the "
                                       "admin panel's sign-in", shown="unset (admin API disabled)", secret=True)
