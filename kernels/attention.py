@@ -4,7 +4,6 @@ The only place that chooses between the implementations: the Triton kernels (bac
 of kernels/cpu_ops.py (backend "torch" on CPU tensors, when built; TIDEPOOL_CPU_KERNELS=0 rules them out) and the
 pure-torch references of kernels/paged_attention.py, which define the results and which every fast path is tested
 against (tests/kernels)."""
-import os
 
 import torch
 
@@ -14,8 +13,9 @@ BACKENDS = ("torch", "triton")
 
 
 def resolve_backend(device: torch.device | str, requested: str | None = None) -> str:
-    """`requested` (or TIDEPOOL_ATTENTION_BACKEND) wins; otherwise Triton on CUDA, torch elsewhere."""
-    name = requested or os.environ.get("TIDEPOOL_ATTENTION_BACKEND") or None
+    """`requested` (EngineConfig.attention_backend: TIDEPOOL_ATTENTION_BACKEND) wins; otherwise Triton on CUDA,
+    torch elsewhere."""
+    name = requested or None
     if name is None:
         return "triton" if torch.device(device).type == "cuda" else "torch"
     if name not in BACKENDS:

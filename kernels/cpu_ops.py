@@ -5,14 +5,16 @@ in place, same contract as kernels/paged_attention.py), or None, in which case c
 `native_op(name)` does the same for the fused element-wise ops of kernels/layer_ops.py (fused_cpu.cpp).
 They are None (a build or load failure is logged once, as a warning; see unavailable_reason()) when:
 
-* TIDEPOOL_CPU_KERNELS is 0/off/false/no (the switch for A/B runs and for ruling the kernel out),
+* they are switched off: configure(enabled=False), which the engine calls with its config's `cpu_kernels` (the
+  TIDEPOOL_CPU_KERNELS setting; the switch for A/B runs and for ruling the kernel out),
 * there is no C++ compiler ($CXX, else c++ / g++ / clang++ on PATH),
 * the build fails (with -march=native, then without; a flag set that fails to compile is remembered in the cache
   and not tried again), or a built op disagrees with its torch path on a small self-check.
 
 The build is a single g++ call against torch's own headers and libraries (no ninja, no Python headers): about
 10-20 s on two cores, once per source/torch/compiler/CPU combination. The shared object is cached under
-$TIDEPOOL_KERNEL_CACHE, else $XDG_CACHE_HOME/tidepool/kernels, else ~/.cache/tidepool/kernels, named by a hash of
+configure(cache_dir=...) (TIDEPOOL_KERNEL_CACHE), else $XDG_CACHE_HOME/tidepool/kernels, else ~/.cache/tidepool/kernels,
+named by a hash of
 all of those, and written atomically, so concurrent processes may race to build but never load a partial file.
 """
 import hashlib
@@ -37,16 +39,28 @@ _lock = threading.Lock()
 _op = None
 _tried = False
 _why_not: str | None = None
+_enabled = True
+_cache_dir: Path | None = None
+
+
+def configure(enabled: bool | None = None, cache_dir: str | os.PathLike | None = None) -> None:
+    """The process-wide switch and build folder of the native kernels (the engine passes its config's
+    `cpu_kernels` and `kernel_cache`, which the workers take from the settings); None leaves one as it is."""
+    global _enabled, _cache_dir
+    if enabled is not None:
+        _enabled = bool(enabled)
+    if cache_dir is not None:
+        _cache_dir = Path(cache_dir)
 
 
 def enabled() -> bool:
-    return os.environ.get("TIDEPOOL_CPU_KERNELS", "1").strip().lower() not in ("0", "off", "false", "no")
+    return _enabled
 
 
 def cache_dir() -> Path:
     """Where built kernels are kept; a per-user temp folder when the usual one cannot be created."""
-    if os.environ.get("TIDEPOOL_KERNEL_CACHE"):
-        return Path(os.environ["TIDEPOOL_KERNEL_CACHE"])
+    if _cache_dir is not None:
+        return _cache_dir
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     folder = Path(base) / "tidepool" / "kernels"
     try:
@@ -164,7 +178,7 @@ def paged_decode_op():
             return _op if enabled() else None
         try:
             if not enabled():
-                _why_not = "disabled by TIDEPOOL_CPU_KERNELS"
+                _why_not = "switched off (TIDEPOOL_CPU_KERNELS=0)"
                 return None     # not marked tried: enabling it later in the process still builds
             if _loaded():
                 _op = torch.ops.tidepool_cpu.paged_decode

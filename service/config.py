@@ -173,9 +173,9 @@ class Config:
     swap_space_gib: float | None = setting("TIDEPOOL_SWAP_SPACE_GIB", None, "Host pool for KV blocks swapped out "
                                            "under memory pressure (pinned on CUDA)", parse=FLOAT, check=NON_NEGATIVE,
                                            shown="`4` on CUDA, `0` on CPU")
-    cpu_kernels: bool = setting("TIDEPOOL_CPU_KERNELS", True, "`0` keeps the CPU engine on plain torch: decode "
+    cpu_kernels: bool | None = setting("TIDEPOOL_CPU_KERNELS", None, "`0` keeps the CPU engine on plain torch: decode "
                                 "attention, the fused element-wise ops and F.linear instead of the native kernels "
-                                "and oneDNN-prepacked linears", parse=_bool)
+                                "and oneDNN-prepacked linears", parse=_bool, shown="`1`")
     kernel_cache: str | None = setting("TIDEPOOL_KERNEL_CACHE", None, "Where the native CPU kernel is built and "
                                        "cached", shown="`~/.cache/tidepool/kernels`")
     # ---- logs -----------------------------------------------------------------------------------------------
@@ -240,7 +240,8 @@ class Config:
                "max_num_batched_tokens": self.max_batched_tokens, "max_model_len": self.max_model_len,
                "attention_backend": self.attention_backend, "enforce_eager": self.enforce_eager,
                "capacity_policy": self.capacity_policy, "online_reserve": self.online_reserve,
-               "swap_space_gib": self.swap_space_gib}
+               "swap_space_gib": self.swap_space_gib, "cpu_kernels": self.cpu_kernels,
+               "kernel_cache": self.kernel_cache}
         return {k: v for k, v in out.items() if v is not None}
 
     def sla_overrides(self) -> dict:

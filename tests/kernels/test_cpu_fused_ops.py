@@ -21,7 +21,7 @@ TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}     # relative to the larges
 
 @pytest.fixture(autouse=True)
 def native_kernels_switched_on(monkeypatch):
-    monkeypatch.delenv("TIDEPOOL_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_ops, "_enabled", True)
     assert cpu_ops.paged_decode_op() is not None, cpu_ops.unavailable_reason()
 
 
@@ -66,7 +66,7 @@ def test_fused_ops_match_torch(dtype, rows):
 
 
 def test_fused_ops_fall_back_when_switched_off(monkeypatch):
-    monkeypatch.setenv("TIDEPOOL_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_ops, "_enabled", False)
     x = torch.randn(4, 32)
     assert torch.equal(rms_norm(x, torch.ones(32), 1e-6), rms_norm_ref(x, torch.ones(32), 1e-6))
     assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))
@@ -125,7 +125,7 @@ def prefill_and_decode_logits(model_dir: str, dtype: str) -> tuple[torch.Tensor,
 def test_model_optimised_against_plain_torch(tiny_dir, monkeypatch, dtype):
     """The whole model with prepacked linears and fused ops against F.linear and torch ops (TIDEPOOL_CPU_KERNELS=0)."""
     fast_logits, fast_tokens = prefill_and_decode_logits(tiny_dir, dtype)
-    monkeypatch.setenv("TIDEPOOL_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_ops, "_enabled", False)
     plain_logits, plain_tokens = prefill_and_decode_logits(tiny_dir, dtype)
     scale = plain_logits.abs().max().item()
     err = (fast_logits - plain_logits).abs().max().item()

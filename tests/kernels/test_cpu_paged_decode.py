@@ -2,7 +2,6 @@
 reference it replaces (kernels/paged_attention.py), on randomized paged batches whose unowned cache slots hold NaN;
 and the "torch" backend of kernels/attention.py, which puts the kernel under the varlen step, against the same."""
 import logging
-import os
 import random
 
 import pytest
@@ -16,18 +15,18 @@ pytestmark = pytest.mark.skipif(cpu_ops.compiler() is None, reason="no C++ compi
 
 @pytest.fixture(autouse=True)
 def native_kernels_switched_on(monkeypatch):
-    """TIDEPOOL_CPU_KERNELS picks the engine's path; the tests here set it themselves where they need it."""
-    monkeypatch.delenv("TIDEPOOL_CPU_KERNELS", raising=False)
+    """cpu_ops.configure (TIDEPOOL_CPU_KERNELS) picks the engine's path; the tests here switch it where they need."""
+    monkeypatch.setattr(cpu_ops, "_enabled", True)
 
 
 @pytest.fixture(scope="module")
 def op():
-    switch = os.environ.pop("TIDEPOOL_CPU_KERNELS", None)    # see native_kernels_switched_on
+    switch = cpu_ops.enabled()     # see native_kernels_switched_on
+    cpu_ops.configure(enabled=True)
     try:
         found = cpu_ops.paged_decode_op()
     finally:
-        if switch is not None:
-            os.environ["TIDEPOOL_CPU_KERNELS"] = switch
+        cpu_ops.configure(enabled=switch)
     assert found is not None, f"a compiler is present but the kernel is unavailable: {cpu_ops.unavailable_reason()}"
     return found
 
@@ -128,11 +127,11 @@ def test_torch_backend_mixed_batch(op, monkeypatch, dtype):
     torch_only = paged_attention_ref(q, k_cache, v_cache, tables, lens, cu, 0.125)
     assert torch.isfinite(native).all()
     assert (native.float() - torch_only.float()).abs().max().item() <= (1e-5 if dtype == torch.float32 else 3e-2)
-    monkeypatch.setenv("TIDEPOOL_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_ops, "_enabled", False)
     assert cpu_ops.paged_decode_op() is None
     assert torch.equal(attention.paged_attention("torch", q, k_cache, v_cache, tables, lens, cu, max(q_lens), 0.125),
                        torch_only)
-    monkeypatch.delenv("TIDEPOOL_CPU_KERNELS")
+    monkeypatch.setattr(cpu_ops, "_enabled", True)
     assert cpu_ops.paged_decode_op() is op
     decode = [b for b, n in enumerate(q_lens) if n == 1]
     rows = cu[:-1][decode].long()
@@ -211,7 +210,7 @@ def test_rejects_bad_input(op):
 
 
 def test_failed_build_falls_back_and_is_logged(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("TIDEPOOL_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_ops, "_cache_dir", tmp_path)
     with pytest.raises(RuntimeError, match="compile failed"):
         cpu_ops._build("false")             # a "compiler" that always fails
     assert list(tmp_path.glob("*.failed")) and not list(tmp_path.glob("*.so"))

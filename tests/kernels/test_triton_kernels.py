@@ -195,15 +195,11 @@ def test_attention_interface_triton_backend(index_dtype):
         check(attention.paged_attention("torch", q_rows, k_cache, v_cache, *meta, 0.25), ref, torch.float16)
 
 
-def test_resolve_backend_honours_env(monkeypatch):
-    monkeypatch.delenv("TIDEPOOL_ATTENTION_BACKEND", raising=False)
+def test_resolve_backend_by_device_unless_requested():
+    """The request is EngineConfig.attention_backend (TIDEPOOL_ATTENTION_BACKEND reaches it through the settings)."""
     assert attention.resolve_backend("cpu") == "torch"
     assert attention.resolve_backend("cuda") == "triton"
-    monkeypatch.setenv("TIDEPOOL_ATTENTION_BACKEND", "triton")
-    assert attention.resolve_backend("cpu") == "triton"
-    monkeypatch.setenv("TIDEPOOL_ATTENTION_BACKEND", "torch")
-    assert attention.resolve_backend("cuda") == "torch"
-    assert attention.resolve_backend("cuda", "triton") == "triton"
-    monkeypatch.setenv("TIDEPOOL_ATTENTION_BACKEND", "flash")
+    assert attention.resolve_backend("cpu", "triton") == "triton"
+    assert attention.resolve_backend("cuda", "torch") == "torch"
     with pytest.raises(ValueError, match="attention backend"):
-        attention.resolve_backend("cpu")
+        attention.resolve_backend("cpu", "flash")

@@ -1,6 +1,8 @@
 """One settings object (service/config.py's Config): README's configuration table is its table, and a bad value
 stops a process at start-up with a message naming the variable."""
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +22,7 @@ def _readme_table() -> str:
 
 
 def test_readme_configuration_table_is_the_settings_table():
-    assert _readme_table() == readme_table(), "README's configuration table drifted: paste service.config.readme_table()"
+    assert _readme_table() == readme_table(), "README's table drifted: paste service.config.readme_table()"
 
 
 def test_every_setting_has_a_variable_a_meaning_and_a_default_shown():
@@ -83,3 +85,57 @@ def test_the_cli_stops_at_start_up_naming_the_variable(tmp_path):
     assert out.returncode == 2, out
     assert out.stderr.strip() == "tidepool: TIDEPOOL_VISIBILITY_TIMEOUT: expected a number, got 'abc'"
     assert not (tmp_path / "t.db").exists()      # nothing ran
+
+
+# ---- nothing but service/config.py reads TIDEPOOL_* from the environment -----------------------------------------
+
+def _is_tidepool_name(node) -> bool:
+    """A product variable's name; TIDEPOOL_TEST_* and TIDEPOOL_BENCH_* belong to the test and benchmark harness."""
+    if isinstance(node, ast.Constant):
+        return (isinstance(node.value, str) and node.value.startswith("TIDEPOOL_")
+                and not node.value.startswith(("TIDEPOOL_TEST_", "TIDEPOOL_BENCH_")))
+    if isinstance(node, ast.JoinedStr) and node.values:
+        return _is_tidepool_name(node.values[0])
+    return False
+
+
+def environment_reads(source: str) -> list[int]:
+    """Lines where `source` reads (or writes) a TIDEPOOL_* variable of the environment: os.environ.get/[]/pop/
+    setdefault, `in os.environ`, os.getenv, or any of them through a local alias (env = os.environ.get)."""
+    tree = ast.parse(source)
+    aliases = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+               and re.fullmatch(r"(os\.)?(environ(\.get)?|getenv)", ast.unparse(node.value)) for t in node.targets
+               if isinstance(t, ast.Name)}
+
+    def is_env(expr) -> bool:
+        return bool(re.search(r"environ|getenv", ast.unparse(expr))) or (isinstance(expr, ast.Name)
+                                                                            and expr.id in aliases)
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and _is_tidepool_name(node.args[0]) and is_env(node.func):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Subscript) and _is_tidepool_name(node.slice) and is_env(node.value):
+            lines.append(node.lineno)
+        elif (isinstance(node, ast.Compare) and _is_tidepool_name(node.left)
+              and any(is_env(c) for c in node.comparators)):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_the_detector_sees_every_way_of_reading():
+    source = ('import os\nfrom os import environ, getenv\nenv = os.environ.get\na = os.environ.get("TIDEPOOL_A")\n'
+              'b = os.environ["TIDEPOOL_B"]\nc = env("TIDEPOOL_C", "1")\nd = getenv(f"TIDEPOOL_SLA_{x}")\n'
+              'e = "TIDEPOOL_E" in environ\nos.environ.setdefault("TIDEPOOL_F", "1")\n'
+              'sub = {**os.environ, "TIDEPOOL_G": "1"}\nok = environ.get("HOME")\ng = sub["TIDEPOOL_G"]\n'
+              'pg = os.environ.get("TIDEPOOL_BENCH_PG")\n')
+    assert environment_reads(source) == [4, 5, 6, 7, 8, 9]
+
+
+def test_only_the_settings_module_reads_tidepool_variables():
+    offenders = []
+    for top in ("service", "workers", "kernels", "benchmarks"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if path == ROOT / "service" / "config.py":
+                continue
+            offenders += [f"{path.relative_to(ROOT)}:{n}" for n in environment_reads(path.read_text())]
+    assert offenders == [], f"read TIDEPOOL_* through service.config.Config instead: {offenders}"

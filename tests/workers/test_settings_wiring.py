@@ -51,6 +51,18 @@ def test_unset_engine_settings_leave_the_engines_defaults(tmp_path, tiny_model):
     assert cfg.sla_targets == DEFAULT_SLA_TARGETS["cpu"]
 
 
+def test_the_cpu_kernel_switch_reaches_the_kernels_through_the_engine(tmp_path, tiny_model, monkeypatch):
+    from kernels import cpu_ops
+    from workers.engine import LLMEngine
+    monkeypatch.setattr(cpu_ops, "_enabled", True)     # both restored after the test
+    monkeypatch.setattr(cpu_ops, "_cache_dir", cpu_ops._cache_dir)
+    fields = engine_fields(_settings(tmp_path, TIDEPOOL_CPU_KERNELS=0, TIDEPOOL_KERNEL_CACHE=tmp_path / "k"), "cpu")
+    assert fields == {"cpu_kernels": False, "kernel_cache": str(tmp_path / "k")}
+    LLMEngine(EngineConfig(model=tiny_model, device="cpu", num_kv_blocks=8, calibrate=False, **fields))
+    assert not cpu_ops.enabled() and cpu_ops.paged_decode_op() is None
+    assert cpu_ops.cache_dir() == tmp_path / "k"
+
+
 def test_beat_takes_its_intervals_from_the_settings(tmp_path):
     s = _settings(tmp_path, TIDEPOOL_SWEEP_INTERVAL=3, TIDEPOOL_VISIBILITY_TIMEOUT=120,
                   TIDEPOOL_BEAT_SCHEDULE=tmp_path / "beat")

@@ -51,6 +51,8 @@ class EngineConfig:
     swap_space_gib: float | None = None         # host pool for swapped blocks; None: 4 on CUDA and 0 on CPU (where
                                                 # the KV pool already is host memory)
     calibrate: bool = True                      # seed the step cost model with a few timed steps at start
+    cpu_kernels: bool | None = None             # native CPU kernels (kernels/cpu_ops.configure); None: as they are
+    kernel_cache: str | None = None             # their build folder; None: the user's cache folder
 
     def __post_init__(self):
         path = Path(self.model)

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from kernels import cpu_ops
 from kernels.attention import resolve_backend
 from kernels.cpu_linear import prepack_linears
 from workers.engine.config import EngineConfig
@@ -37,6 +38,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = config.torch_dtype
         self.backend = resolve_backend(self.device, config.attention_backend)
+        cpu_ops.configure(config.cpu_kernels, config.kernel_cache)     # before prepacking and the kernel build
         started = time.perf_counter()
         self.model = load_model(config.model, model_config, self.dtype, self.device, config.max_model_len)
         log.info("loaded %s (%s, %s) in %.1f s", config.model, self.dtype, self.device, time.perf_counter() - started)
@@ -93,7 +95,6 @@ class ModelRunner:
 
     def _prepare_cpu_kernel(self) -> None:
         """Build (first time, 10-20 s) or load the native decode kernel now, not on the first request."""
-        from kernels import cpu_ops
         head_dim = self.model_config.head_dim
         if not cpu_ops.enabled() or head_dim % 8 or head_dim > 256:
             return
