@@ -6,10 +6,8 @@ start-up and a bad value fails there, naming the variable (SettingsError). The w
 object; the worker's WorkerConfig and the engine's EngineConfig are built from it by the workers
 (workers/settings.py), so neither the engine nor the kernels read the environment for Tidepool's knobs. README's
 configuration table is `readme_table()` (tests/service/test_settings.py keeps them equal)."""
-import json
 import os
 from dataclasses import MISSING, dataclass, field, fields
-from functools import cached_property
 from pathlib import Path
 
 ONLINE_TARGETS = (("realtime", "ttft_ms"), ("realtime", "itl_ms"),
@@ -209,21 +207,6 @@ class Config:
         for name in ("max_file_bytes", "max_batch_lines", "batch_chunk_size", "dispatch_chunk_size", "page_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-
-    @cached_property
-    def context_len(self) -> int | None:
-        """Longest prompt + output the workers accept: TIDEPOOL_MAX_MODEL_LEN, else the model's own context (its
-        config.json, capped at a sliding window); None when the model folder cannot be read here."""
-        if self.max_model_len:
-            return self.max_model_len
-        if not self.model:
-            return None
-        try:
-            raw = json.loads((Path(self.model) / "config.json").read_text())
-        except (OSError, ValueError):
-            return None
-        limits = [raw.get("max_position_embeddings"), raw.get("sliding_window")]
-        return min((v for v in limits if isinstance(v, int) and v > 0), default=None)
 
     @property
     def embedded(self) -> bool:
