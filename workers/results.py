@@ -4,7 +4,8 @@ checks and renewal; the hand-back at shutdown. A result the ledger refused (e.g.
 written again in place, the pause doubling from WRITE_RETRY_FIRST to WRITE_RETRY_MAX seconds, for up to
 WRITE_PATIENCE seconds: the write is guarded by the lease, so it lands exactly once, or not at all if the sweeper
 has requeued the job meanwhile. Reads and writes on the Worker: db, engine, stream, inflight, counters, preempted,
-_done, _firsts, _unwritten, _retry_at, _retry_pause."""
+_done, _firsts, _unwritten, _retry_at, _retry_pause; the transaction that writes a list of results is
+Worker._write_results (workers/worker.py)."""
 import logging
 import queue
 import time
