@@ -41,6 +41,9 @@ def register_models(models_sub) -> None:
     p.set_defaults(func=_models_register)
     p = models_sub.add_parser("registry", help="print the registered models as a JSON array")
     p.set_defaults(func=_models_registry)
+    p = models_sub.add_parser("warm", help="let the workers serving a (cold) model load it now (needs Redis)")
+    p.add_argument("name")
+    p.set_defaults(func=_models_warm)
     p = models_sub.add_parser("set", help="retier, enable or disable a registered model")
     p.add_argument("name")
     p.add_argument("--tier", choices=("hot", "warm", "cold"))
@@ -73,6 +76,27 @@ def _models_registry(args) -> int:
     with _session() as s:
         entries = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).entries().values()
         print(json.dumps([registry.entry_json(e) for e in entries]))
+    return 0
+
+
+def _models_warm(args) -> int:
+    import time
+
+    import redis
+
+    from service import registry, tenants
+    cfg = _config()
+    if not cfg.redis_url:
+        return _fail(LookupError("tidepool models warm needs TIDEPOOL_REDIS_URL (the workers' broker)"))
+    with _session() as s:
+        entry = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).get(args.name)
+        if entry is None or not entry.enabled:
+            return _fail(LookupError(f"no enabled model named {args.name!r} is registered"))
+        redis.Redis.from_url(cfg.redis_url).set(registry.WARM_KEY.format(args.name), str(time.time()),
+                                                ex=registry.WARM_TTL)
+        tenants.audit(s, "cli", "model.warm", args.name)
+        s.commit()
+    print(json.dumps({"name": args.name, "warm": True, "for_seconds": registry.WARM_TTL}))
     return 0
 
 

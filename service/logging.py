@@ -8,7 +8,8 @@ import time
 
 # Context fields copied from `extra=` onto the JSON line when present.
 FIELDS = ("job_id", "batch_id", "tenant", "sla_class", "status", "worker", "actor", "method", "route", "path",
-          "http_status", "duration_ms", "attempts", "prompt_tokens", "completion_tokens", "error_code", "event")
+          "http_status", "duration_ms", "attempts", "prompt_tokens", "completion_tokens", "error_code", "event",
+          "model", "seconds")
 _SECRETS = [
     (re.compile(r"\b(tp_[a-z0-9]{10})_[A-Za-z0-9_\-]+"), r"\1_[redacted]"),  # full API key → its prefix
     (re.compile(r"(?i)\b(bearer)\s+[^\s\"',]+"), r"\1 [redacted]"),

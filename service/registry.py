@@ -28,6 +28,9 @@ from .tenants import audit
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 TIERS = tuple(t.value for t in ModelTier)
 CACHE_TTL = 2.0
+# `tidepool models warm NAME` sets this Redis key (for WARM_TTL seconds): workers serving the cold model may load it
+WARM_KEY = "tidepool:model_warm:{}"
+WARM_TTL = 3600
 MAX_ALLOWED = 1000   # names in one allow-list
 
 

@@ -40,6 +40,9 @@ def register_processes(sub) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--models", default=None, metavar="A,B",
                    help="registered models to serve, one engine each (default: the TIDEPOOL_MODEL folder)")
+    p.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
+                   help="with --models: weights of the loaded models at most this; warm and cold models are "
+                        "unloaded least recently busy first to make room (default: no limit)")
     add_engine_flags(p)
     p.set_defaults(func=lambda args: _run("workers.model_workers" if args.models else "workers.worker", "main", args))
     p = sub.add_parser("beat", help="Celery beat + upkeep: sweeper and batch finaliser (needs Redis)")

@@ -2,13 +2,15 @@
 
 Each model gets its own Worker (its own engine, on a thread of this process) consuming that model's queues
 (service/dispatch.py queue_name: the bare class queues for the deployment's default model, `<class>@<model>`
-for any other). Every listed model stays loaded (the hot tier); the warm/cold lifecycle (load on demand, LRU
-unload under one memory budget) is not built yet, so list only models that fit together."""
+for any other). Hot models are loaded at start and kept; warm ones load when their queues hold work and cold ones
+after `tidepool models warm NAME`, unloaded least recently busy first to fit --memory-budget-mb (ModelHost)."""
 import json
 import logging
 import signal
 import threading
 import time
+
+from service.registry import WARM_KEY   # set by `tidepool models warm NAME`
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +46,15 @@ def model_configs(names: list[str], settings, kind: str, device: str, engine_ove
 
 
 def main(args) -> int:
-    """`tidepool worker --models a,b`: load every listed model, then serve all of them until SIGTERM."""
+    """`tidepool worker --models a,b [--memory-budget-mb N]`: serve the listed registered models until SIGTERM,
+    hot ones loaded from the start, warm and cold ones as ModelHost decides."""
+    import redis as redis_lib
+
     from service.config import Config
+    from service.db import make_engine
+    from service.registry import Registry
     from workers.metrics import DEFAULT_PORTS, bind_metrics_server
-    from workers.worker import Worker, default_device
+    from workers.worker import default_device
 
     settings = Config.from_env()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -55,44 +62,49 @@ def main(args) -> int:
         raise SystemExit("--models needs at least one registered model name")
     cfgs = model_configs(names, settings, args.kind, args.device or default_device(),
                          getattr(args, "engine", None), settings.worker_name)
-    workers = []
-    for name, cfg in zip(names, cfgs):
-        started = time.perf_counter()
-        log.info("worker %s: loading %s (%s) on %s", cfg.name, name, cfg.model, cfg.device,
-                 extra={"worker": cfg.name, "event": "model.loading", "model": name})
-        worker = Worker(cfg)
-        log.info("worker %s: %s loaded in %.1f s", cfg.name, name, time.perf_counter() - started,
-                 extra={"worker": cfg.name, "event": "model.loaded", "model": name})
-        workers.append(worker)
+    db = make_engine(settings.database_url)
+    try:
+        entries = Registry(db, settings.served_model_name, settings.model).entries()
+    finally:
+        db.dispose()
+    client = redis_lib.Redis.from_url(settings.redis_url) if settings.redis_url else None
+    budget = getattr(args, "memory_budget_mb", None)
+    host = ModelHost([(n, entries[n].tier, c) for n, c in zip(names, cfgs)], client,
+                     None if budget is None else int(budget * (1 << 20)))
     port = DEFAULT_PORTS[args.kind] if settings.metrics_port is None else settings.metrics_port
-    for worker in workers:
-        worker.metrics_port = None
-        if port:
-            try:       # a taken port moves on to the next free one: one /metrics per model
-                worker.metrics_port = bind_metrics_server(port, worker.metrics.registry)
-                port = worker.metrics_port + 1
-            except OSError as exc:
-                log.warning("worker %s: no /metrics: %s", worker.cfg.name, exc)
+    if port:
+        try:   # this process's model series; each hot model's engine series on the next free ports
+            host.metrics_port = bind_metrics_server(port, host.registry)
+            port = host.metrics_port + 1
+        except OSError as exc:
+            log.warning("no /metrics: %s", exc)
+            port = None
     stop = threading.Event()
 
     def _stop(*_):
         stop.set()
-        for w in workers:
-            w.stop()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop)
-    threads = [threading.Thread(target=w.run, name=w.cfg.name, daemon=True) for w in workers]
-    for name, worker, thread in zip(names, workers, threads):
-        thread.start()
-        print(json.dumps({"worker": worker.cfg.name, "kind": worker.cfg.kind, "device": worker.cfg.device,
-                          "model": name, "source": worker.cfg.model, "queues": list(worker.cfg.queues),
-                          "metrics_port": worker.metrics_port}), flush=True)
-    while not stop.is_set() and all(t.is_alive() for t in threads):
+    host.tick()                      # the hot models, and whatever already waits for a warm one
+    for name, (worker, _) in host.loaded.items():
+        worker.metrics_port = None
+        if port and host.models[name]["tier"] == "hot":
+            try:
+                worker.metrics_port = port = bind_metrics_server(port, worker.metrics.registry)
+                port += 1
+            except OSError as exc:
+                log.warning("worker %s: no /metrics: %s", worker.cfg.name, exc)
+    print(json.dumps({"models": names, "memory_budget_mb": budget, "metrics_port": host.metrics_port}), flush=True)
+    for name, cfg in zip(names, cfgs):
+        print(json.dumps({"worker": cfg.name, "kind": cfg.kind, "device": cfg.device, "model": name,
+                          "tier": host.models[name]["tier"], "loaded": name in host.loaded, "source": cfg.model,
+                          "queues": list(cfg.queues)}), flush=True)
+    while not stop.is_set() and all(t.is_alive() for _, t in host.loaded.values()):
         stop.wait(0.5)
-    _stop()
-    for t in threads:
-        t.join(60)
+        if not stop.is_set():
+            host.tick()
+    host.stop()
     return 0
 
 
@@ -135,3 +147,120 @@ def other_model_configs(engine, settings, device: str, engine_overrides: dict | 
     if len(names) == 1:
         cfgs[0].name = f"{base_name}.{names[0]}"
     return cfgs
+
+
+# ---- hot / warm / cold ---------------------------------------------------------------------------------------
+
+
+
+def folder_bytes(folder: str) -> int:
+    """What a model's weights take: the size of its *.safetensors files (the KV pool is not counted)."""
+    from pathlib import Path
+    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+
+
+class ModelHost:
+    """The models of one worker process (`tidepool worker --models a,b --memory-budget-mb N`). Hot models are
+    loaded at start and kept. A warm model is loaded when one of its queues holds work, a cold one only after
+    `tidepool models warm NAME`; to fit the budget (the weights of the loaded models) the least recently busy
+    warm or cold model with nothing in flight is unloaded first, never one that is running jobs (its queued
+    work waits in the broker, so nothing is lost or run twice). Each load and unload is logged with its
+    duration and exported as tidepool:model_loaded{model} and tidepool:model_load_seconds{model}."""
+
+    def __init__(self, models: list[tuple[str, str, object]], redis_client, budget_bytes: int | None,
+                 make_worker=None, registry=None):
+        from prometheus_client import CollectorRegistry, Gauge, Histogram
+        self.models = {name: {"tier": tier, "cfg": cfg, "bytes": folder_bytes(cfg.model)} for name, tier, cfg in models}
+        self.redis, self.budget = redis_client, budget_bytes
+        self.make_worker = make_worker or self._make_worker
+        self.loaded: dict[str, tuple] = {}           # name -> (worker, thread)
+        self.busy_at: dict[str, float] = {}          # name -> when it last had work (LRU order)
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.loaded_gauge = Gauge("tidepool:model_loaded", "1 while the model is loaded in this worker process.",
+                                  ["model"], registry=self.registry)
+        self.load_seconds = Histogram("tidepool:model_load_seconds", "Seconds to load a model (weights, KV pool).",
+                                      ["model"], registry=self.registry,
+                                      buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+        for name in self.models:
+            self.loaded_gauge.labels(name).set(0)
+        self.events: list[tuple[str, str]] = []       # ("load" | "unload", model), in order
+        self.metrics_port: int | None = None
+
+    @staticmethod
+    def _make_worker(cfg):
+        from workers.worker import Worker
+        return Worker(cfg)
+
+    def _depth(self, name: str) -> int:
+        if self.redis is None:
+            return 0
+        return sum(int(self.redis.llen(q)) for q in self.models[name]["cfg"].queues)
+
+    def _wanted(self, name: str) -> bool:
+        tier = self.models[name]["tier"]
+        if tier == "hot":
+            return True
+        if tier == "cold" and (self.redis is None or not self.redis.exists(WARM_KEY.format(name))):
+            return False
+        return self._depth(name) > 0
+
+    def _idle(self, name: str) -> bool:
+        worker, _ = self.loaded[name]
+        return not worker.inflight and self._depth(name) == 0
+
+    def _used(self) -> int:
+        return sum(self.models[n]["bytes"] for n in self.loaded)
+
+    def load(self, name: str) -> None:
+        cfg = self.models[name]["cfg"]
+        started = time.perf_counter()
+        worker = self.make_worker(cfg)
+        thread = threading.Thread(target=worker.run, name=cfg.name, daemon=True)
+        thread.start()
+        seconds = time.perf_counter() - started
+        self.loaded[name] = (worker, thread)
+        self.busy_at[name] = time.monotonic()
+        self.loaded_gauge.labels(name).set(1)
+        self.load_seconds.labels(name).observe(seconds)
+        self.events.append(("load", name))
+        log.info("model %s loaded in %.2f s (%s)", name, seconds, self.models[name]["tier"],
+                 extra={"event": "model.loaded", "model": name, "seconds": round(seconds, 3)})
+
+    def unload(self, name: str) -> None:
+        worker, thread = self.loaded.pop(name)
+        started = time.perf_counter()
+        worker.stop()
+        thread.join(120)
+        del worker
+        import gc
+        gc.collect()
+        self.loaded_gauge.labels(name).set(0)
+        self.events.append(("unload", name))
+        log.info("model %s unloaded in %.2f s", name, time.perf_counter() - started,
+                 extra={"event": "model.unloaded", "model": name})
+
+    def tick(self) -> None:
+        """One pass: note which loaded models are busy, then load what is wanted, making room LRU."""
+        now = time.monotonic()
+        for name, (worker, _) in self.loaded.items():
+            if worker.inflight or self._depth(name):
+                self.busy_at[name] = now
+        for name in sorted(self.models, key=lambda n: self.models[n]["tier"] != "hot"):
+            if name in self.loaded or not self._wanted(name):
+                continue
+            need = self.models[name]["bytes"]
+            while self.budget is not None and self._used() + need > self.budget:
+                victims = sorted((n for n in self.loaded if self.models[n]["tier"] != "hot" and self._idle(n)),
+                                 key=lambda n: self.busy_at.get(n, 0))
+                if not victims:
+                    break
+                self.unload(victims[0])
+            if self.budget is None or self._used() + need <= self.budget:
+                self.load(name)
+
+    def stop(self) -> None:
+        for name in list(self.loaded):
+            worker, thread = self.loaded[name]
+            worker.stop()
+        for name in list(self.loaded):
+            self.loaded[name][1].join(60)

@@ -87,3 +87,69 @@ def test_a_two_model_worker_killed_loses_nothing(stack, qwen_model):
     assert {j.model for j in jobs} == {"qwen", default}
     assert all(j.worker.startswith(("both.", "again.")) for j in jobs)
     assert all(j.worker.endswith("." + j.model) for j in jobs)     # each ran on its own model's engine
+
+
+def _events(proc, kinds=("model.loaded", "model.unloaded")) -> list[tuple[str, str]]:
+    out = []
+    for line in open(proc.log_path):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if rec.get("event") in kinds:
+            out.append((rec["event"].split(".")[1], rec["model"]))
+    return out
+
+
+def test_warm_models_load_on_demand_and_take_turns_under_a_budget_for_one(stack, qwen_model):
+    from workers.model_workers import folder_bytes
+    default = stack.app.config["TIDEPOOL"].served_model_name
+    _register(stack, "qwen", qwen_model)
+    client = stack.app.test_client()
+    for name in ("qwen", default):
+        assert client.patch(f"/v1/admin/models/{name}", json={"tier": "warm"}, headers=ADMIN).status_code == 200
+    budget_mb = max(folder_bytes(qwen_model), folder_bytes(stack.model)) * 1.5 / (1 << 20)
+    assert budget_mb * (1 << 20) < folder_bytes(qwen_model) + folder_bytes(stack.model)    # fits only one
+    _, key = stack.tenant()
+    proc = stack.start("worker", "--device", "cpu", "--models", f"{default},qwen", "--memory-budget-mb",
+                       f"{budget_mb:.6f}", TIDEPOOL_WORKER_NAME="host", TIDEPOOL_LOG_LEVEL="INFO",
+                       TIDEPOOL_LEASE_SECONDS=4)
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    done = []
+    for turn, (model, prompt) in enumerate((("qwen", "one"), (default, "two"), ("qwen", "three"))):
+        ids = [stack.submit(key, 1, prompt=f"{prompt} {i}", model=model, **body)[0] for i in range(3)]
+        stack.wait(lambda: stack.count(Job.id.in_(ids), Job.status == JobStatus.completed) == 3, 180,
+                   f"turn {turn}: {model}'s jobs")
+        done += ids
+        folder = qwen_model if model == "qwen" else stack.model
+        want = _expected(folder, [f"{prompt} {i}" for i in range(3)], 8)
+        got = {j.request["prompt"]: j.output for j in stack.jobs(Job.id.in_(ids))}
+        assert [got[f"{prompt} {i}"] for i in range(3)] == want
+    assert _events(proc) == [("loaded", "qwen"), ("unloaded", "qwen"), ("loaded", default),
+                             ("unloaded", default), ("loaded", "qwen")]
+    jobs = stack.jobs(Job.id.in_(done))
+    assert len(jobs) == 9 and all(j.status == JobStatus.completed and j.completion_tokens == 8 for j in jobs)
+
+    # cold: its jobs wait until `tidepool models warm` says the workers may load it
+    assert client.patch(f"/v1/admin/models/{default}", json={"tier": "cold"}, headers=ADMIN).status_code == 200
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    proc = stack.start("worker", "--device", "cpu", "--models", f"{default},qwen", "--memory-budget-mb",
+                       f"{budget_mb:.6f}", TIDEPOOL_WORKER_NAME="host2", TIDEPOOL_LOG_LEVEL="INFO")
+    ids = stack.submit(key, 2, prompt="cold", **body)
+    import time
+    time.sleep(4)
+    assert stack.count(Job.id.in_(ids), Job.status == JobStatus.queued) == 2 and _events(proc) == []
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "workers.cli", "models", "warm", default], env=stack.env(),
+                         cwd=stack.tmp, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    stack.wait(lambda: stack.count(Job.id.in_(ids), Job.status == JobStatus.completed) == 2, 180, "cold jobs")
+    assert _events(proc) == [("loaded", default)]
+    import urllib.request
+    port = next(json.loads(ln)["metrics_port"] for ln in open(proc.log_path) if ln.startswith('{"models"'))
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert f'tidepool:model_loaded{{model="{default}"}} 1.0' in page
+    assert 'tidepool:model_loaded{model="qwen"} 0.0' in page
+    assert f'tidepool:model_load_seconds_count{{model="{default}"}} 1.0' in page
