@@ -18,6 +18,7 @@ tokens in (c). The last line is JSON, for scripts.
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 import threading
@@ -58,6 +59,8 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     cfg = WorkerConfig(model=args.model, database_url=url, device=args.device, name=f"bench-{name}",
                        low_water=args.low_water, engine=engine_kw)
     worker = Worker(cfg)
+    steps = _time_steps(worker.engine)
+    load = [os.getloadavg()[0]]
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     client = app.test_client()
@@ -90,7 +93,8 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     stats = worker.engine.stats()
     worker.stop()
     thread.join(30)
-    out = {"name": name}
+    load.append(os.getloadavg()[0])
+    out = {"name": name, "load": load, **_step_summary(steps), "cost_model": stats.get("cost_model")}
     if rt_ids:
         rt = [rows[i] for i in rt_ids]
         ttft = [(j.first_token_at - j.queued_at).total_seconds() * 1000 for j in rt]
@@ -111,6 +115,39 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     out["computed_tokens"] = stats.get("total_computed_tokens", 0)
     out["schedule_share"] = stats["total_schedule_s"] / max(1e-9, stats["total_schedule_s"] + stats["total_model_s"]
                                                           + stats["total_sample_s"])
+    return out
+
+
+def _time_steps(engine) -> list:
+    """Record (seconds, tokens, time bound) of every engine step the worker runs (the benchmark's own wrapper)."""
+    steps, step, schedule, batch = [], engine.step, engine.scheduler.schedule, [None]
+
+    def scheduled():
+        batch[0] = schedule()
+        return batch[0]
+
+    def timed():
+        batch[0] = None
+        t0 = time.perf_counter()
+        outs = step()
+        if batch[0]:
+            steps.append((time.perf_counter() - t0, batch[0].num_tokens, batch[0].time_limit_s))
+        return outs
+    engine.scheduler.schedule, engine.step = scheduled, timed
+    return steps
+
+
+def _step_summary(steps) -> dict:
+    """Step time p50/p99 of the steps that ran under an online time bound and of those that did not, so a tail
+    caused by stalls (steps far over what they carried) can be told from one caused by the budget."""
+    out = {}
+    for kind, keep in (("bounded", lambda b: b is not None), ("free", lambda b: b is None)):
+        ts = [t for t, n, b in steps if n and keep(b)]
+        toks = [n for t, n, b in steps if n and keep(b)]
+        if ts:
+            out[f"{kind}_steps"] = len(ts)
+            out[f"{kind}_step_ms"] = (1000 * _pct(ts, 0.5), 1000 * _pct(ts, 0.99))
+            out[f"{kind}_tokens_p50"] = _pct(toks, 0.5)
     return out
 
 
@@ -165,8 +202,16 @@ def main():
     p.add_argument("--rt-itl-ms", type=float, default=None, help="realtime itl target (default: engine config)")
     p.add_argument("--sched-seqs", type=int, default=256, help="sequences for the scheduler-share check (0: skip)")
     p.add_argument("--no-fcfs", action="store_true", help="skip scenario (d)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one a core)")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="Python's thread switch interval for this process (default: Python's, 5 ms)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1000)
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
     if args.model is None:
         default = Path("models/smollm2-135m")
         if (default / "config.json").is_file():
@@ -209,8 +254,18 @@ def main():
         print(f"\nscheduler at {share['seqs']} seqs: {share['schedule_ms_per_step']:.2f} ms of a "
               f"{share['step_ms']:.0f} ms step ({share['share']:.2%}; goal < 5%)")
         result.update(schedule_share=share["share"], schedule_share_seqs=share["seqs"])
+    print("\nsteps (ms p50/p99, tokens p50) under an online time bound and without; host load average at start/end;"
+          " fitted cost model (fixed, per token, per context token, ms)")
+    for r in rows:
+        cm = r.get("cost_model") or {}
+        print(f"{r['name']:<20}" + "".join(
+            f" {k} {r[k + '_steps']} steps {r[k + '_step_ms'][0]:.0f}/{r[k + '_step_ms'][1]:.0f} ms, "
+            f"{r[k + '_tokens_p50']} tok;" for k in ("bounded", "free") if k + "_steps" in r)
+            + f" load {r['load'][0]:.1f}/{r['load'][1]:.1f}; cost {1000 * cm.get('fixed_s', 0):.1f}, "
+            f"{1000 * cm.get('per_token_s', 0):.2f}, {1000 * cm.get('per_context_s', 0):.4f}")
     print(f"\ngoals: ttft_p99_ratio <= 1.5, itl_p99_ratio <= 1.5, goodput_ratio >= 0.90, recomputed_share <= 0.02")
-    result.update(model=args.model, device=args.device, offline=args.offline, rt_rate=args.rt_rate)
+    result.update(model=args.model, device=args.device, offline=args.offline, rt_rate=args.rt_rate,
+                  load=[round(x, 1) for r in rows[1:3] for x in r["load"]])
     print(json.dumps(result))
 
 
