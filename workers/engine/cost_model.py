@@ -13,7 +13,8 @@ three runs of each shape.
 """
 import numpy as np
 
-STALL_CLIP = 1.5          # an observed step counts at most this many times the prediction (after WARMUP steps)
+STALL_CLIP = 1.5          # an observed step counts at most this many times the prediction (once seeded,
+                          # or after WARMUP steps of an unseeded model)
 WARMUP = 8
 
 
