@@ -75,7 +75,7 @@ def test_documented_production_sequence(database, redis_url, tiny_model, tmp_pat
                 ready = requests.get(f"{base}/readyz", timeout=5)
                 if ready.status_code == 200:
                     break
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):   # not listening yet, or its workers still booting
                 pass
             time.sleep(0.3)
         assert ready is not None and ready.status_code == 200, log_path.read_text()
