@@ -31,6 +31,22 @@ CACHE_TTL = 2.0
 # `tidepool models warm NAME` sets this Redis key (for WARM_TTL seconds): workers serving the cold model may load it
 WARM_KEY = "tidepool:model_warm:{}"
 WARM_TTL = 3600
+# Redis hash: worker process name -> JSON {"queues": [...], "at": Unix seconds}: the queues a model host
+# (workers/model_workers.py) serves, its unloaded warm models' included, since it loads them when work arrives.
+HOSTS_KEY = "tidepool:model_hosts"
+
+
+def hosted_queues(redis_client, max_age: float, now: float | None = None) -> set[str]:
+    """Queues that live model hosts will serve (loaded or not); empty without Redis."""
+    if redis_client is None:
+        return set()
+    now = time.time() if now is None else now
+    out: set[str] = set()
+    for raw in redis_client.hvals(HOSTS_KEY):
+        entry = json.loads(raw)
+        if now - entry.get("at", 0) <= max_age:
+            out.update(entry.get("queues", []))
+    return out
 MAX_ALLOWED = 1000   # names in one allow-list
 
 

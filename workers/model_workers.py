@@ -86,6 +86,9 @@ def main(args) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _stop)
+    base = cfgs[0].name if len(names) == 1 else cfgs[0].name[:-len(names[0]) - 1]    # "<base>.<model>"
+    host_name = f"{base}/models"
+    host.advertise(host_name)
     host.tick()                      # the hot models, and whatever already waits for a warm one
     for name, (worker, _) in host.loaded.items():
         worker.metrics_port = None
@@ -104,7 +107,11 @@ def main(args) -> int:
         stop.wait(0.5)
         if not stop.is_set():
             host.tick()
+            host.advertise(host_name)
     host.stop()
+    if client is not None:
+        from service.registry import HOSTS_KEY
+        client.hdel(HOSTS_KEY, host_name)
     return 0
 
 
@@ -238,6 +245,19 @@ class ModelHost:
         self.events.append(("unload", name))
         log.info("model %s unloaded in %.2f s", name, time.perf_counter() - started,
                  extra={"event": "model.unloaded", "model": name})
+
+    def advertise(self, name: str) -> None:
+        """Tell the admin queues view which queues this process serves, its unloaded warm models' included (and a
+        cold model's while it may be warmed)."""
+        if self.redis is None:
+            return
+        from service.registry import HOSTS_KEY
+        queues = [q for n, m in self.models.items() if n in self.loaded or m["tier"] != "cold"
+                  or self.redis.exists(WARM_KEY.format(n)) for q in m["cfg"].queues]
+        try:
+            self.redis.hset(HOSTS_KEY, name, json.dumps({"queues": queues, "at": time.time()}))
+        except Exception as exc:   # the view shows "no worker" meanwhile; serving goes on
+            log.warning("model host %s: advertising failed: %s", name, exc)
 
     def tick(self) -> None:
         """One pass: note which loaded models are busy, then load what is wanted, making room LRU."""

@@ -173,14 +173,15 @@ def queue_depths():
 
 
 def model_queues() -> list[dict]:
-    """Per (registered model, SLA class): its queue, depth, and whether a live worker's heartbeat names it."""
+    """Per (registered model, SLA class): its queue, depth, and whether a live worker consumes it (its heartbeat
+    names it) or a live model host would load the model for it (registry.hosted_queues)."""
     import time
 
     from ..snapshots import SNAPSHOT_TTL, Heartbeats
     names = list(ext("registry").entries())
     now = time.time()
     served = {q for hb in Heartbeats(ext("redis")).read() if now - hb.get("at", 0) <= SNAPSHOT_TTL
-              for q in hb.get("queues", [])}
+              for q in hb.get("queues", [])} | registry.hosted_queues(ext("redis"), SNAPSHOT_TTL, now)
     return [{**row, "served": row["queue"] in served} for row in ext("dispatcher").model_depths(names)]
 
 

@@ -114,6 +114,10 @@ def test_warm_models_load_on_demand_and_take_turns_under_a_budget_for_one(stack,
     proc = stack.start("worker", "--device", "cpu", "--models", f"{default},qwen", "--memory-budget-mb",
                        f"{budget_mb:.6f}", TIDEPOOL_WORKER_NAME="host", TIDEPOOL_LOG_LEVEL="INFO",
                        TIDEPOOL_LEASE_SECONDS=4)
+    # nothing loaded yet, but the queues view counts both models as served: the host loads them on demand
+    stack.wait(lambda: all(served for (m, c), (_, served) in _queues(stack).items() if c == "batch"), 60,
+               "the host to advertise its models")
+    assert _events(proc) == []
     body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
     done = []
     for turn, (model, prompt) in enumerate((("qwen", "one"), (default, "two"), ("qwen", "three"))):
