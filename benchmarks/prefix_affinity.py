@@ -210,6 +210,8 @@ def main():
     from service import create_app, migrate, tenants
     from workers.engine.tokenizer import Tokenizer
 
+    # SIGTERM (a timeout, a kill) unwinds like Ctrl-C: workers stopped, redis-server killed, database dropped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tmp = Path(tempfile.mkdtemp(prefix="tidepool-affinity-"))
     model = args.model
     if model == "tiny":
@@ -224,7 +226,7 @@ def main():
     with psycopg.connect(admin, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {dbname}")
     db_url = f"{PG}/{dbname}"
-    app = None
+    app = run = None
     try:
         migrate.upgrade(db_url)
         wait(lambda: _ping(redis_url), 10, "redis-server")
@@ -267,6 +269,8 @@ def main():
                  "(goal >= 0.8)" if "single" in results else "")
               + f"; {summary['hit_rate_vs_ideal']:.2f} of the ideal {ideal:.3f} (every group's prefix computed once)")
     finally:
+        if run is not None and run.procs:
+            run.stop()
         if app is not None:
             app.extensions["tidepool.engine"].dispose()
         rproc.kill()
