@@ -1,0 +1,169 @@
+"""Several models in one worker process (issue #17): one engine per model, each stepping on its own thread, the
+shape `tidepool worker --models a,b` runs (workers/model_workers.py).
+
+  (a) model A alone, an offline batch              -> A tok/s
+  (b) model B alone, the same batch                -> B tok/s
+  (c) both batches at once                         -> per-model tok/s; goal: sum >= 90% of the better of (a), (b)
+  (d) warm load of B (engine construction: weights + KV pool), first and second time -> seconds
+  (e) A realtime requests alone, then while B runs its batch -> A TTFT p50/p99 (goal: p99 (e) <= 1.5x alone)
+
+Model B is by default a random-weight Qwen2-architecture model of another shape, written to a temp folder.
+The last line is JSON, for scripts. Run it under `flock /tmp/tidepool-bench.lock`.
+
+    python benchmarks/multi_model.py [--model-a models/smollm2-135m] [--model-b DIR] [--requests 32] [--tokens 64]
+"""
+import argparse
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+class Stepper:
+    """An engine stepped on its own thread until stopped (as a Worker's engine thread does)."""
+
+    def __init__(self, engine):
+        self.engine, self.stop = engine, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            if not self.engine.wait_for_work(0.05):
+                continue
+            self.engine.step()
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def _batch(engine, tag: str, n: int, tokens: int, prompt_len: int, rng) -> threading.Event:
+    """Queue n offline requests; the event is set when all have finished."""
+    from workers.engine import SamplingParams
+    done, left = threading.Event(), [n]
+    lock = threading.Lock()
+    vocab = min(engine.config.model_config.vocab_size, 1000)
+
+    def on_token(out):
+        if out.finished:
+            with lock:
+                left[0] -= 1
+                if not left[0]:
+                    done.set()
+    for i in range(n):
+        engine.add_request(f"{tag}-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                           SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True), sla_class="batch",
+                           on_token=on_token)
+    return done
+
+
+def _offline(engines: dict, args, rng) -> dict:
+    steppers = {name: Stepper(e) for name, e in engines.items()}
+    start = time.perf_counter()
+    events = {name: _batch(e, f"off-{name}-{time.time_ns()}", args.requests, args.tokens, args.prompt_len, rng)
+              for name, e in engines.items()}
+    ends = {}
+    for name, ev in events.items():
+        ev.wait()
+        ends[name] = time.perf_counter()
+    wall = max(ends.values()) - start
+    for s in steppers.values():
+        s.close()
+    return {name: args.requests * args.tokens / (ends[name] - start) for name in engines} | {"wall_s": wall}
+
+
+def _ttft(engine, args, rng, busy=None) -> list[float]:
+    """Realtime probes on engine, one every --rt-interval seconds; busy (another engine) runs its batch meanwhile."""
+    from workers.engine import SamplingParams
+    steppers = [Stepper(engine)] + ([Stepper(busy)] if busy is not None else [])
+    if busy is not None:
+        _batch(busy, f"bg-{time.time_ns()}", args.requests * 4, args.tokens, args.prompt_len, rng)
+        time.sleep(0.5)
+    firsts, lock = {}, threading.Lock()
+    vocab = min(engine.config.model_config.vocab_size, 1000)
+    for i in range(args.rt_requests):
+        rid, sent = f"rt-{time.time_ns()}-{i}", time.perf_counter()
+
+        def on_token(out, rid=rid, sent=sent):
+            with lock:
+                if rid not in firsts and out.token_ids:
+                    firsts[rid] = time.perf_counter() - sent
+        engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(args.prompt_len)],
+                           SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), sla_class="realtime",
+                           on_token=on_token)
+        time.sleep(args.rt_interval)
+    end = time.monotonic() + 60
+    while len(firsts) < args.rt_requests and time.monotonic() < end:
+        time.sleep(0.01)
+    for s in steppers:
+        s.close()
+    if busy is not None:     # drop the rest of the background batch
+        for rid in list(busy.requests):
+            busy.abort(rid)
+        while busy.has_unfinished():
+            busy.step()
+    return [v * 1000 for v in firsts.values()]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-a", default="models/smollm2-135m")
+    ap.add_argument("--model-b", default=None, help="default: a random-weight Qwen2 model of another shape")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--rt-requests", type=int, default=20)
+    ap.add_argument("--rt-interval", type=float, default=0.25)
+    args = ap.parse_args()
+
+    from workers.engine import EngineConfig, LLMEngine
+    model_b = args.model_b
+    if model_b is None:
+        from workers.engine.tiny_model import make_tiny_model
+        model_b = str(make_tiny_model(str(Path(tempfile.mkdtemp(prefix="mm-")) / "qwen-b"), arch="qwen2", seed=3,
+                                      hidden_size=384, num_hidden_layers=8, num_attention_heads=6,
+                                      num_key_value_heads=2))
+    kw = {"device": args.device, "max_num_seqs": args.max_num_seqs}
+    rng = random.Random(0)
+    a = LLMEngine(EngineConfig(model=args.model_a, **kw))
+    loads = []
+    for _ in range(2):                     # (d) warm load: the first reads the files, the second hits the cache
+        t0 = time.perf_counter()
+        b = LLMEngine(EngineConfig(model=model_b, **kw))
+        loads.append(time.perf_counter() - t0)
+    alone_a = _offline({"a": a}, args, rng)["a"]
+    alone_b = _offline({"b": b}, args, rng)["b"]
+    both = _offline({"a": a, "b": b}, args, rng)
+    ttft_alone = _ttft(a, args, rng)
+    ttft_busy = _ttft(a, args, rng, busy=b)
+    better = max(alone_a, alone_b)
+    out = {"a_alone_tok_s": alone_a, "b_alone_tok_s": alone_b, "a_with_b_tok_s": both["a"], "b_with_a_tok_s": both["b"],
+           "sum_over_better_single": (both["a"] + both["b"]) / better, "b_load_s": loads,
+           "a_rt_ttft_ms_alone": {"p50": _pct(ttft_alone, 0.5), "p99": _pct(ttft_alone, 0.99)},
+           "a_rt_ttft_ms_with_b_batch": {"p50": _pct(ttft_busy, 0.5), "p99": _pct(ttft_busy, 0.99)}}
+    print(f"(a) A alone {alone_a:.1f} tok/s   (b) B alone {alone_b:.1f} tok/s")
+    print(f"(c) together: A {both['a']:.1f} + B {both['b']:.1f} = {both['a'] + both['b']:.1f} tok/s "
+          f"= {out['sum_over_better_single']:.2f}x the better single (goal >= 0.90)")
+    print(f"(d) B load: {loads[0]:.2f} s first, {loads[1]:.2f} s again")
+    p99a, p99b = out["a_rt_ttft_ms_alone"]["p99"], out["a_rt_ttft_ms_with_b_batch"]["p99"]
+    print(f"(e) A realtime TTFT p99: {p99a:.0f} ms alone, {p99b:.0f} ms while B runs a batch "
+          f"({p99b / p99a:.2f}x; goal <= 1.5x)")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
