@@ -86,7 +86,7 @@ def _serve(endpoint: str):
                                                                  checked.body))
     marks["publish"] = time.time()
     waiter = _Waiter(ext("sessions"), sub, job.id, conf.online_timeout, marks)
-    fmt = _Format(endpoint, job.id, int(now.timestamp()), model.name,
+    fmt = _Format(endpoint, job.id, int(now.timestamp()), model.name or body.get("model"),
                   bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body), checked.body)
     try:
         first = waiter.next_event(keepalive=False)
