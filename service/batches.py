@@ -5,7 +5,7 @@ from datetime import timedelta
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 
-from . import affinity, bodies, logprobs, quotas, structured
+from . import affinity, bodies, choices, logprobs, quotas
 from . import openai_shapes
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
@@ -19,16 +19,16 @@ def _line_error(line: int, code: str, message: str, param: str | None = None) ->
 
 def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, served_model: str | None,
               max_lines: int, chunk_size: int, cache_group: str | None = None, models=None,
-              route=None) -> tuple[list[dict], list[tuple[str, str, str | None]]]:
+              route=None) -> tuple[list[dict], list[tuple]]:
     """Validate every line of the batch's input file, inserting job rows in chunks as it goes.
     Returns (errors, [(job_id, queue, prefix key)]) (Dispatcher.publish's entries; cache_group: the tenant's
-    prefix_cache_group, for the keys); with any error the caller rolls the rows back. models (a registry.Registry)
-    resolves each line's model against the tenant's quota, route(sla_class, model) names the line's queue; without
-    them every line runs on served_model, in the class's queue."""
+    prefix_cache_group, for the keys); with any error the caller rolls the rows back. models (a
+    registry.Registry) resolves each line's model against the tenant's quota, route(sla_class, model) names the
+    line's queue; without them every line runs on served_model, in the class's queue."""
     errors: list[dict] = []
     seen: set[str] = set()
     rows: list[dict] = []
-    created: list[tuple[str, str, str | None]] = []
+    created: list[tuple] = []
     tokens = 0
     now = utcnow()
     sla = batch.sla_class.value
@@ -132,14 +132,8 @@ def _result_line(job: Job, model: str | None) -> str:
     model = job.model or model     # the line's own model; rows older than the registry ran on the default
     created = int(job.finished_at.timestamp()) if job.finished_at else None
     usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
-    lps = logprobs.shaped(job.endpoint, job.logprobs) if logprobs.requested(job.endpoint, job.request) else None
-    if job.endpoint == bodies.CHAT:
-        message, finish_reason = structured.message(job.request or {}, job.output, job.finish_reason, job.id)
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": lps}
-        body = {**openai_shapes.head(job.endpoint, job.id, created, model), "choices": [choice], "usage": usage}
-    else:
-        choice = {"index": 0, "text": job.output, "finish_reason": job.finish_reason, "logprobs": lps}
-        body = {**openai_shapes.head(job.endpoint, job.id, created, model), "choices": [choice], "usage": usage}
+    picked = choices.openai_choices(job, job.request, job.id, logprobs.requested(job.endpoint, job.request))
+    body = {**openai_shapes.head(job.endpoint, job.id, created, model), "choices": picked, "usage": usage}
     return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
                        "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None})
 
@@ -164,7 +158,7 @@ def finalize(s: Session, storage: Storage, batch: Batch, model: str | None = Non
 
     def lines(want_ok: bool):
         for job in s.scalars(select(Job).where(Job.batch_id == batch.id).order_by(Job.id)
-                             .options(undefer(Job.logprobs)).execution_options(yield_per=1000)):
+                             .options(undefer(Job.logprobs), undefer(Job.choices)).execution_options(yield_per=1000)):
             ok = job.status == JobStatus.completed
             if ok == want_ok:
                 if ok:

@@ -23,6 +23,7 @@ MAX_NAME_CHARS = 256               # model, user, a message's name
 MAX_STOP = 16                      # stop strings
 MAX_STOP_CHARS = 256               # characters of one stop string
 MAX_STOP_TOKEN_IDS = 256           # stop_token_ids
+MAX_CHOICES = 16                   # n, and best_of on completions
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -231,10 +232,11 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
         prompt_tokens = _check_prompt(body["prompt"])
         _number(body, "logprobs", 0, 20, integer=True)
         structured.check(body)
-        if not _one_of(body.get("echo"), False):
-            raise bad_request("'echo' is not supported.", "echo", "unsupported_value")
-        if not _one_of(body.get("best_of"), 1):
-            raise bad_request("'best_of' must be 1.", "best_of", "unsupported_value")
+        if not _one_of(body.get("echo"), True, False):
+            raise bad_request("'echo' must be a boolean.", "echo")
+        _number(body, "best_of", 1, MAX_CHOICES, integer=True)
+        if body.get("best_of") is not None and body["best_of"] < (body.get("n") if _is_int(body.get("n")) else 1):
+            raise bad_request(f"'best_of' ({body['best_of']}) must be at least 'n' ({body['n']}).", "best_of")
     else:
         if "messages" not in body:
             raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
@@ -256,8 +258,7 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
     _check_stop(body)
     if not _one_of(body.get("ignore_eos"), True, False):
         raise bad_request("'ignore_eos' must be a boolean.", "ignore_eos")
-    if not _one_of(body.get("n"), 1):
-        raise bad_request("'n' must be 1.", "n", "unsupported_value")
+    _number(body, "n", 1, MAX_CHOICES, integer=True)
     if not _one_of(body.get("stream"), False):
         raise bad_request("'stream' is not supported for queued jobs.", "stream", "unsupported_value")
     if "user" in body and (not isinstance(body["user"], str) or len(body["user"]) > MAX_NAME_CHARS):
@@ -277,4 +278,5 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
                           f"prompt and the output together; ask for fewer (output stops at the context with "
                           f"finish_reason 'length').", "max_tokens", "context_length_exceeded")
     clean["max_tokens"] = max_tokens
-    return Checked(endpoint, clean, prompt_tokens + max_tokens)
+    # every sequence generated (n, or best_of) may run to max_tokens
+    return Checked(endpoint, clean, prompt_tokens + max_tokens * (clean.get("best_of") or clean.get("n") or 1))

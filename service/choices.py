@@ -20,10 +20,15 @@ def call_id_base(request_id: str, index: int) -> str:
 
 def openai_choices(job, request: dict | None, request_id: str, want_logprobs: bool) -> list[dict]:
     """The `choices` of the job's chat.completion / text_completion body."""
+    return shaped(job.endpoint, of_job(job), request, request_id, want_logprobs)
+
+
+def shaped(endpoint: str, every: list[dict], request: dict | None, request_id: str, want_logprobs: bool) -> list[dict]:
+    """OpenAI choice objects of choices as of_job gives them (also how run-batch writes its lines)."""
     out = []
-    for i, c in enumerate(of_job(job)):
-        lps = logprobs.shaped(job.endpoint, c["logprobs"]) if want_logprobs else None
-        if job.endpoint == bodies.CHAT:
+    for i, c in enumerate(every):
+        lps = logprobs.shaped(endpoint, c["logprobs"]) if want_logprobs else None
+        if endpoint == bodies.CHAT:
             message, reason = structured.message(request or {}, c["text"], c["finish_reason"],
                                                  call_id_base(request_id, i))
             out.append({"index": i, "message": message, "logprobs": lps, "finish_reason": reason})

@@ -4,6 +4,8 @@ Workers store and stream one entry per generated token, in the chat shape:
 
     {"token": str, "logprob": float, "bytes": [int], "top_logprobs": [{"token", "logprob", "bytes"}]}
 
+With `echo` (completions), the prompt's tokens come first; the first one's logprob and top_logprobs are null.
+
 `top_logprobs` holds as many alternatives as the request asked for (completions' `logprobs`, chat's
 `top_logprobs`). The API turns a list of entries into the endpoint's shape:
 
@@ -33,7 +35,8 @@ def completion(entries: list[dict], offset: int = 0) -> dict:
         offsets.append(offset)
         offset += len(e["token"])
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                             for e in entries],
             "text_offset": offsets}
 
 

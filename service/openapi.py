@@ -117,7 +117,8 @@ _FIELDS = {   # every body field bodies.check accepts, with its bounds; null mea
                        {"type": "array", "maxItems": bodies.MAX_STOP,
                         "items": {"type": "string", "minLength": 1, "maxLength": bodies.MAX_STOP_CHARS}}]},
     "stop_token_ids": {"type": "array", "maxItems": bodies.MAX_STOP_TOKEN_IDS, "items": _TOKEN_ID},
-    "ignore_eos": _BOOL, "n": {"const": 1}, "stream": _BOOL, "echo": {"const": False}, "best_of": {"const": 1},
+    "ignore_eos": _BOOL, "n": _int(1, bodies.MAX_CHOICES), "stream": _BOOL, "echo": _BOOL,
+    "best_of": _int(1, bodies.MAX_CHOICES),
     "top_logprobs": _int(0, 20),
     "response_format": {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
         "type": {"enum": ["text", "json_object", "json_schema"]},

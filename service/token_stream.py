@@ -2,6 +2,8 @@
 in embedded mode. Events are small dicts:
 
     {"t": "tok", "d": delta_text, "p": char offset of delta_text in the output}
+        optional: "c" the choice index (n > 1; absent: 0), "l" the tokens' logprob entries and "i" the first
+        one's index in the choice's entries
     {"t": "end", "status": "completed" | "failed" | "cancelled" | "queued"}
 
 Pub/sub is fire-and-forget: a waiter subscribes before its job is dispatched, and falls back to the

@@ -16,7 +16,8 @@ class Inflight:
     online: bool
     tenant: str = "default"
     queue_time: float | None = None   # seconds between queued and started in the ledger
-    pos: int = 0                      # characters streamed so far
+    pos: dict = field(default_factory=dict)   # characters streamed so far, by choice index
+    echo: str | None = None           # completions `echo`: the prompt text each choice's text starts with
     first_token_at: float | None = None
     marks: dict = field(default_factory=dict)   # online: stage timestamps, sent with the first token
     first_recorded: bool = False

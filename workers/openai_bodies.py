@@ -4,13 +4,13 @@ Bodies arrive already validated and normalised by `service.bodies.check`.
 """
 import time
 
-from service import logprobs, structured
+from service import choices, logprobs, structured
 from service import openai_shapes
 from service.openai_shapes import CHAT, COMPLETIONS  # noqa: F401 (the workers' import point)
 from workers.engine import RequestOutput, SamplingParams
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "n", "best_of")
 
 
 def sampling_params(endpoint: str, body: dict) -> SamplingParams:
@@ -20,6 +20,8 @@ def sampling_params(endpoint: str, body: dict) -> SamplingParams:
             kwargs["logprobs"] = body.get("top_logprobs") or 0
     elif body.get("logprobs") is not None:
         kwargs["logprobs"] = body["logprobs"]
+        if body.get("echo"):        # the echoed prompt's tokens carry logprobs too (the first one null)
+            kwargs["prompt_logprobs"] = body["logprobs"]
     return SamplingParams(**kwargs, structured=structured.grammar(body))
 
 
@@ -54,8 +56,40 @@ def chat_messages(body: dict, template_renders_tools: bool) -> tuple[list[dict],
 
 
 def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    """The prompt once; the tokens of every sequence generated (all n choices, and best_of's discarded ones)."""
+    prompt, completion = len(out.prompt_token_ids), out.generated_tokens or len(out.token_ids)
     return openai_shapes.usage(prompt, completion)
+
+
+def echo_text(endpoint: str, body: dict, tokenizer, prompt: list[int]) -> str | None:
+    """Completions with `echo`: the prompt text each choice's text starts with (a token-id prompt decoded)."""
+    if endpoint == CHAT or not body.get("echo"):
+        return None
+    return body["prompt"] if isinstance(body["prompt"], str) else tokenizer.decode(prompt, skip_special_tokens=False)
+
+
+def prompt_entries(tokenizer, out: RequestOutput) -> list[dict]:
+    """The echoed prompt's logprob entries: the first token's logprob and top_logprobs are null (OpenAI)."""
+    first = {**_token(tokenizer, out.prompt_token_ids[0], {}), "logprob": None, "top_logprobs": None}
+    return [first] + (logprob_entries(tokenizer, out.prompt_logprobs[1:]) or [])
+
+
+def ledger_result(out: RequestOutput, tokenizer, text=lambda t: t, echo: str | None = None) -> dict:
+    """A finished request as service.jobs.complete's keyword arguments: the first choice in output & co., the
+    others in `choices` (service/choices.py reads them back). `text` makes a text storable (ledger_text);
+    `echo` (echo_text) goes before each choice's text, and its prompt logprobs before the choice's."""
+    first, more = (out.outputs[0], out.outputs[1:]) if out.outputs else (out, [])
+    head = prompt_entries(tokenizer, out) if echo is not None and out.prompt_logprobs else []
+
+    def lps(c):
+        entries = logprob_entries(tokenizer, c.logprobs)
+        return entries if entries is None else head + entries
+
+    return dict(output=text((echo or "") + first.text), output_token_ids=list(first.token_ids),
+                finish_reason=first.finish_reason, prompt_tokens=len(out.prompt_token_ids),
+                completion_tokens=usage(out)["completion_tokens"], logprobs=lps(first),
+                choices=[{"text": text((echo or "") + c.text), "token_ids": list(c.token_ids),
+                          "finish_reason": c.finish_reason, "logprobs": lps(c)} for c in more] or None)
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -104,26 +138,15 @@ def logprob_entries(tokenizer, raw: list[dict] | None) -> list[dict] | None:
             for e in raw]
 
 
-def completion_logprobs(out: RequestOutput, tokenizer) -> dict | None:
-    entries = logprob_entries(tokenizer, out.logprobs)
-    return None if entries is None else logprobs.completion(entries)
-
-
-def chat_logprobs(out: RequestOutput, tokenizer) -> dict | None:
-    entries = logprob_entries(tokenizer, out.logprobs)
-    return None if entries is None else logprobs.chat(entries)
-
-
 def response_body(endpoint: str, request_id: str, model: str, out: RequestOutput, tokenizer,
                   created: int | None = None, body: dict | None = None) -> dict:
     created = created or int(time.time())
+    stored = ledger_result(out, tokenizer, echo=echo_text(endpoint, body or {}, tokenizer, out.prompt_token_ids))
+    every = [{"text": stored["output"], "token_ids": stored["output_token_ids"], "logprobs": stored["logprobs"],
+              "finish_reason": stored["finish_reason"]}, *(stored["choices"] or [])]
+    picked = choices.shaped(endpoint, every, body, request_id, logprobs.requested(endpoint, body))
     if endpoint == CHAT:
-        message, finish_reason = structured.message(body or {}, out.text, out.finish_reason, request_id)
-        choice = {"index": 0, "message": message, "logprobs": chat_logprobs(out, tokenizer),
-                  "finish_reason": finish_reason}
         return {**openai_shapes.head(CHAT, f"chatcmpl-{request_id}", created, model),
-                "choices": [choice], "usage": usage(out)}
-    choice = {"index": 0, "text": out.text, "logprobs": completion_logprobs(out, tokenizer),
-              "finish_reason": out.finish_reason}
+                "choices": picked, "usage": usage(out)}
     return {**openai_shapes.head(COMPLETIONS, f"cmpl-{request_id}", created, model),
-            "choices": [choice], "usage": usage(out)}
+            "choices": picked, "usage": usage(out)}

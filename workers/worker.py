@@ -49,7 +49,7 @@ from service.snapshots import Heartbeats
 from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
 from workers.attempt import Inflight, build_request, ledger_text, utc
 from workers.engine_thread import EngineThread
-from workers.openai_bodies import logprob_entries
+from workers.openai_bodies import echo_text, ledger_result, logprob_entries, prompt_entries
 from workers.results import WRITE_RETRY_FIRST, Results
 
 log = logging.getLogger(__name__)
@@ -122,10 +122,10 @@ class Worker(EngineThread, Results):
         # Gauges and counters move in the engine thread; the dashboard snapshot goes out with the heartbeat.
         self.metrics = EngineMetrics(worker=cfg.name, device=cfg.device, model=cfg.model)
         self.snapshots = SnapshotStore(redis_client)
+        self.heartbeats = Heartbeats(redis_client)
         # Prefix affinity: its private queues, the prefix keys of what it claimed (heartbeat), their hand-back.
         self.affinity = WorkerAffinity(cfg.name, cfg.queues, redis_client, cfg.broker_url,
                                        seats=getattr(getattr(self.engine, "config", None), "max_num_seqs", 1))
-        self.heartbeats = Heartbeats(redis_client)
         self.inflight: dict[str, Inflight] = {}
         self.counters = {"claimed": 0, "completed": 0, "failed": 0, "aborted": 0, "dropped": 0, "throttled": 0}
         self.preempted = {c: 0 for c in QUEUES["gpu"]}   # engine preemptions suffered, by SLA class
@@ -228,14 +228,22 @@ class Worker(EngineThread, Results):
                 self._wake.set()
         # Logprobs of this step's tokens ride along; "i" is the first one's index in the output.
         new_lps = out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else None
-        if inf.online and (out.delta_text or new_lps):
-            event = {"t": "tok", "d": ledger_text(out.delta_text), "p": inf.pos}
+        echo = inf.echo is not None and out.index not in inf.pos     # a choice's first piece starts with the prompt
+        if inf.online and (out.delta_text or new_lps or echo):
+            delta = (inf.echo if echo else "") + out.delta_text
+            event = {"t": "tok", "d": ledger_text(delta), "p": inf.pos.get(out.index, 0)}
+            if out.index:
+                event["c"] = out.index        # the choice (n > 1) this piece belongs to
             if inf.marks:
                 event["ts"] = {**inf.marks, "step": self._step_at, "tok": inf.first_token_at, "pub": time.time()}
                 inf.marks = {}
             if new_lps:
-                event.update(l=logprob_entries(self.engine.tokenizer, new_lps), i=len(out.token_ids) - len(new_lps))
-            inf.pos += len(out.delta_text)
+                entries = logprob_entries(self.engine.tokenizer, new_lps)
+                head = len(out.prompt_token_ids) if inf.echo is not None and out.prompt_logprobs else 0
+                if echo and head:
+                    entries = prompt_entries(self.engine.tokenizer, out) + entries
+                event.update(l=entries, i=0 if echo else head + len(out.token_ids) - len(new_lps))
+            inf.pos[out.index] = inf.pos.get(out.index, 0) + len(delta)
             with inf.lock:
                 if inf.claimed:
                     self._publish_tok(inf, event)
@@ -362,6 +370,7 @@ class Worker(EngineThread, Results):
             inf.marks = {"take": taken_at, "claim": claimed_at}
         try:
             prompt, params = build_request(self.engine.tokenizer, job.endpoint, job.request)
+            inf.echo = echo_text(job.endpoint, job.request, self.engine.tokenizer, prompt)
             self.inflight[job_id] = inf
             self.engine.add_request(inf.request_id, prompt, params, sla_class=sla, tenant=job.tenant_id,
                                     weight=weight or 1.0, on_token=partial(self._on_token, inf),
@@ -394,6 +403,7 @@ class Worker(EngineThread, Results):
                        marks={"take": taken_at} if taken_at is not None else {})
         try:
             prompt, params = build_request(self.engine.tokenizer, row.endpoint, row.request)
+            inf.echo = echo_text(row.endpoint, row.request, self.engine.tokenizer, prompt)
             self.inflight[job_id] = inf
             inf.entered_at = time.time()
             self.engine.add_request(inf.request_id, prompt, params, sla_class=sla, tenant=row.tenant_id,
@@ -426,10 +436,8 @@ class Worker(EngineThread, Results):
                     continue
                 if inf.first_token_at is not None and not inf.first_recorded:
                     jobs.first_token(s, inf.job_id, inf.lease_token, utc(inf.first_token_at))
-                ok = jobs.complete(s, inf.job_id, inf.lease_token, output=ledger_text(out.text),
-                                   output_token_ids=list(out.token_ids), prompt_tokens=len(out.prompt_token_ids),
-                                   completion_tokens=len(out.token_ids), finish_reason=out.finish_reason,
-                                   logprobs=logprob_entries(self.engine.tokenizer, out.logprobs))
+                ok = jobs.complete(s, inf.job_id, inf.lease_token,
+                                   **ledger_result(out, self.engine.tokenizer, ledger_text, echo=inf.echo))
                 statuses.append("completed" if ok else "lost")
             s.commit()
         return statuses

@@ -6,7 +6,7 @@ from flask import Blueprint, g, request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from .. import affinity, bodies, jobs as transitions, logprobs, quotas, structured
+from .. import affinity, bodies, choices, jobs as transitions, logprobs, quotas, structured
 from .. import openai_shapes
 from ..auth import tenant_required
 from ..db import session
@@ -24,6 +24,16 @@ def _tool_calls(job: Job) -> dict:
     return {"tool_calls": structured.parse(job.request, job.output or "", job.id)[1]}
 
 
+def _choices(job: Job, one: bool) -> dict:
+    """One job's GET of a request with n > 1: output.choices lists every choice (output.text is the first's)."""
+    if not one or not job.choices:
+        return {}
+    want = logprobs.requested(job.endpoint, job.request)
+    return {"choices": [{"index": i, "text": c["text"], "token_ids": c["token_ids"], "finish_reason": c["finish_reason"],
+                         **({"logprobs": logprobs.shaped(job.endpoint, c["logprobs"])} if want else {})}
+                        for i, c in enumerate(choices.of_job(job))]}
+
+
 def job_json(job: Job, with_logprobs: bool = False) -> dict:
     """A job as JSON; with_logprobs (one job's GET) adds output.logprobs when the request asked for them."""
     usage = None
@@ -37,7 +47,7 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
             "first_token_at": ts(job.first_token_at), "finished_at": ts(job.finished_at),
             "attempts": job.attempts, "worker": job.worker, "usage": usage,
             "output": None if job.status != JobStatus.completed else
-            {"text": job.output, "token_ids": job.output_token_ids, **_tool_calls(job),
+            {"text": job.output, "token_ids": job.output_token_ids, **_tool_calls(job), **_choices(job, with_logprobs),
              **({"logprobs": logprobs.shaped(job.endpoint, job.logprobs)}
                 if with_logprobs and logprobs.requested(job.endpoint, job.request) else {})},
             "finish_reason": job.finish_reason, "error": job.error}

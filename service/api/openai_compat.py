@@ -11,7 +11,7 @@ from sqlalchemy.orm import undefer
 
 from service import token_stream
 
-from .. import affinity, bodies, jobs as transitions, logprobs, quotas, registry, structured
+from .. import affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured
 from .. import openai_shapes
 from ..auth import tenant_required
 from ..errors import APIError, bad_request
@@ -71,6 +71,8 @@ def _serve(endpoint: str):
     model = ext("registry").resolve(quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
     checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=quota.max_tokens_per_request,
                            context_len=ext("registry").context_len(model))
+    if stream and (checked.body.get("best_of") or 1) > (checked.body.get("n") or 1):
+        raise bad_request("'best_of' above 'n' cannot be streamed (the best are known only at the end).", "best_of")
     quotas.check_class(quota, sla)
     quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
     marks["valid"] = time.time()
@@ -132,7 +134,8 @@ class _Waiter:
         while True:
             try:
                 with self.sessions() as s:
-                    return s.get(Job, self.job_id, options=[undefer(Job.logprobs)] if full else None)
+                    return s.get(Job, self.job_id,
+                                 options=[undefer(Job.logprobs), undefer(Job.choices)] if full else None)
             except (OperationalError, InterfaceError):
                 if time.monotonic() + pause > give_up:
                     raise LedgerUnavailable(self.job_id) from None
@@ -204,52 +207,57 @@ class _Format:
     def __init__(self, endpoint, job_id, created, model, include_usage, want_logprobs=False, body=None):
         self.endpoint, self.chat = endpoint, endpoint == bodies.CHAT
         self.body = body or {}
-        self.splitter = structured.StreamSplitter(self.body, job_id) if self.chat else None
-        self.called = False
+        self.splitters: dict = {}     # chat: per choice (n > 1), the content / tool-call splitter
+        self.called: set = set()      # choices that streamed a tool call
         self.id, self.created, self.model, self.include_usage = job_id, created, model, include_usage
         self.want_logprobs = want_logprobs
-        self.offset = 0      # completions text_offset of the next streamed logprobs entry
+        self.offsets: dict = {}       # per choice: completions text_offset of the next streamed logprobs entry
+
+    def splitter(self, index: int = 0):
+        if not self.chat:
+            return None
+        if index not in self.splitters:
+            self.splitters[index] = structured.StreamSplitter(self.body, choices.call_id_base(self.id, index))
+        return self.splitters[index]
 
     def _head(self, chunk: bool) -> dict:
         return openai_shapes.head(self.endpoint, self.id, self.created, self.model, chunk)
 
     def whole(self, job: Job) -> dict:
-        lps = logprobs.shaped(self.endpoint, job.logprobs) if self.want_logprobs else None
-        if self.chat:
-            message, finish_reason = structured.message(self.body, job.output, job.finish_reason, self.id)
-            choice = {"index": 0, "message": message, "logprobs": lps, "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": job.output, "logprobs": lps, "finish_reason": job.finish_reason}
-        return {**self._head(False), "choices": [choice], "usage": _usage(job)}
+        return {**self._head(False), "choices": choices.openai_choices(job, self.body, self.id, self.want_logprobs),
+                "usage": _usage(job)}
 
-    def tool_chunks(self):
+    def tool_chunks(self, index: int = 0):
         """At the end of a chat stream: held-back content, then each tool call as one delta.tool_calls chunk."""
-        if self.splitter is None:
+        splitter = self.splitter(index)
+        if splitter is None:
             return
-        rest, calls = self.splitter.finish()
+        rest, calls = splitter.finish()
         if rest:
-            yield self.chunk(rest, raw=True)
+            yield self.chunk(rest, raw=True, index=index)
         for i, call in enumerate(calls):
-            self.called = True
-            yield _data({**self._head(True), "choices": [{"index": 0, "delta": {"tool_calls": [{"index": i, **call}]},
+            self.called.add(index)
+            yield _data({**self._head(True), "choices": [{"index": index,
+                                                          "delta": {"tool_calls": [{"index": i, **call}]},
                                                           "logprobs": None, "finish_reason": None}]})
 
-    def finish_reason(self, reason):
-        return "tool_calls" if self.called and reason == "stop" else reason
+    def finish_reason(self, reason, index: int = 0):
+        return "tool_calls" if index in self.called and reason == "stop" else reason
 
     def chunk(self, text: str | None = None, finish_reason=None, role=False, usage=None,
-              entries: list | None = None, raw: bool = False) -> str:
-        if self.splitter is not None and text and not raw:
-            text = self.splitter.feed(text)
+              entries: list | None = None, raw: bool = False, index: int = 0) -> str:
+        splitter = self.splitter(index)
+        if splitter is not None and text and not raw:
+            text = splitter.feed(text)
         lps = None
         if self.want_logprobs and entries:
-            lps = logprobs.shaped(self.endpoint, entries, self.offset)
-            self.offset += logprobs.text_length(entries)
+            lps = logprobs.shaped(self.endpoint, entries, self.offsets.get(index, 0))
+            self.offsets[index] = self.offsets.get(index, 0) + logprobs.text_length(entries)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": lps, "finish_reason": finish_reason}
         out = {**self._head(True), "choices": [choice]}
         if usage is not None:
             out["usage"] = usage
@@ -277,49 +285,54 @@ def _sse(waiter: _Waiter, fmt: _Format, first: dict):
     offset 0 again: it continues this stream only while its text extends exactly what the client has, else
     the stream ends with a job_restarted error, never a splice of two attempts. Every stream ends with
     [DONE], after an error event when it did not complete."""
-    sent, sent_lps, done = "", 0, False     # text and logprobs entries the client has
-    attempt = ""                            # the streaming attempt's text, as far as it arrived in order
+    # Per choice (an event's "c", 0 when absent; n > 1): the text and logprobs entries the client has, and the
+    # streaming attempt's text as far as it arrived in order.
+    sent, sent_lps, attempt, done = {}, {}, {}, False
     try:
         try:
             if fmt.chat:
-                yield fmt.chunk(role=True)
+                for c in range(fmt.body.get("n") or 1):
+                    yield fmt.chunk(role=True, index=c)
             ev = first
             # an end event with status "queued" is an attempt handed back (SIGTERM): its rerun streams on
             while ev is None or ev["t"] != "end" or ev.get("status") == "queued":
+                c = 0 if ev is None else ev.get("c", 0)
                 if ev is None:
                     yield ": keep-alive\n\n"      # also how a closed connection is noticed
-                elif ev["t"] == "tok" and ev["p"] <= len(attempt):   # p == 0: a new attempt; beyond: a gap
-                    attempt = attempt[:ev["p"]] + ev["d"]
-                    if not attempt.startswith(sent):
-                        if not sent.startswith(attempt):
+                elif ev["t"] == "tok" and ev["p"] <= len(attempt.get(c, "")):   # p == 0: a new attempt; beyond: a gap
+                    attempt[c] = attempt.get(c, "")[:ev["p"]] + ev["d"]
+                    had = sent.get(c, "")
+                    if not attempt[c].startswith(had):
+                        if not had.startswith(attempt[c]):
                             raise _restarted(waiter.job_id)
                         piece = ""                     # a rerun replaying what the client has
                     else:
-                        piece = attempt[len(sent):]
-                    entries, at = ev.get("l") or [], ev.get("i", 0)
-                    entries = entries[sent_lps - at:] if fmt.want_logprobs and at <= sent_lps < at + len(entries) \
-                        else []
+                        piece = attempt[c][len(had):]
+                    entries, at, got = ev.get("l") or [], ev.get("i", 0), sent_lps.get(c, 0)
+                    entries = entries[got - at:] if fmt.want_logprobs and at <= got < at + len(entries) else []
                     if piece or entries:
                         waiter.marks.setdefault("write", time.time())
-                        sent += piece
-                        sent_lps += len(entries)
-                        yield fmt.chunk(piece, entries=entries)
+                        sent[c] = had + piece
+                        sent_lps[c] = got + len(entries)
+                        yield fmt.chunk(piece, entries=entries, index=c)
                 ev = waiter.next_event(keepalive=True)
             job = waiter.finish()
-            output = job.output or ""
+            every = choices.of_job(job) if job.status == JobStatus.completed else []
             if job.status != JobStatus.completed:
                 yield _error_event(_job_error(job))
-            elif not output.startswith(sent):
+            elif not all((o["text"] or "").startswith(sent.get(c, "")) for c, o in enumerate(every)):
                 yield _error_event(_restarted(job.id))
             else:
-                rest = output[len(sent):]
-                rest_lps = (job.logprobs or [])[sent_lps:] if fmt.want_logprobs else []
-                if rest or rest_lps:
-                    yield fmt.chunk(rest, entries=rest_lps)
-                yield from fmt.tool_chunks()
                 usage = _usage(job)
-                yield fmt.chunk(finish_reason=fmt.finish_reason(job.finish_reason),
-                                usage=None if fmt.include_usage else usage)
+                for c, o in enumerate(every):
+                    rest = (o["text"] or "")[len(sent.get(c, "")):]
+                    rest_lps = (o["logprobs"] or [])[sent_lps.get(c, 0):] if fmt.want_logprobs else []
+                    if rest or rest_lps:
+                        yield fmt.chunk(rest, entries=rest_lps, index=c)
+                    yield from fmt.tool_chunks(c)
+                    last = c == len(every) - 1
+                    yield fmt.chunk(finish_reason=fmt.finish_reason(o["finish_reason"], c), index=c,
+                                    usage=usage if last and not fmt.include_usage else None)
                 if fmt.include_usage:
                     yield fmt.usage_chunk(usage)
         except APIError as err:          # restarted, ledger unavailable, timed out: the job id is in the message

@@ -108,7 +108,7 @@ def test_every_route_answers_as_documented(app):
 
 ACCEPTED = [
     ("/v1/jobs", {"prompt": [1, 2], "max_tokens": 1, "temperature": 0, "top_p": 1, "stop": ["a"],
-                  "stop_token_ids": [2], "n": 1, "seed": -5, "logprobs": 0, "user": "u", "sla_class": "batch"}),
+                  "stop_token_ids": [2], "n": 2, "best_of": 3, "seed": -5, "logprobs": 0, "user": "u", "sla_class": "batch"}),
     ("/v1/jobs", {"messages": [{"role": "system", "content": [{"type": "text", "text": "s"}]},
                                {"role": "user", "content": "x", "name": "n"}], "top_logprobs": 2,
                   "max_completion_tokens": 3, "stream": False, "metadata": None}),
@@ -118,8 +118,8 @@ ACCEPTED = [
 REJECTED = [
     ("/v1/jobs", {}), ("/v1/jobs", {"prompt": "x", "messages": []}), ("/v1/jobs", {"prompt": "x", "bogus": 1}),
     ("/v1/jobs", {"prompt": "x", "max_tokens": 0}), ("/v1/jobs", {"prompt": "x", "max_tokens": 1.5}),
-    ("/v1/jobs", {"prompt": "x", "top_p": 0}), ("/v1/jobs", {"prompt": "x", "n": 2}),
-    ("/v1/jobs", {"prompt": "x", "stream": True}), ("/v1/jobs", {"prompt": "x", "echo": True}),
+    ("/v1/jobs", {"prompt": "x", "top_p": 0}), ("/v1/jobs", {"prompt": "x", "n": 17}),
+    ("/v1/jobs", {"prompt": "x", "stream": True}), ("/v1/jobs", {"prompt": "x", "echo": 1}),
     ("/v1/jobs", {"prompt": [-1]}), ("/v1/jobs", {"prompt": "x", "stop": [""]}),
     ("/v1/jobs", {"prompt": "x", "metadata": {"k": 1}}), ("/v1/jobs", {"prompt": "x", "sla_class": "gold"}),
     ("/v1/jobs", {"messages": [{"role": "robot", "content": "x"}]}),

@@ -58,7 +58,7 @@ BAD_BODIES = [
     json.dumps({"prompt": "x", "max_tokens": True}).encode(), json.dumps({"prompt": "x", "temperature": -1}).encode(),
     b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}',
     json.dumps({"prompt": "x", "top_p": 0}).encode(), json.dumps({"prompt": "x", "stop": [1]}).encode(),
-    json.dumps({"prompt": "x", "stop": ["a"] * 17}).encode(), json.dumps({"prompt": "x", "n": 2}).encode(),
+    json.dumps({"prompt": "x", "stop": ["a"] * 17}).encode(), json.dumps({"prompt": "x", "n": 17}).encode(),
     json.dumps({"prompt": "x", "stream": True}).encode(), json.dumps({"prompt": "x", "sla_class": "gold"}).encode(),
     json.dumps({"prompt": "x", "deadline": "tomorrow"}).encode(), json.dumps({"prompt": "x", "deadline": 1}).encode(),
     json.dumps({"prompt": "x", "deadline": 1e300}).encode(), json.dumps({"prompt": "x", "metadata": [1]}).encode(),

@@ -290,7 +290,7 @@ class LLMEngine:
             finished_time=time.time() if finished else None, index=seq.index,
             outputs=self._outputs(request) if finished else [],
             generated_tokens=sum(c.seq.num_output_tokens for c in request.choices),
-            prompt_logprobs=request.prompt_logprobs if finished else None)
+            prompt_logprobs=request.prompt_logprobs)
         if request.on_token is not None:
             request.on_token(out)
         return out
