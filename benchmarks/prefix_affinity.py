@@ -177,16 +177,23 @@ def scenario(name: str, run: Run, app, key: str, lines: bytes, n: int, workers: 
         by_worker = dict(s.execute(select(Job.worker, func.count()).where(Job.batch_id == b["id"])
                                    .group_by(Job.worker)).all())
         prompt_tokens = s.scalar(select(func.sum(Job.prompt_tokens)).where(Job.batch_id == b["id"]))
+        spread: dict[str, set] = {}      # group -> the workers its lines ran on
+        for custom_id, worker in s.execute(select(Job.custom_id, Job.worker).where(Job.batch_id == b["id"])):
+            spread.setdefault(custom_id.split("-")[0], set()).add(worker)
     router = app.extensions["tidepool.dispatcher"].router
     routed = dict(router.counts) if router is not None and affinity else {}
     if router is not None:
         router.counts = {k: 0 for k in router.counts}
     run.stop()
+    worker_hit_rate = {w: round(bt["engine"]["prefix_cache_hits"] / bt["engine"]["prefix_cache_queries"], 3)
+                       if bt["engine"]["prefix_cache_queries"] else 0.0 for w, bt in beats.items()}
     out = {"name": name, "seconds": elapsed, "lines_s": n / elapsed, "prompt_tokens_s": prompt_tokens / elapsed,
            "hit_rate": hits / queries if queries else 0.0, "hits": hits, "queries": queries,
-           "by_worker": by_worker, "routed": routed}
+           "by_worker": by_worker, "worker_hit_rate": worker_hit_rate, "routed": routed,
+           "workers_per_group": sorted(len(v) for v in spread.values())}
     print(f"{name:12s} {elapsed:7.1f}s  {out['lines_s']:6.2f} lines/s  hit rate {out['hit_rate']:.3f} "
-          f"({hits}/{queries} prompt tokens)  by worker {by_worker}  {routed}", flush=True)
+          f"({hits}/{queries} prompt tokens)  by worker {by_worker}  hit rate by worker {worker_hit_rate}  "
+          f"workers per group {out['workers_per_group']}  {routed}", flush=True)
     return out
 
 
@@ -217,6 +224,8 @@ def main():
     if model == "tiny":
         from workers.engine.tiny_model import make_tiny_model
         model = str(make_tiny_model(str(tmp / "tiny"), seed=1))
+    else:      # the workers run in the temp folder
+        model = str(Path(model).resolve())
     port = free_port()
     rproc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
                               "127.0.0.1", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=tmp)
