@@ -1,16 +1,21 @@
-"""Several models in one worker process (issue #17): one engine per model, each stepping on its own thread, the
-shape `tidepool worker --models a,b` runs (workers/model_workers.py).
+"""Several models in one worker process (issue #17): one engine per model, stepped in turns by one DeviceStepper
+thread as `tidepool worker --models a,b` runs them (workers/model_workers.py, workers/device_stepper.py), or each
+on its own thread as before it (--stepping threads), or both, one after the other (the default: before/after).
 
   (a) model A alone, an offline batch              -> A tok/s
   (b) model B alone, the same batch                -> B tok/s
-  (c) both batches at once                         -> per-model tok/s; goal: sum >= 90% of the better of (a), (b)
+  (c) both batches at once, per stepping mode      -> per-model tok/s (its tokens over the time until its own last
+      request finished); goal: sum >= 90% of the better of (a), (b); and both batches' tokens over the wall time
   (d) warm load of B (engine construction: weights + KV pool), first and second time -> seconds
-  (e) A realtime requests alone, then while B runs its batch -> A TTFT p50/p99 (goal: p99 (e) <= 1.5x alone)
+  (e) A realtime requests alone, then while B runs its batch (per stepping mode) -> A TTFT p50/p99
+      (goal: p99 with B busy <= 1.5x alone)
 
-Model B is by default a random-weight Qwen2-architecture model of another shape, written to a temp folder.
+Model B is by default a random-weight Qwen2-architecture model of another shape, written to a temp folder;
+`--model-b models/smollm2-135m` (A's own folder, a second engine of it) measures two models of one size.
 The last line is JSON, for scripts. Run it under `flock /tmp/tidepool-bench.lock`.
 
-    python benchmarks/multi_model.py [--model-a models/smollm2-135m] [--model-b DIR] [--requests 32] [--tokens 64]
+    python benchmarks/multi_model.py [--model-a models/smollm2-135m] [--model-b DIR] [--requests 32]
+                                     [--tokens 64] [--stepping threads,shared]
 """
 import argparse
 import json
@@ -29,27 +34,36 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
-class Stepper:
-    """An engine stepped on its own thread until stopped (as a Worker's engine thread does)."""
+class Stepping:
+    """The engines stepped until closed: "threads", each on its own thread (a Worker's engine loop without a
+    stepper); "shared", in turns by one DeviceStepper (each engine's thread only waits for work, as in
+    `tidepool worker --models a,b`)."""
 
-    def __init__(self, engine):
-        self.engine, self.stop = engine, threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+    def __init__(self, engines: dict, mode: str):
+        from workers.device_stepper import DeviceStepper
+        self.stop, self.stepper = threading.Event(), DeviceStepper()
+        target = self._shared if mode == "shared" else self._own
+        self.threads = [threading.Thread(target=target, args=(name, e), daemon=True) for name, e in engines.items()]
+        for t in self.threads:
+            t.start()
 
-    def _run(self):
+    def _own(self, name, engine):
         while not self.stop.is_set():
-            if not self.engine.wait_for_work(0.05):
+            if not engine.wait_for_work(0.05):
                 continue
-            self.engine.step()
+            engine.step()
+
+    def _shared(self, name, engine):
+        self.stepper.serve(name, engine, engine.step, self.stop)
 
     def close(self):
         self.stop.set()
-        self.thread.join(10)
+        for t in self.threads:
+            t.join(10)
 
 
 def _batch(engine, tag: str, n: int, tokens: int, prompt_len: int, rng) -> threading.Event:
-    """Queue n offline requests; the event is set when all have finished."""
+    """Queue n offline requests; the event is set when all have finished, its `at` the perf_counter() then."""
     from workers.engine import SamplingParams
     done, left = threading.Event(), [n]
     lock = threading.Lock()
@@ -60,6 +74,7 @@ def _batch(engine, tag: str, n: int, tokens: int, prompt_len: int, rng) -> threa
             with lock:
                 left[0] -= 1
                 if not left[0]:
+                    done.at = time.perf_counter()
                     done.set()
     for i in range(n):
         engine.add_request(f"{tag}-{i}", [rng.randrange(3, vocab) for _ in range(prompt_len)],
@@ -68,25 +83,25 @@ def _batch(engine, tag: str, n: int, tokens: int, prompt_len: int, rng) -> threa
     return done
 
 
-def _offline(engines: dict, args, rng) -> dict:
-    steppers = {name: Stepper(e) for name, e in engines.items()}
+def _offline(engines: dict, args, rng, mode: str = "shared") -> dict:
+    stepping = Stepping(engines, mode)
     start = time.perf_counter()
     events = {name: _batch(e, f"off-{name}-{time.time_ns()}", args.requests, args.tokens, args.prompt_len, rng)
               for name, e in engines.items()}
     ends = {}
     for name, ev in events.items():
         ev.wait()
-        ends[name] = time.perf_counter()
+        ends[name] = ev.at     # when its last request finished (not when this loop got to it)
     wall = max(ends.values()) - start
-    for s in steppers.values():
-        s.close()
-    return {name: args.requests * args.tokens / (ends[name] - start) for name in engines} | {"wall_s": wall}
+    stepping.close()
+    return {name: args.requests * args.tokens / (ends[name] - start) for name in engines} | {
+        "wall_s": wall, "total_tok_s": len(engines) * args.requests * args.tokens / wall}
 
 
-def _ttft(engine, args, rng, busy=None) -> list[float]:
+def _ttft(engine, args, rng, busy=None, mode: str = "shared") -> list[float]:
     """Realtime probes on engine, one every --rt-interval seconds; busy (another engine) runs its batch meanwhile."""
     from workers.engine import SamplingParams
-    steppers = [Stepper(engine)] + ([Stepper(busy)] if busy is not None else [])
+    stepping = Stepping({"a": engine} | ({"b": busy} if busy is not None else {}), mode)
     if busy is not None:
         _batch(busy, f"bg-{time.time_ns()}", args.requests * 4, args.tokens, args.prompt_len, rng)
         time.sleep(0.5)
@@ -106,8 +121,7 @@ def _ttft(engine, args, rng, busy=None) -> list[float]:
     end = time.monotonic() + 60
     while len(firsts) < args.rt_requests and time.monotonic() < end:
         time.sleep(0.01)
-    for s in steppers:
-        s.close()
+    stepping.close()
     if busy is not None:     # drop the rest of the background batch
         for rid in list(busy.requests):
             busy.abort(rid)
@@ -127,7 +141,13 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--rt-requests", type=int, default=20)
     ap.add_argument("--rt-interval", type=float, default=0.25)
+    ap.add_argument("--stepping", default="threads,shared",
+                    help="how the two engines share the device in (c) and (e), comma-separated: threads (each on its "
+                    "own thread, as before DeviceStepper), shared (DeviceStepper turns, as the worker runs them)")
     args = ap.parse_args()
+    modes = [m.strip() for m in args.stepping.split(",") if m.strip()]
+    if not modes or set(modes) - {"threads", "shared"}:
+        ap.error("--stepping: threads and/or shared")
 
     from workers.engine import EngineConfig, LLMEngine
     model_b = args.model_b
@@ -146,21 +166,28 @@ def main() -> int:
         loads.append(time.perf_counter() - t0)
     alone_a = _offline({"a": a}, args, rng)["a"]
     alone_b = _offline({"b": b}, args, rng)["b"]
-    both = _offline({"a": a, "b": b}, args, rng)
     ttft_alone = _ttft(a, args, rng)
-    ttft_busy = _ttft(a, args, rng, busy=b)
     better = max(alone_a, alone_b)
-    out = {"a_alone_tok_s": alone_a, "b_alone_tok_s": alone_b, "a_with_b_tok_s": both["a"], "b_with_a_tok_s": both["b"],
-           "sum_over_better_single": (both["a"] + both["b"]) / better, "b_load_s": loads,
-           "a_rt_ttft_ms_alone": {"p50": _pct(ttft_alone, 0.5), "p99": _pct(ttft_alone, 0.99)},
-           "a_rt_ttft_ms_with_b_batch": {"p50": _pct(ttft_busy, 0.5), "p99": _pct(ttft_busy, 0.99)}}
-    print(f"(a) A alone {alone_a:.1f} tok/s   (b) B alone {alone_b:.1f} tok/s")
-    print(f"(c) together: A {both['a']:.1f} + B {both['b']:.1f} = {both['a'] + both['b']:.1f} tok/s "
-          f"= {out['sum_over_better_single']:.2f}x the better single (goal >= 0.90)")
-    print(f"(d) B load: {loads[0]:.2f} s first, {loads[1]:.2f} s again")
-    p99a, p99b = out["a_rt_ttft_ms_alone"]["p99"], out["a_rt_ttft_ms_with_b_batch"]["p99"]
-    print(f"(e) A realtime TTFT p99: {p99a:.0f} ms alone, {p99b:.0f} ms while B runs a batch "
-          f"({p99b / p99a:.2f}x; goal <= 1.5x)")
+    out = {"a_alone_tok_s": alone_a, "b_alone_tok_s": alone_b, "b_load_s": loads,
+           "a_rt_ttft_ms_alone": {"p50": _pct(ttft_alone, 0.5), "p99": _pct(ttft_alone, 0.99)}}
+    print(f"(a) A alone {alone_a:.1f} tok/s   (b) B alone {alone_b:.1f} tok/s", flush=True)
+    print(f"(d) B load: {loads[0]:.2f} s first, {loads[1]:.2f} s again", flush=True)
+    p99a = out["a_rt_ttft_ms_alone"]["p99"]
+    print(f"(e) A realtime TTFT alone: p50 {out['a_rt_ttft_ms_alone']['p50']:.0f} ms, p99 {p99a:.0f} ms", flush=True)
+    for mode in modes:
+        both = _offline({"a": a, "b": b}, args, rng, mode)
+        ttft_busy = _ttft(a, args, rng, busy=b, mode=mode)
+        res = {"a_with_b_tok_s": both["a"], "b_with_a_tok_s": both["b"],
+               "sum_over_better_single": (both["a"] + both["b"]) / better, "wall_s": both["wall_s"],
+               "total_tok_s": both["total_tok_s"],
+               "a_rt_ttft_ms_with_b_batch": {"p50": _pct(ttft_busy, 0.5), "p99": _pct(ttft_busy, 0.99)}}
+        out[mode] = res
+        print(f"[{mode}] (c) together: A {both['a']:.1f} + B {both['b']:.1f} = {both['a'] + both['b']:.1f} tok/s "
+              f"= {res['sum_over_better_single']:.2f}x the better single (goal >= 0.90); both batches' tokens "
+              f"over the wall time {both['total_tok_s']:.1f} tok/s", flush=True)
+        p50b, p99b = res["a_rt_ttft_ms_with_b_batch"]["p50"], res["a_rt_ttft_ms_with_b_batch"]["p99"]
+        print(f"[{mode}] (e) A realtime TTFT while B runs a batch: p50 {p50b:.0f} ms, p99 {p99b:.0f} ms "
+              f"({p99b / p99a:.2f}x alone; goal <= 1.5x)", flush=True)
     print(json.dumps(out))
     return 0
 

@@ -1,6 +1,7 @@
 """The worker's engine thread: it only steps the engine and hands finished requests to the intake thread
 (Worker.finish_done writes them). Reads and writes on the Worker: engine, metrics, inflight, _done, _wake,
-_stop, _step_at, _error."""
+_stop, _step_at, _error; stepper,
+when the process's engines share the device in turns (workers/device_stepper.py)."""
 import logging
 import threading
 import time
@@ -11,6 +12,10 @@ log = logging.getLogger("workers.worker")
 
 
 class EngineThread:
+    # A DeviceStepper (workers/device_stepper.py) shared with the process's other engines steps this one in turns
+    # with them (`tidepool worker --models a,b`, ModelHost sets it); None: this thread steps the engine itself.
+    stepper = None
+
     def _warm_grammars(self) -> None:
         try:
             self.engine.structured.warm()
@@ -19,6 +24,9 @@ class EngineThread:
 
     def _engine_loop(self) -> None:
         threading.Thread(target=self._warm_grammars, name=f"{self.cfg.name}-grammars", daemon=True).start()
+        if self.stepper is not None:
+            self.stepper.serve(self.cfg.name, self.engine, self.engine_step, self._stop, self._engine_failed)
+            return
         try:
             while not self._stop.is_set():
                 if not self.engine.has_unfinished():
@@ -29,6 +37,11 @@ class EngineThread:
             log.exception("worker %s: engine loop failed", self.cfg.name)
             self._error = exc
             self._stop.set()
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        self._error = exc
+        self._stop.set()
+        self._wake.set()
 
     def engine_step(self) -> None:
         """One engine step: finished requests are observed and queued for finish_done (the engine thread's loop;

@@ -2,8 +2,10 @@
 
 Each model gets its own Worker (its own engine, on a thread of this process) consuming that model's queues
 (service/dispatch.py queue_name: the bare class queues for the deployment's default model, `<class>@<model>`
-for any other). Hot models are loaded at start and kept; warm ones load when their queues hold work and cold ones
-after `tidepool models warm NAME`, unloaded least recently busy first to fit --memory-budget-mb (ModelHost)."""
+for any other); one DeviceStepper thread steps their engines in turns, the most urgent SLA class first
+(workers/device_stepper.py). Hot models are loaded at start and kept; warm ones load when their queues hold work
+and cold ones after `tidepool models warm NAME`, unloaded least recently busy first to fit --memory-budget-mb
+(ModelHost)."""
 import json
 import logging
 import signal
@@ -172,7 +174,8 @@ class ModelHost:
     `tidepool models warm NAME`; to fit the budget (the weights of the loaded models) the least recently busy
     warm or cold model with nothing in flight is unloaded first, never one that is running jobs (its queued
     work waits in the broker, so nothing is lost or run twice). Each load and unload is logged with its
-    duration and exported as tidepool:model_loaded{model} and tidepool:model_load_seconds{model}."""
+    duration and exported as tidepool:model_loaded{model} and tidepool:model_load_seconds{model}. The loaded
+    models' engines take turns on the device through one DeviceStepper (fair use, issue 17 point 4)."""
 
     def __init__(self, models: list[tuple[str, str, object]], redis_client, budget_bytes: int | None,
                  make_worker=None, registry=None):
@@ -192,6 +195,10 @@ class ModelHost:
             self.loaded_gauge.labels(name).set(0)
         self.events: list[tuple[str, str]] = []       # ("load" | "unload", model), in order
         self.metrics_port: int | None = None
+        # One thread steps every loaded model's engine in turns (workers/device_stepper.py): the most urgent SLA
+        # class of any model first, round robin among equals, never two engines fighting for the device at once.
+        from workers.device_stepper import DeviceStepper
+        self.stepper = DeviceStepper()
 
     @staticmethod
     def _make_worker(cfg):
@@ -222,6 +229,7 @@ class ModelHost:
         cfg = self.models[name]["cfg"]
         started = time.perf_counter()
         worker = self.make_worker(cfg)
+        worker.stepper = self.stepper
         thread = threading.Thread(target=worker.run, name=cfg.name, daemon=True)
         thread.start()
         seconds = time.perf_counter() - started
