@@ -8,7 +8,10 @@
 // Two implementations of the same contract:
 //  * attend16 (AVX-512 builds, head_dim a multiple of 16; the engine's case): 16-position tiles, each K/V row read
 //    once for all the query heads of its GQA group, dot products reduced 16 at a time by vertical adds, a running
-//    (online) softmax across tiles, so K and V are read once each and interleaved, with no score buffer.
+//    (online) softmax across tiles, so K and V are read once each and interleaved, with no score buffer. With a
+//    bf16 cache on a CPU with AVX512-BF16 (and head_dim a multiple of 32), q.k and p.V are vdpbf16ps on the cache
+//    rows as they are (V's positions interleaved in pairs once per tile, p rounded to bf16 as the reference's
+//    softmax(...).to(v.dtype) does), instead of widening each row to fp32 first.
 //  * attend (every other build and head_dim): scores q.k block by block, an exact softmax, then the weighted sum
 //    of the V rows, eight lanes at a time.
 //
@@ -278,6 +281,67 @@ inline __m512 reduce16(const __m512* v) {
 
 constexpr int kTile = 16;
 
+// bf16 caches on CPUs with AVX512-BF16: q . k by vdpbf16ps on the cache rows as they are (products of two bf16 are
+// exact in fp32, so only the order of the fp32 sums differs from widening first); needs head_dim % 32 == 0
+#if defined(__AVX512BF16__)
+template <typename T>
+constexpr bool kBf16Dot = std::is_same_v<T, c10::BFloat16>;
+inline __m512bh load32bh(const c10::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+#else
+template <typename T>
+constexpr bool kBf16Dot = false;
+#endif
+
+// Where element d (< 32) of a V row lands in the accumulator of accumulate_pairs: unpacklo/hi_epi16 interleave
+// 128-bit lanes, so the low half holds d = 8L + i and the high half d = 8L + 4 + i (L < 4, i < 4) at lane 4L + i.
+inline int64_t pair_lane(int64_t d) { return (d % 8 < 4 ? 0 : 16) + 4 * (d / 8) + d % 4; }
+
+#if defined(__AVX512BF16__)
+// The tile's n V rows (span bf16 each) as position pairs (2i, 2i + 1): per 32 elements of a row, 64 bf16 (low and
+// high unpack halves) alternating the two rows' elements, so one vdpbf16ps adds p_2i v_2i + p_2i+1 v_2i+1 per lane.
+// An odd last row is paired with zeros, not with whatever the next slot holds.
+inline void interleave_pairs(const c10::BFloat16* const* rows, int n, int64_t span, uint16_t* out) {
+  for (int i = 0; 2 * i < n; ++i) {
+    const c10::BFloat16* a = rows[2 * i];
+    const c10::BFloat16* b = 2 * i + 1 < n ? rows[2 * i + 1] : nullptr;
+    uint16_t* o = out + i * 2 * span;
+    for (int64_t c = 0; c < span / 32; ++c) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * c);
+      const __m512i vb = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(o + 64 * c, _mm512_unpacklo_epi16(va, vb));
+      _mm512_storeu_si512(o + 64 * c + 32, _mm512_unpackhi_epi16(va, vb));
+    }
+  }
+}
+
+// acc (chunks of 32 floats in pair_lane order) = acc * alpha + sum_t p_t v_t over the tile's n positions, from the
+// pairs of interleave_pairs (`stride` bf16 apart; `pairs` already offset to this row's KV head), nc32 chunks.
+inline void accumulate_pairs(__m512 p, int n, const uint16_t* pairs, int64_t stride, int64_t nc32, __m512 alpha,
+                             float* acc) {
+  alignas(64) uint32_t pp[kTile / 2];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
+  __m512 lo[8], hi[8];    // nc32 <= 8 (head_dim <= 256)
+  for (int64_t c = 0; c < nc32; ++c) {
+    lo[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 32 * c), alpha);
+    hi[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 32 * c + 16), alpha);
+  }
+  for (int i = 0; 2 * i < n; ++i) {
+    const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i]));
+    const uint16_t* v = pairs + i * stride;
+    for (int64_t c = 0; c < nc32; ++c) {
+      lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_loadu_si512(v + 64 * c), pv);
+      hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_loadu_si512(v + 64 * c + 32), pv);
+    }
+  }
+  for (int64_t c = 0; c < nc32; ++c) {
+    _mm512_storeu_ps(acc + 32 * c, lo[c]);
+    _mm512_storeu_ps(acc + 32 * c + 16, hi[c]);
+  }
+}
+#endif
+
 // floats of per-thread scratch attend16 needs
 inline int64_t scratch_floats(const Shape& s, int64_t heads) {
   return heads * (2 * s.group * s.dim + 2 * kTile * s.dim + 2 * s.group);
@@ -326,6 +390,10 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
 
   const float* kr[kTile];     // this tile's rows, heads h0..h1 side by side (dim floats apart)
   const float* vr[kTile];
+  [[maybe_unused]] const T* kb[kTile];     // the same K and V rows in the cache, when bf16_dot
+  [[maybe_unused]] const T* vb[kTile];
+  const bool bf16_dot = kBf16Dot<T> && nc % 2 == 0;
+  [[maybe_unused]] uint16_t* vpair = reinterpret_cast<uint16_t*>(vf);   // bf16_dot: the tile's V rows in pairs
   int64_t cur[kTile], nxt[kTile];
   tile_offsets(0, cur);
   for (int64_t p0 = 0; p0 < ctx; p0 += kTile) {
@@ -345,14 +413,24 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
         kr[t] = k_cache + off;
         vr[t] = v_cache + off;
       } else {
-        for (int64_t c = 0; c < span / 16; ++c) {
-          _mm512_storeu_ps(kf + t * span + 16 * c, load16(k_cache + off + 16 * c));
-          _mm512_storeu_ps(vf + t * span + 16 * c, load16(v_cache + off + 16 * c));
+        if (bf16_dot) {
+          kb[t] = k_cache + off;      // K and V rows used as they are by vdpbf16ps: not widened
+          vb[t] = v_cache + off;
+        } else {
+          for (int64_t c = 0; c < span / 16; ++c) {
+            _mm512_storeu_ps(kf + t * span + 16 * c, load16(k_cache + off + 16 * c));
+            _mm512_storeu_ps(vf + t * span + 16 * c, load16(v_cache + off + 16 * c));
+          }
+          kr[t] = kf + t * span;
+          vr[t] = vf + t * span;
         }
-        kr[t] = kf + t * span;
-        vr[t] = vf + t * span;
       }
     }
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16Dot<T>) {
+      if (bf16_dot) interleave_pairs(vb, n, span, vpair);
+    }
+#endif
     std::copy(nxt, nxt + kTile, cur);
     const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
     for (int64_t r = 0; r < rows; ++r) {
@@ -360,7 +438,24 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
       __m512 qv[kMaxNC];
       for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_loadu_ps(qf + r * dim + 16 * c);
       __m512 dots[kTile];
-      for (int t = 0; t < n; ++t) {
+      bool dotted = false;
+#if defined(__AVX512BF16__)
+      if constexpr (kBf16Dot<T>) {
+        if (bf16_dot) {   // q . k straight from the bf16 rows: each lane sums two exact products in fp32 (vdpbf16ps)
+          __m512bh qb[(kMaxNC + 1) / 2];
+          const T* qr = qh + r * dim;
+          for (int64_t c = 0; c < nc / 2; ++c) qb[c] = load32bh(qr + 32 * c);
+          for (int t = 0; t < n; ++t) {
+            const T* kt = kb[t] + hd;
+            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], load32bh(kt));
+            for (int64_t c = 1; c < nc / 2; ++c) a = _mm512_dpbf16_ps(a, qb[c], load32bh(kt + 32 * c));
+            dots[t] = a;
+          }
+          dotted = true;
+        }
+      }
+#endif
+      for (int t = 0; t < n && !dotted; ++t) {
         const float* kt = kr[t] + hd;
         __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
         for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
@@ -378,6 +473,14 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
       _mm512_store_ps(pt, p);
       float* ar = acc + r * dim;
       const __m512 al = _mm512_set1_ps(alpha);
+#if defined(__AVX512BF16__)
+      if constexpr (kBf16Dot<T>) {
+        if (bf16_dot) {   // acc += p . V by vdpbf16ps over position pairs, p rounded to bf16 (as the reference does)
+          accumulate_pairs(p, n, vpair + 2 * hd, 2 * span, nc / 2, al, ar);
+          continue;
+        }
+      }
+#endif
       __m512 a0[kMaxNC], a1[kMaxNC];      // even and odd positions: two independent FMA chains
       for (int64_t c = 0; c < nc; ++c) {
         a0[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), al);
@@ -403,7 +506,11 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.0f / den[r];
-    for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<T>(acc[r * dim + i] * inv);
+    if (bf16_dot) {     // acc rows in pair order: element d of each 32 at pair_lane(d)
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<T>(acc[r * dim + i / 32 * 32 + pair_lane(i % 32)] * inv);
+    } else {
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<T>(acc[r * dim + i] * inv);
+    }
   }
 }
 

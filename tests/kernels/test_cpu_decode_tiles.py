@@ -104,3 +104,19 @@ def test_per_sequence_and_per_kv_head_items_agree(op, dtype):
         torch.set_num_threads(threads)
     ref = paged_decode_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, 0.125)
     assert (whole.float() - ref).abs().max().item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("head_dim", [48, 64, 80, 96, 160])
+def test_bf16_pair_dot_and_widened_paths(op, head_dim):
+    """bf16 caches on AVX512-BF16 CPUs take vdpbf16ps straight on the cache rows (q.k, and p.V over position pairs
+    with p rounded to bf16, as the reference rounds it) where head_dim % 32 == 0, and widen rows to fp32 otherwise:
+    both against the reference, with odd tile tails (an odd last position is paired with zeros, never with the NaN
+    of the slot after it)."""
+    rng = random.Random(head_dim + 1)
+    q, k_cache, v_cache, tables, lens = paged(rng, [1, 15, 17, 33, 100, 257], 2, 3, head_dim, 16, torch.bfloat16,
+                                              ramp=10.0 / head_dim ** 0.5)
+    scale = head_dim ** -0.5
+    out = op(q, k_cache, v_cache, tables, lens, scale)
+    assert torch.isfinite(out).all(), "a NaN from an unowned slot leaked"
+    ref = paged_decode_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    assert (out.float() - ref).abs().max().item() <= TOL[torch.bfloat16]
