@@ -59,7 +59,7 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     cfg = WorkerConfig(model=args.model, database_url=url, device=args.device, name=f"bench-{name}",
                        low_water=args.low_water, engine=engine_kw)
     worker = Worker(cfg)
-    steps = _time_steps(worker.engine)
+    steps, firsts = _time_steps(worker.engine)
     load = [os.getloadavg()[0]]
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -76,10 +76,12 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     warm = submit("interactive", "warm up", 4)
     _wait(app, [warm])
     offline_ids, rt_ids = [], []
-    t0 = time.time()
     if offline:
         offline_ids = [submit("batch", f"Document {i}: summarise the following text.", args.offline_tokens)
                        for i in range(args.offline)]
+    # The realtime clock starts once the batch is in (submitting it takes this process a second or two): from
+    # t0 realtime arrives at its steady rate, not as a catch-up burst of requests all due while it was submitted.
+    t0 = time.time()
     if realtime:
         duration = args.rt_duration
         n = int(duration * args.rt_rate)
@@ -95,14 +97,29 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     thread.join(30)
     load.append(os.getloadavg()[0])
     out = {"name": name, "load": load, **_step_summary(steps), "cost_model": stats.get("cost_model")}
+    if args.steps_out:
+        with open(args.steps_out, "a") as f:
+            for i in rt_ids:
+                j = rows[i]
+                f.write(json.dumps({"scenario": name, "job": i, "queued": (j.queued_at - rows[rt_ids[0]].queued_at)
+                                    .total_seconds(), "ttft": (j.first_token_at - j.queued_at).total_seconds(),
+                                    "engine_ttft": firsts.get(i)}) + "\n")
+            for t, n, b, p, seqs, sampled, att in steps:
+                f.write(json.dumps({"scenario": name, "s": t, "tokens": n, "bound": b, "predicted": p,
+                                    "seqs": seqs, "sampled": sampled, "attended": att}) + "\n")
     if rt_ids:
         rt = [rows[i] for i in rt_ids]
         ttft = [(j.first_token_at - j.queued_at).total_seconds() * 1000 for j in rt]
         itl = [(j.finished_at - j.first_token_at).total_seconds() * 1000 / (j.completion_tokens - 1)
                for j in rt if j.completion_tokens > 1]
         claim = [(j.started_at - j.queued_at).total_seconds() * 1000 for j in rt]
+        # The engine's share of each TTFT (added to the engine -> first token) and the rest (queue, claim, add)
+        engine_ttft = [1000 * firsts[i] for i in rt_ids if i in firsts]
+        intake = [t - 1000 * firsts[i] for i, t in zip(rt_ids, ttft) if i in firsts]
         out.update(ttft_p50=_pct(ttft, 0.5), ttft_p99=_pct(ttft, 0.99), itl_p50=_pct(itl, 0.5),
-                   itl_p99=_pct(itl, 0.99), rt_n=len(rt_ids), claim_p50=_pct(claim, 0.5))
+                   itl_p99=_pct(itl, 0.99), rt_n=len(rt_ids), claim_p50=_pct(claim, 0.5), claim_p99=_pct(claim, 0.99),
+                   engine_ttft=(_pct(engine_ttft, 0.5), _pct(engine_ttft, 0.99)),
+                   intake_ttft=(_pct(intake, 0.5), _pct(intake, 0.99)))
     jobs = [rows[i] for i in offline_ids + rt_ids]
     span = (max(j.finished_at for j in jobs) - min(j.queued_at for j in jobs)).total_seconds()
     out["total_tok_s"] = sum(j.completion_tokens for j in jobs) / span
@@ -118,23 +135,32 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     return out
 
 
-def _time_steps(engine) -> list:
-    """Record (seconds, tokens, time bound) of every engine step the worker runs (the benchmark's own wrapper)."""
-    steps, step, schedule, batch = [], engine.step, engine.scheduler.schedule, [None]
+def _time_steps(engine) -> tuple[list, dict]:
+    """Record (seconds, tokens, time bound) of every engine step the worker runs (the benchmark's own wrapper),
+    and per job the seconds from its request's arrival in the engine to its first token."""
+    steps, step, schedule, batch, shape, firsts = [], engine.step, engine.scheduler.schedule, [None], [None], {}
 
     def scheduled():
-        batch[0] = schedule()
-        return batch[0]
+        b = batch[0] = schedule()
+        # the step's shape before it runs: sequences, those that sample a token, context attended
+        shape[0] = (len(b.seqs), sum(s.num_computed_tokens + n == s.num_tokens for s, n in
+                                     zip(b.seqs, b.num_new_tokens)), b.attended)
+        return b
 
     def timed():
         batch[0] = None
         t0 = time.perf_counter()
         outs = step()
         if batch[0]:
-            steps.append((time.perf_counter() - t0, batch[0].num_tokens, batch[0].time_limit_s))
+            steps.append((time.perf_counter() - t0, batch[0].num_tokens, batch[0].time_limit_s,
+                          batch[0].predicted_s, *shape[0]))
+        for out in outs:
+            job = out.request_id.rpartition("@")[0]
+            if out.first_token_time is not None and job not in firsts:
+                firsts[job] = out.first_token_time - out.arrival_time
         return outs
     engine.scheduler.schedule, engine.step = scheduled, timed
-    return steps
+    return steps, firsts
 
 
 def _step_summary(steps) -> dict:
@@ -142,12 +168,19 @@ def _step_summary(steps) -> dict:
     caused by stalls (steps far over what they carried) can be told from one caused by the budget."""
     out = {}
     for kind, keep in (("bounded", lambda b: b is not None), ("free", lambda b: b is None)):
-        ts = [t for t, n, b in steps if n and keep(b)]
-        toks = [n for t, n, b in steps if n and keep(b)]
+        ts = [t for t, n, b, *_ in steps if n and keep(b)]
+        toks = [n for t, n, b, *_ in steps if n and keep(b)]
         if ts:
             out[f"{kind}_steps"] = len(ts)
             out[f"{kind}_step_ms"] = (1000 * _pct(ts, 0.5), 1000 * _pct(ts, 0.99))
             out[f"{kind}_tokens_p50"] = _pct(toks, 0.5)
+    # Bounded steps against the cost model's prediction and their bound: a tail of steps far over their
+    # prediction is a stall or a misprediction, one of steps at their prediction is the bound itself.
+    bounded = [(t, b, p) for t, n, b, p, *_ in steps if n and b is not None and p > 0]
+    if bounded:
+        ratio = [t / p for t, b, p in bounded]
+        out["over_prediction"] = (_pct(ratio, 0.5), _pct(ratio, 0.99))
+        out["over_bound_share"] = sum(t > b for t, b, p in bounded) / len(bounded)
     return out
 
 
@@ -183,7 +216,7 @@ def _wait(app, ids, timeout=3600):
                 (JobStatus.queued, JobStatus.running))).limit(1))
         if left is None:
             return
-        time.sleep(0.05)
+        time.sleep(0.25)   # timings come from the ledger; polling only notices the end (and costs this process CPU)
     raise TimeoutError("jobs did not finish")
 
 
@@ -202,6 +235,7 @@ def main():
     p.add_argument("--rt-itl-ms", type=float, default=None, help="realtime itl target (default: engine config)")
     p.add_argument("--sched-seqs", type=int, default=256, help="sequences for the scheduler-share check (0: skip)")
     p.add_argument("--no-fcfs", action="store_true", help="skip scenario (d)")
+    p.add_argument("--steps-out", default=None, help="append every step (time, shape, bound, prediction) as JSON lines")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's, one a core)")
     p.add_argument("--switch-interval-ms", type=float, default=None,
                    help="Python's thread switch interval for this process (default: Python's, 5 ms)")
@@ -263,6 +297,16 @@ def main():
             f"{r[k + '_tokens_p50']} tok;" for k in ("bounded", "free") if k + "_steps" in r)
             + f" load {r['load'][0]:.1f}/{r['load'][1]:.1f}; cost {1000 * cm.get('fixed_s', 0):.1f}, "
             f"{1000 * cm.get('per_token_s', 0):.2f}, {1000 * cm.get('per_context_s', 0):.4f}")
+        if "over_prediction" in r:
+            print(f"{'':<20} bounded steps: actual / predicted {r['over_prediction'][0]:.2f}/"
+                  f"{r['over_prediction'][1]:.2f} (p50/p99), {r['over_bound_share']:.0%} over their bound")
+    print("\nrealtime TTFT split (ms p50/p99): queued -> in the engine (broker, claim, add) and in the engine -> "
+          "first token (the step under way, then the prompt's step)")
+    for r in rows:
+        if "engine_ttft" in r:
+            print(f"{r['name']:<20} intake {r['intake_ttft'][0]:.0f}/{r['intake_ttft'][1]:.0f}, engine "
+                  f"{r['engine_ttft'][0]:.0f}/{r['engine_ttft'][1]:.0f}; claim "
+                  f"{r['claim_p50']:.0f}/{r['claim_p99']:.0f}")
     print(f"\ngoals: ttft_p99_ratio <= 1.5, itl_p99_ratio <= 1.5, goodput_ratio >= 0.90, recomputed_share <= 0.02")
     result.update(model=args.model, device=args.device, offline=args.offline, rt_rate=args.rt_rate,
                   load=[round(x, 1) for r in rows[1:3] for x in r["load"]])

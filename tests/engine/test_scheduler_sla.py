@@ -15,16 +15,18 @@ from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
 # 10 ms a step, 1 ms a new token, no context cost: a 50 ms itl bound leaves room for 40 tokens.
 COST = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0)
 TARGETS = {"realtime": {"ttft_ms": 200.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 1000.0, "itl_ms": 100.0}}
+# ttft far above itl: without online work the idle cap (ttft - itl) is wider than any step here
+LOOSE = {"realtime": {"ttft_ms": 5000.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 5000.0, "itl_ms": 100.0}}
 
 
 class Sim:
     """schedule -> 'compute' -> append one fake token per finished context, like LLMEngine.step."""
 
     def __init__(self, num_blocks=200, block_size=4, max_num_seqs=8, budget=256, cost=COST, host_blocks=0,
-                 reserve_seats=0, reserve_blocks=0, policy="max_utilization"):
+                 reserve_seats=0, reserve_blocks=0, policy="max_utilization", targets=TARGETS):
         self.now = 0.0
         self.bm = BlockManager(num_blocks, block_size, num_host_blocks=host_blocks)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget, cost_model=cost, sla_targets=TARGETS,
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, cost_model=cost, sla_targets=targets,
                                reserve_seats=reserve_seats, reserve_blocks=reserve_blocks, capacity_policy=policy,
                                clock=lambda: self.now)
         self.n = 0
@@ -50,7 +52,7 @@ class Sim:
 
 
 def test_step_budget_shrinks_while_realtime_is_active_and_returns_to_full_without_it():
-    sim = Sim(max_num_seqs=64, budget=256)
+    sim = Sim(max_num_seqs=64, budget=256, targets=LOOSE)
     for _ in range(60):
         sim.add(100, 50)
     full = sim.step()
@@ -64,6 +66,39 @@ def test_step_budget_shrinks_while_realtime_is_active_and_returns_to_full_withou
         assert sim.step().predicted_s <= 0.050 + 1e-9
     after = sim.step()
     assert after.time_limit_s is None and after.num_tokens > 40
+
+
+def test_without_online_work_a_step_leaves_a_new_arrival_its_ttft():
+    """Offline alone, a prefill wave is chunked so that a realtime prompt arriving mid-step (it waits for the
+    step, then gets one of its own, <= itl) can still meet its ttft: steps stay within ttft - itl (150 ms)."""
+    sim = Sim(max_num_seqs=64, budget=256)
+    for _ in range(60):
+        sim.add(100, 50)
+    wave = sim.step()
+    assert wave.time_limit_s is None and wave.idle_limit_s == 0.150
+    assert wave.predicted_s <= 0.150 + 1e-9 and wave.num_tokens == 140      # (150 - 10) ms at 1 ms a token
+    rt = sim.add(30, 2, "realtime")
+    batch = sim.step()
+    assert rt in batch.seqs and batch.time_limit_s == 0.050 and batch.idle_limit_s is None
+    # Small decode steps are left alone: the cap only cuts steps that would stall an arrival.
+    calm = Sim(max_num_seqs=8, budget=256)
+    for _ in range(8):
+        calm.add(4, 20)
+    calm.step()
+    assert calm.step().num_tokens == 8
+
+
+def test_the_idle_cap_never_stops_offline_work():
+    """A cap tighter than one step's fixed cost still lets every step carry a token, so offline work finishes."""
+    slow = SimpleNamespace(fixed=0.500, per_token=0.001, per_context=0.0)     # fixed cost alone > ttft - itl
+    sim = Sim(max_num_seqs=4, budget=64, cost=slow)
+    seqs = [sim.add(6, 3) for _ in range(3)]
+    for _ in range(40):
+        batch = sim.step()
+        if all(s.is_finished for s in seqs):
+            break
+        assert batch.num_tokens >= 1
+    assert all(s.is_finished for s in seqs)
 
 
 def test_interactive_work_bounds_steps_by_its_own_target():
@@ -210,6 +245,9 @@ def test_block_seat_and_budget_invariants_with_suspension_and_swap(reqs, num_blo
             assert abs(predicted - batch.predicted_s) < 1e-9
             if offline:
                 assert batch.predicted_s <= batch.time_limit_s + 1e-9
+        else:      # no online work: within the idle cap, or a single token (progress)
+            assert batch.idle_limit_s == 0.150
+            assert batch.predicted_s <= batch.idle_limit_s + 1e-9 or batch.num_tokens == 1
         if policy == "no_evict":
             assert not batch.preempted
         # Device blocks: each held block is referenced exactly by the tables that hold it.

@@ -7,7 +7,9 @@ sequences and max_num_batched_tokens tokens; a prompt that doesn't fit is prefil
 While online work (realtime, interactive) is running or waiting, a step is also bounded in time: the cost
 model predicts it, and offline tokens are trimmed so it stays within the tightest active `itl_ms`
 (stall-free batching, as in Sarathi-Serve). A waiting online prompt goes into the next step, chunked so its
-first token can still meet its `ttft_ms`. Without online work the token budget alone applies.
+first token can still meet its `ttft_ms`. Without online work the token budget applies, and a step is kept
+within the tightest `ttft_ms - itl_ms` of the online classes: an online prompt arriving while it runs waits for
+it, so an offline prefill wave must not stall it past its ttft (each such step still makes progress).
 
 Preemption keeps work where it can: a sequence displaced for a seat is suspended and keeps its blocks; one
 displaced for memory goes to the host pool when there is one with room (swap), else is recomputed. Victims:
@@ -42,7 +44,8 @@ class ScheduledBatch:
                                                                     # after swap_out and before swap_in
     attended: int = 0                      # context tokens the step's new tokens attend to
     predicted_s: float = 0.0               # the cost model's estimate of the step (0 without a model)
-    time_limit_s: float | None = None      # the itl bound it was built under; None: offline runs flat out
+    time_limit_s: float | None = None      # the itl bound it was built under; None: no online work here
+    idle_limit_s: float | None = None      # without online work: the cap that leaves a new arrival its ttft
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +81,10 @@ class Scheduler:
         self.served: dict[tuple[int, str], float] = defaultdict(float)   # (class rank, tenant) -> tokens / weight
         self.preemptions = dict.fromkeys(PREEMPTION_KINDS, 0)
         self.recomputed_tokens = 0             # computed tokens thrown away by recompute and computed again
+        # Without online work a step stays within what lets an online prompt arriving mid-step still meet its
+        # ttft: wait for this step, then one step (<= itl) of its own. None: no class has both targets.
+        idle = [t["ttft_ms"] - t["itl_ms"] for t in self.sla_targets.values() if "ttft_ms" in t and "itl_ms" in t]
+        self.idle_limit_s = min(idle) / 1000 if cost_model is not None and idle and min(idle) > 0 else None
 
     @property
     def num_preemptions(self) -> int:
@@ -197,6 +204,8 @@ class Scheduler:
         now = self.clock()
         batch = ScheduledBatch(time_limit_s=self._time_limit())
         limit = batch.time_limit_s
+        if limit is None and self.idle_limit_s is not None:
+            limit = batch.idle_limit_s = self.idle_limit_s
         time_used = self.cost_model.fixed if self.cost_model is not None else 0.0
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -212,6 +221,8 @@ class Scheduler:
             if id(seq) in scheduled or any(p is seq for p in batch.preempted):
                 continue   # made room for a higher-ranked sequence in this very step
             time_left = 0.0 if limit is None else limit - time_used
+            if batch.idle_limit_s is not None and not batch.seqs:    # the idle cap never stops all work:
+                time_left = max(time_left, 1.000001 * self._step_cost(seq.num_computed_tokens, 1))   # one token
             if limit is not None and not seq.is_online and \
                     time_left < self._step_cost(seq.num_computed_tokens, 1):
                 continue   # not even one more offline token fits in the time bound
