@@ -98,6 +98,12 @@ def main(args) -> int:
     for wcfg in other_model_configs(app.extensions["tidepool.engine"], cfg, device, args.engine):
         log.info("loading %s on %s for the %s worker", wcfg.model, device, wcfg.name)
         workers.append(Worker(wcfg))
+    on_device = [w for w in workers if w.cfg.kind == "gpu"]
+    if len(on_device) > 1:       # several models on one device take turns, as a --models worker's (device_stepper.py)
+        from workers.device_stepper import DeviceStepper
+        stepper = DeviceStepper()
+        for w in on_device:
+            w.stepper = stepper
     stop = threading.Event()
     threads = [threading.Thread(target=w.run, name=w.cfg.name, daemon=True) for w in workers]
     threads.append(threading.Thread(target=beat.run_forever, args=(app,), daemon=True,
