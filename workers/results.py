@@ -3,9 +3,9 @@ service/jobs.py, then acked (or requeued) on the broker and announced on the tok
 checks and renewal; the hand-back at shutdown. A result the ledger refused (e.g. during a database restart) is
 written again in place, the pause doubling from WRITE_RETRY_FIRST to WRITE_RETRY_MAX seconds, for up to
 WRITE_PATIENCE seconds: the write is guarded by the lease, so it lands exactly once, or not at all if the sweeper
-has requeued the job meanwhile. Reads and writes on the Worker: db, engine, stream, inflight, counters, preempted,
-_done, _firsts, _unwritten, _retry_at, _retry_pause; the transaction that writes a list of results is
-Worker._write_results (workers/worker.py)."""
+has requeued the job meanwhile. Reads and writes on the Worker: cfg, db, engine, inflight, counters, preempted,
+_done, _firsts, _unwritten, _retry_at, _retry_pause; each attempt's end goes out through _publish_end
+(workers/streaming.py)."""
 import logging
 import queue
 import time
@@ -13,7 +13,8 @@ import time
 from sqlalchemy.orm import Session
 
 from service import jobs
-from workers.attempt import Inflight, utc
+from workers.attempt import Inflight, ledger_text, utc
+from workers.openai_bodies import ledger_result
 
 log = logging.getLogger("workers.worker")
 WRITE_RETRY_FIRST, WRITE_RETRY_MAX, WRITE_PATIENCE = 0.25, 4.0, 300.0
@@ -75,6 +76,27 @@ class Results:
         else:
             self._retry_pause = WRITE_RETRY_FIRST
         return True
+
+
+    def _write_results(self, done: list) -> list[str]:
+        """One transaction for a list of (attempt, output): each result written through the guarded transitions;
+        per item "completed", "lost" (the lease is gone), "released" or "cancelled" (an abort)."""
+        statuses = []
+        with Session(self.db) as s:
+            for inf, out in done:
+                if out.finish_reason == "abort":
+                    # check_leases aborts an attempt whose lease is gone (cancelled, or requeued by the
+                    # sweeper): then there is nothing to write. Any other abort hands the job back.
+                    released = jobs.release(s, inf.job_id, inf.lease_token)
+                    statuses.append("released" if released else "cancelled")
+                    continue
+                if inf.first_token_at is not None and not inf.first_recorded:
+                    jobs.first_token(s, inf.job_id, inf.lease_token, utc(inf.first_token_at))
+                ok = jobs.complete(s, inf.job_id, inf.lease_token,
+                                   **ledger_result(out, self.engine.tokenizer, ledger_text, echo=inf.echo))
+                statuses.append("completed" if ok else "lost")
+            s.commit()
+        return statuses
 
 
     def _write_one(self, item) -> str | None:
@@ -139,12 +161,4 @@ class Results:
             message.requeue()
         except Exception as exc:  # broker gone: the message is restored with its channel, or republished
             log.warning("worker %s: requeue of %s failed: %s", self.cfg.name, job_id, exc)
-
-
-    def _publish_end(self, inf: Inflight, status: str) -> None:
-        if inf.online:
-            try:
-                self.stream.publish(inf.job_id, {"t": "end", "status": status})
-            except Exception:
-                pass
 

@@ -169,7 +169,7 @@ def test_redis_restart_mid_run_loses_no_accepted_job(pg_url, tiny_model, tmp_pat
 def test_output_with_nul_characters_is_stored_on_postgres(stack):
     """Byte-level tokens can decode to NUL, which Postgres text refuses; the worker's result must still land."""
     from service import jobs
-    from workers.worker import ledger_text
+    from workers.attempt import ledger_text
     st = stack
     _, key = st.tenant()
     [job_id] = st.submit(key, 1, prompt="nul", max_tokens=4)

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from service.db import make_engine
 from service.models import Job, JobStatus, utcnow
-from workers import beat
+from workers import beat, broker
 from workers.worker import Worker, WorkerConfig
 
 
@@ -59,7 +59,7 @@ class Killed(BaseException):
     """SIGKILL at this point: nothing after it runs."""
 
 
-def test_a_message_taken_by_a_worker_killed_before_it_claims_returns_to_the_queue(stack):
+def test_a_message_taken_by_a_worker_killed_before_it_claims_returns_to_the_queue(stack, monkeypatch):
     st = stack
     _, key = st.tenant()
     beat.sweep(st.app)                          # broker epoch recorded: a later sweep republishes nothing
@@ -67,13 +67,15 @@ def test_a_message_taken_by_a_worker_killed_before_it_claims_returns_to_the_queu
     w = _worker(st, "taker")
 
     def killed(*args, **kwargs):
+        broker.take(*args, **kwargs)
         raise Killed
 
     # killed right after the broker handed the message over, before the worker could claim the job
-    w._channel.Message = killed
+    monkeypatch.setattr("workers.intake.take", killed)
     with pytest.raises(Killed):
         w.pull()
     _drop(w)
+    monkeypatch.undo()
     assert _job(st, job_id).status == JobStatus.queued
 
     # the sweeper returns a dead consumer's unacked messages to their queues; the next worker claims it
@@ -148,7 +150,7 @@ def test_a_job_the_worker_cannot_start_fails_at_once(stack, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the request mapping")
 
-    monkeypatch.setattr("workers.worker.build_request", broken)
+    monkeypatch.setattr("workers.intake.build_request", broken)
     try:
         assert w.pull()
         job = _job(st, job_id)
