@@ -89,6 +89,14 @@ def undispatch(s: Session, job_id: str) -> bool:
     return s.execute(update(Job).where(Job.id == job_id, Job.status == Q).values(dispatched_at=None)).rowcount == 1
 
 
+def undispatch_all(s: Session) -> int:
+    """Every queued job marked dispatched goes back to the sweeper, which republishes it: the broker lost its queues
+    (a Redis without persistence restarted; workers/beat.py notices). A message that survived is then a duplicate,
+    dropped at claim."""
+    return s.execute(update(Job).where(Job.status == Q, Job.dispatched_at.is_not(None))
+                     .values(dispatched_at=None)).rowcount
+
+
 def first_token(s: Session, job_id: str, lease_token: str, at: datetime | None = None) -> bool:
     return s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token,
                                        Job.first_token_at.is_(None))

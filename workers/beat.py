@@ -7,11 +7,11 @@ import time
 from datetime import timedelta
 
 from kombu import Connection
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service import batches, jobs
-from service.models import Batch, BatchStatus, Job, JobStatus, utcnow
+from service.models import Batch, BatchStatus, utcnow
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"
@@ -119,9 +119,9 @@ def _check_broker_epoch(app) -> int:
     client = _ext(app, "redis")
     if client is None or not client.set(EPOCH_KEY, str(time.time()), nx=True):
         return 0
-    with _ext(app, "engine").begin() as conn:
-        n = conn.execute(update(Job).where(Job.status == JobStatus.queued, Job.dispatched_at.is_not(None))
-                         .values(dispatched_at=None)).rowcount
+    with Session(_ext(app, "engine")) as s:
+        n = jobs.undispatch_all(s)
+        s.commit()
     if n:
         log.warning("broker epoch missing (new or restarted broker): republishing %d queued jobs", n)
         _ext(app, "dispatcher").republish_undispatched(older_than=0)
