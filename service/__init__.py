@@ -14,7 +14,7 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     import redis as redis_lib
     from flask import Flask
 
-    from . import db, errors, logging, metrics, panel
+    from . import db, errors, logging, metrics_http, panel
     from . import api
     from .api import admin, batches, files, health, jobs, openai_compat
     from .dispatch import Dispatcher, make_celery
@@ -47,7 +47,7 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp):
         app.register_blueprint(bp)
     api.init_app(app)
-    metrics.init_app(app)
+    metrics_http.init_app(app)
     logging.init_app(app)
     panel.init_app(app)
     return app

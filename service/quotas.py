@@ -4,7 +4,11 @@ Counting a job against max_queued is one conditional UPDATE of the tenant row th
 database, that the tenant is not disabled, that the caller's API key is not revoked and that the live
 quotas.max_queued allows it; so a cached authentication (auth.py) can never queue work for a revoked key, a
 disabled tenant or past a lowered max_queued. The row lock it takes serializes one tenant's admissions
-until commit, which is what makes max_queued hold under concurrency."""
+until commit, which is what makes max_queued hold under concurrency.
+
+Importing it does not import Flask (the sweeper and the batch finaliser import it through service/batches.py):
+what reads the current request (its API key, the app's admission group, the authentication cache) imports Flask
+when called, for the API's callers."""
 import copy
 import json
 import logging
@@ -12,7 +16,6 @@ import threading
 import time
 from datetime import datetime, timezone
 
-from flask import g, has_request_context
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 from sqlalchemy import and_, case, exists, false, or_, select, update
 from sqlalchemy.engine import Connection
@@ -120,8 +123,11 @@ def _budget_refusal(tenant_id: str, budget: int, used: int, reserved: int, token
 
 
 def _key_id(key_id: int | None) -> int | None:
-    if key_id is None and has_request_context():
-        key_id = g.get("api_key_id")
+    """key_id, or by default the authenticated request's key (none outside a request)."""
+    if key_id is None:
+        from flask import g, has_request_context
+        if has_request_context():
+            key_id = g.get("api_key_id")
     return key_id
 
 
@@ -162,6 +168,8 @@ def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None,
     live_key = key_id is None or s.scalar(select(ApiKey.id).where(
         ApiKey.id == key_id, ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))) is not None
     if row is None or not live_key or row[0]:
+        from flask import has_request_context
+
         from .auth import forget
         if has_request_context():
             forget()

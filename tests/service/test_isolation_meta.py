@@ -121,15 +121,16 @@ def test_service_never_imports_torch(tmp_path):
 # workers may import the Flask-free part of service; service never imports workers; the engine (workers/engine) and
 # the kernels import neither. Every `import` statement of every module counts, the ones inside functions too.
 
-# The Flask-free part of service: ledger models and operations (guarded job transitions, tenants, keys, the model
-# registry), shared protocol (queues, wire format, token stream, snapshots and heartbeats, affinity keys, OpenAI
+# The Flask-free part of service: ledger models and operations (guarded job transitions, tenants, keys, admission,
+# batches, the model registry), shared protocol (queues, wire format, token stream, snapshots and heartbeats, affinity keys, OpenAI
 # shapes, bodies and choices), settings and logging. Importing one of these imports neither Flask nor any web-side
 # service module (their Flask-using helpers import Flask inside the function, for the API's callers only).
 FLASK_FREE = {
-    "service", "service.affinity", "service.bodies", "service.choices", "service.config", "service.db",
-    "service.dispatch", "service.doorbell", "service.errors", "service.jobs", "service.keys", "service.logging",
-    "service.logprobs", "service.models", "service.openai_shapes", "service.registry", "service.resources",
-    "service.snapshots", "service.structured", "service.tenants", "service.token_stream", "service.wire",
+    "service", "service.affinity", "service.batches", "service.bodies", "service.choices", "service.config",
+    "service.db", "service.dispatch", "service.doorbell", "service.errors", "service.jobs", "service.keys",
+    "service.logging", "service.logprobs", "service.metrics", "service.models", "service.openai_shapes",
+    "service.quotas", "service.registry", "service.resources", "service.snapshots", "service.storage",
+    "service.structured", "service.tenants", "service.token_stream", "service.wire",
 }
 # workers modules that put the web side together with the workers, and so may import any of service; a gpu/cpu
 # worker process imports none of them but the CLI (test_gpu_worker_imports_without_flask)
@@ -138,7 +139,6 @@ COMPOSERS = {
     "workers.commands": "the CLI's engine-side subcommands; `tidepool models` holds service's registry commands too",
     "workers.embedded": "`tidepool serve`: the API and a worker in one process",
     "workers.celery_app": "beat's upkeep tasks run with the app (create_app)",
-    "workers.beat": "the sweeper and the batch finaliser, run by beat and by `tidepool serve` (service.batches)",
 }
 WEB = ("flask", "werkzeug")
 LEDGER_AND_QUEUES = ("sqlalchemy", "alembic", "psycopg", "celery", "kombu", "redis")
@@ -273,5 +273,21 @@ def test_gpu_worker_imports_without_flask():
             "web = sorted(m for m in sys.modules if m.split('.')[0] in ('flask', 'werkzeug'))\n"
             "assert not web, web\n"
             "assert 'torch' in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_beat_imports_without_flask(tmp_path):
+    """`tidepool beat` imports its Celery app, the schedule's tasks and the upkeep they run without Flask (the tasks
+    still build the service app when they run: workers/celery_app.py)."""
+    import subprocess
+    import sys
+    code = ("import sys\n"
+            "from service.config import Config\n"
+            "from workers import beat, celery_app\n"
+            f"app = celery_app.make_celery(Config.from_env({{'storage_dir': {str(tmp_path)!r}}}, environ={{}}))\n"
+            "assert {'tidepool.sweep', 'tidepool.finalize_batches'} <= set(app.tasks)\n"
+            "web = sorted(m for m in sys.modules if m.split('.')[0] in ('flask', 'werkzeug'))\n"
+            "assert not web, web\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
