@@ -132,7 +132,8 @@ def _result_line(job: Job, model: str | None) -> str:
     model = job.model or model     # the line's own model; rows older than the registry ran on the default
     created = int(job.finished_at.timestamp()) if job.finished_at else None
     usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
-    picked = choices.openai_choices(job, job.request, job.id, logprobs.requested(job.endpoint, job.request))
+    picked = openai_shapes.choice_objects(job.endpoint, choices.of_job(job), job.request, job.id,
+                                          logprobs.requested(job.endpoint, job.request))
     body = {**openai_shapes.head(job.endpoint, job.id, created, model), "choices": picked, "usage": usage}
     return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
                        "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None})

@@ -1,5 +1,5 @@
 """OpenAI's shapes that the online API, /v1/jobs, batch result files and the workers' offline runner share:
-the endpoint paths, the usage object, a completion body's head. Flask- and torch-free."""
+the endpoint paths, the usage object, a completion body's head, its choice objects. Flask- and torch-free."""
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT)
@@ -14,3 +14,25 @@ def head(endpoint: str, response_id: str, created: int | None, model: str | None
     """The id, object, created and model of a chat.completion(.chunk) or text_completion body."""
     obj = ("chat.completion.chunk" if chunk else "chat.completion") if endpoint == CHAT else "text_completion"
     return {"id": response_id, "object": obj, "created": created, "model": model}
+
+
+def call_id_base(request_id: str, index: int) -> str:
+    """Tool-call ids of choice `index`: the request id for the first choice, request-id-index for the others."""
+    return request_id if index == 0 else f"{request_id}-{index}"
+
+
+def choice_objects(endpoint: str, every: list[dict], request: dict | None, request_id: str,
+                   want_logprobs: bool) -> list[dict]:
+    """The `choices` of a chat.completion / text_completion body, from a job's choices as service/choices.py's of_job
+    gives them ({"text", "finish_reason", "logprobs"}, in order)."""
+    from . import logprobs, structured     # both import this module's endpoint paths
+    out = []
+    for i, c in enumerate(every):
+        lps = logprobs.shaped(endpoint, c["logprobs"]) if want_logprobs else None
+        if endpoint == CHAT:
+            message, reason = structured.message(request or {}, c["text"], c["finish_reason"],
+                                                 call_id_base(request_id, i))
+            out.append({"index": i, "message": message, "logprobs": lps, "finish_reason": reason})
+        else:
+            out.append({"index": i, "text": c["text"], "logprobs": lps, "finish_reason": c["finish_reason"]})
+    return out

@@ -4,7 +4,7 @@ Bodies arrive already validated and normalised by `service.bodies.check`.
 """
 import time
 
-from service import choices, logprobs, structured
+from service import logprobs, structured
 from service import openai_shapes
 from service.openai_shapes import CHAT, COMPLETIONS  # noqa: F401 (the workers' import point)
 from workers.engine import RequestOutput, SamplingParams
@@ -122,7 +122,7 @@ def _token(tokenizer, token_id: int, cache: dict) -> dict:
                 raw = bytes(_BYTES[c] for c in piece)
             elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 raw = bytes([int(piece[3:5], 16)])
-        # Postgres text cannot hold NUL (see workers.worker.ledger_text); bytes keep the truth.
+        # Postgres text cannot hold NUL (see workers.attempt.ledger_text); bytes keep the truth.
         got = cache[token_id] = {"token": text.replace("\x00", "\ufffd"), "bytes": list(raw)}
     return got
 
@@ -144,7 +144,7 @@ def response_body(endpoint: str, request_id: str, model: str, out: RequestOutput
     stored = ledger_result(out, tokenizer, echo=echo_text(endpoint, body or {}, tokenizer, out.prompt_token_ids))
     every = [{"text": stored["output"], "token_ids": stored["output_token_ids"], "logprobs": stored["logprobs"],
               "finish_reason": stored["finish_reason"]}, *(stored["choices"] or [])]
-    picked = choices.shaped(endpoint, every, body, request_id, logprobs.requested(endpoint, body))
+    picked = openai_shapes.choice_objects(endpoint, every, body, request_id, logprobs.requested(endpoint, body))
     if endpoint == CHAT:
         return {**openai_shapes.head(CHAT, f"chatcmpl-{request_id}", created, model),
                 "choices": picked, "usage": usage(out)}

@@ -217,15 +217,15 @@ class _Format:
         if not self.chat:
             return None
         if index not in self.splitters:
-            self.splitters[index] = structured.StreamSplitter(self.body, choices.call_id_base(self.id, index))
+            self.splitters[index] = structured.StreamSplitter(self.body, openai_shapes.call_id_base(self.id, index))
         return self.splitters[index]
 
     def _head(self, chunk: bool) -> dict:
         return openai_shapes.head(self.endpoint, self.id, self.created, self.model, chunk)
 
     def whole(self, job: Job) -> dict:
-        return {**self._head(False), "choices": choices.openai_choices(job, self.body, self.id, self.want_logprobs),
-                "usage": _usage(job)}
+        picked = openai_shapes.choice_objects(job.endpoint, choices.of_job(job), self.body, self.id, self.want_logprobs)
+        return {**self._head(False), "choices": picked, "usage": _usage(job)}
 
     def tool_chunks(self, index: int = 0):
         """At the end of a chat stream: held-back content, then each tool call as one delta.tool_calls chunk."""
