@@ -262,12 +262,13 @@ class Config:
 
     @classmethod
     def from_env(cls, overrides: dict | None = None, environ=None) -> "Config":
-        """The settings from the environment, with `overrides` (field name -> value; unknown names are ignored)
-        laid over them."""
-        values = cls.env_values(environ)
-        known = {f.name for f in fields(cls)}
-        values.update({k: v for k, v in (overrides or {}).items() if k in known})
-        return cls(**values)
+        """The settings from the environment, with `overrides` (field name -> value) laid over them; a name that is
+        not a field is a SettingsError naming it."""
+        overrides = overrides or {}
+        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
+        if unknown:
+            raise SettingsError(f"unknown setting{'s' * (len(unknown) > 1)} {', '.join(unknown)}: not a field of Config")
+        return cls(**{**cls.env_values(environ), **overrides})
 
 
 def variables() -> list[tuple[str, str, str]]:

@@ -65,6 +65,11 @@ def test_overrides_in_code_are_checked_too(tmp_path):
         Config.from_env({"lease_seconds": 0, "storage_dir": str(tmp_path)}, environ={})
 
 
+def test_an_unknown_override_is_an_error_naming_it(tmp_path):
+    with pytest.raises(SettingsError, match="unknown setting lease_secs"):
+        Config.from_env({"lease_secs": 5, "storage_dir": str(tmp_path)}, environ={})
+
+
 def test_secrets_stay_out_of_the_repr(tmp_path):
     cfg = Config.from_env({"storage_dir": str(tmp_path), "database_url": f"sqlite:///{tmp_path}/t.db"},
                           environ={"TIDEPOOL_ADMIN_TOKEN": "adm-secret-1", "TIDEPOOL_METRICS_TOKEN": "m-secret-2"})
