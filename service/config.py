@@ -155,7 +155,7 @@ class Config:
         "are chunked for this first-token target", parse=FLOAT, check=POSITIVE, shown="GPU 200, CPU 600")
     sla_realtime_itl_ms: float | None = setting(
         "TIDEPOOL_SLA_REALTIME_ITL_MS", None, "Engine `sla_targets`: while realtime work is active, steps are kept "
-        "within this inter-token target", parse=FLOAT, check=POSITIVE, shown="GPU 50, CPU 120")
+        "within this inter-token target", parse=FLOAT, check=POSITIVE, shown="GPU 50, CPU 60")
     sla_interactive_ttft_ms: float | None = setting(
         "TIDEPOOL_SLA_INTERACTIVE_TTFT_MS", None, "The same first-token target for interactive work", parse=FLOAT,
         check=POSITIVE, shown="GPU 1000, CPU 2000")

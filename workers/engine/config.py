@@ -15,7 +15,7 @@ ONLINE_CLASSES = ("realtime", "interactive")
 # Per device type: a CPU step of even a small model takes tens of milliseconds, a GPU step a few.
 DEFAULT_SLA_TARGETS = {
     "cuda": {"realtime": {"ttft_ms": 200.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 1000.0, "itl_ms": 100.0}},
-    "cpu": {"realtime": {"ttft_ms": 600.0, "itl_ms": 120.0}, "interactive": {"ttft_ms": 2000.0, "itl_ms": 300.0}},
+    "cpu": {"realtime": {"ttft_ms": 600.0, "itl_ms": 60.0}, "interactive": {"ttft_ms": 2000.0, "itl_ms": 300.0}},
 }
 
 
