@@ -27,13 +27,9 @@ IDLE = len(SLA_CLASSES)      # the urgency of an engine without work
 
 
 def urgency(engine) -> int:
-    """The rank of the most urgent SLA class among the engine's unfinished requests (0 = realtime); IDLE if none.
-    Called between steps on the stepping thread, the only one that changes the scheduler's lists."""
-    sched = engine.scheduler
-    ranks = [s.rank for s in sched.running] + [s.rank for s in sched.waiting]
-    with engine._lock:       # added but not yet taken in by a step (add_request appends under this lock)
-        ranks += [r.seq.rank for r in engine._inbox]
-    return min(ranks, default=IDLE)
+    """The rank of the most urgent SLA class among the engine's unfinished requests (0 = realtime); IDLE if none."""
+    rank = engine.most_urgent_rank()
+    return IDLE if rank is None else rank
 
 
 class _Member:

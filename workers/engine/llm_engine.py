@@ -168,6 +168,13 @@ class LLMEngine:
         with self._lock:
             return bool(self.requests or self._inbox)
 
+    def most_urgent_rank(self) -> int | None:
+        """The rank (0 = realtime) of the most urgent SLA class among unfinished requests, those added but not yet
+        taken in by a step included; None when there are none. Call it between steps on the stepping thread (only
+        a step removes requests; add_request's inbox is read under the lock)."""
+        with self._lock:
+            return min([r.seq.rank for r in self.requests.values()] + [r.seq.rank for r in self._inbox], default=None)
+
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
             inbox, aborts = self._inbox, self._aborts
