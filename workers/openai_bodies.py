@@ -3,8 +3,9 @@
 Bodies arrive already validated and normalised by `service.bodies.check`.
 """
 import time
+from types import SimpleNamespace
 
-from service import logprobs, structured
+from service import choices, logprobs, structured
 from service import openai_shapes
 from service.openai_shapes import CHAT, COMPLETIONS  # noqa: F401 (the workers' import point)
 from workers.engine import RequestOutput, SamplingParams
@@ -142,11 +143,7 @@ def response_body(endpoint: str, request_id: str, model: str, out: RequestOutput
                   created: int | None = None, body: dict | None = None) -> dict:
     created = created or int(time.time())
     stored = ledger_result(out, tokenizer, echo=echo_text(endpoint, body or {}, tokenizer, out.prompt_token_ids))
-    every = [{"text": stored["output"], "token_ids": stored["output_token_ids"], "logprobs": stored["logprobs"],
-              "finish_reason": stored["finish_reason"]}, *(stored["choices"] or [])]
-    picked = openai_shapes.choice_objects(endpoint, every, body, request_id, logprobs.requested(endpoint, body))
-    if endpoint == CHAT:
-        return {**openai_shapes.head(CHAT, f"chatcmpl-{request_id}", created, model),
-                "choices": picked, "usage": usage(out)}
-    return {**openai_shapes.head(COMPLETIONS, f"cmpl-{request_id}", created, model),
-            "choices": picked, "usage": usage(out)}
+    picked = openai_shapes.choice_objects(endpoint, choices.of_job(SimpleNamespace(**stored)), body, request_id,
+                                          logprobs.requested(endpoint, body))
+    response_id = f"chatcmpl-{request_id}" if endpoint == CHAT else f"cmpl-{request_id}"
+    return {**openai_shapes.head(endpoint, response_id, created, model), "choices": picked, "usage": usage(out)}
