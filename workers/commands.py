@@ -141,8 +141,10 @@ def run_batch(args) -> int:
         print("no model: pass --model DIR or set TIDEPOOL_MODEL", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    # Only batch lines come through here, as through LLM: no online reserve and no step bounded in time for online work.
     engine = LLMEngine(EngineConfig(model=model, device=device,
-                                    **{**engine_fields(settings, device), **engine_overrides(args)}))
+                                    **{**engine_fields(settings, device), **engine_overrides(args),
+                                       "online_reserve": 0.0, "sla_targets": {}}))
     log.info("run-batch: engine ready; reading %s", args.input)
     counts = run_batch(engine, args.input, args.output, Path(model).name, progress=not args.no_progress)
     print(json.dumps(counts))
