@@ -178,3 +178,18 @@ def stack(pg_url, tiny_model, tmp_path, redis_url):
     yield st
     st.close()
     flush_redis(redis_url)
+
+
+def served_stack(pg_databases, tiny_model, tmp, redis_url, worker: str):
+    """A module-scoped fixture's body: the web app, one gpu worker named `worker` and beat on a fresh database;
+    stopped, flushed and dropped afterwards (`yield from served_stack(...)`)."""
+    flush_redis(redis_url)
+    url = pg_databases.create()
+    st = Stack(url, tiny_model, tmp, redis_url)
+    st.serve()
+    st.worker(worker)
+    st.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_BEAT_SCHEDULE=tmp / "beat-schedule")
+    yield st
+    st.close()
+    flush_redis(redis_url)
+    pg_databases.drop(url)

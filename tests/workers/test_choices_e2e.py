@@ -11,7 +11,7 @@ from workers.batch_runner import run_batch
 from workers.engine import LLMEngine
 from workers.engine.config import EngineConfig
 
-from .conftest import Stack, flush_redis
+from .conftest import served_stack
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 WEATHER = {"type": "function", "function": {
@@ -21,17 +21,7 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def st(pg_databases, tiny_model, tmp_path_factory, redis_url):
-    flush_redis(redis_url)
-    url = pg_databases.create()
-    tmp = tmp_path_factory.mktemp("choices")
-    stack = Stack(url, tiny_model, tmp, redis_url)
-    stack.serve()
-    stack.worker("choices-gpu")
-    stack.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_BEAT_SCHEDULE=tmp / "beat-schedule")
-    yield stack
-    stack.close()
-    flush_redis(redis_url)
-    pg_databases.drop(url)
+    yield from served_stack(pg_databases, tiny_model, tmp_path_factory.mktemp("choices"), redis_url, "choices-gpu")
 
 
 @pytest.fixture(scope="module")

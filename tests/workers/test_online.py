@@ -14,7 +14,7 @@ from service.dispatch import _publish_task
 from service.models import Job, JobStatus, Usage
 from workers.engine import LLM, SamplingParams
 
-from .conftest import Stack, flush_redis
+from .conftest import served_stack
 
 WORKER = "e2e-gpu"
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -22,17 +22,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def st(pg_databases, tiny_model, tmp_path_factory, redis_url):
-    flush_redis(redis_url)
-    url = pg_databases.create()
-    tmp = tmp_path_factory.mktemp("e2e")
-    stack = Stack(url, tiny_model, tmp, redis_url)
-    stack.serve()
-    stack.worker(WORKER)
-    stack.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_BEAT_SCHEDULE=tmp / "beat-schedule")
-    yield stack
-    stack.close()
-    flush_redis(redis_url)
-    pg_databases.drop(url)
+    yield from served_stack(pg_databases, tiny_model, tmp_path_factory.mktemp("e2e"), redis_url, WORKER)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from workers.batch_runner import run_batch
 from workers.engine import LLMEngine
 from workers.engine.config import EngineConfig
 
-from .conftest import Stack, flush_redis
+from .conftest import served_stack
 
 CITY = {"type": "object", "additionalProperties": False, "required": ["city", "population", "tags"],
         "properties": {"city": {"type": "string", "maxLength": 10},
@@ -31,17 +31,7 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def st(pg_databases, tiny_model, tmp_path_factory, redis_url):
-    flush_redis(redis_url)
-    url = pg_databases.create()
-    tmp = tmp_path_factory.mktemp("structured")
-    stack = Stack(url, tiny_model, tmp, redis_url)
-    stack.serve()
-    stack.worker("structured-gpu")
-    stack.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_BEAT_SCHEDULE=tmp / "beat-schedule")
-    yield stack
-    stack.close()
-    flush_redis(redis_url)
-    pg_databases.drop(url)
+    yield from served_stack(pg_databases, tiny_model, tmp_path_factory.mktemp("structured"), redis_url, "structured-gpu")
 
 
 @pytest.fixture(scope="module")
