@@ -75,10 +75,12 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                 continue
             try:
                 body = item.get("body")
-                model = None if models is None else \
-                    models.resolve(quota, body.get("model") if isinstance(body, dict) else None).name
+                entry = None if models is None else \
+                    models.resolve(quota, body.get("model") if isinstance(body, dict) else None)
+                model = None if entry is None else entry.name
                 checked = bodies.check(body, batch.endpoint, served_model=served_model if models is None else None,
-                                       max_tokens_cap=quota.max_tokens_per_request)
+                                       max_tokens_cap=quota.max_tokens_per_request,
+                                       context_len=None if entry is None else models.context_len(entry))
             except Exception as exc:  # APIError carries message and param
                 errors.append(_line_error(lineno, getattr(exc, "code", None) or "invalid_body",
                                           getattr(exc, "message", str(exc)), f"body.{getattr(exc, 'param', '')}"))

@@ -119,14 +119,15 @@ def test_unknown_is_404_and_forbidden_is_403_on_every_route(two):
     client.patch("/v1/admin/models/alpha", json={"enabled": True}, headers=admin.headers)
     lines = [{"custom_id": c, "method": "POST", "url": "/v1/completions", "body": {**PROMPT, **extra}}
              for c, extra in (("ok", {}), ("unknown", {"model": "gpt-4"}), ("forbidden", {"model": "beta"}),
-                              ("named", {"model": "alpha"}))]
+                              ("named", {"model": "alpha"}), ("long", {"model": "alpha", "max_tokens": 2048}))]
     data = "\n".join(json.dumps(x) for x in lines).encode()
     f = client.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(data), "in.jsonl")},
                     headers=key).get_json()
     b = client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
                                          "completion_window": "24h"}, headers=key).get_json()
     assert b["status"] == "failed"
-    assert [(e["line"], e["code"]) for e in b["errors"]["data"]] == [(2, "model_not_found"), (3, "model_not_allowed")]
+    assert [(e["line"], e["code"]) for e in b["errors"]["data"]] == [(2, "model_not_found"), (3, "model_not_allowed"),
+                                                                 (5, "context_length_exceeded")]
 
 
 def test_jobs_wait_in_their_models_queue_visible_and_republished_there(two):
