@@ -135,6 +135,18 @@ def move_private(client, name: str) -> int:
     return int(client.eval(_MOVE, 2, name, parts[0]) or 0)
 
 
+def private_depths(client) -> dict[str, int]:
+    """Messages waiting in each private queue (name -> depth); the queue's shared name is split_private's."""
+    depths = {}
+    for raw in client.scan_iter(match=f"*{SEP}*", count=1000):
+        name = raw.decode() if isinstance(raw, bytes) else raw
+        if split_private(name) is not None:
+            depth = client.llen(name) if client.type(name) in (b"list", "list") else 0
+            if depth:
+                depths[name] = int(depth)
+    return depths
+
+
 def drain_dead(client) -> int:
     """Beat: move the private queues of workers without a live heartbeat to their shared queues."""
     moved = 0

@@ -263,6 +263,7 @@ class Dispatcher:
         return [{"model": m, "sla_class": c, "queue": q, "depth": depths.get(q, 0)} for m, c, q in pairs]
 
     def queue_depths(self, queues=SLA_CLASSES) -> dict[str, int]:
+        """Messages waiting per shared queue, counting those routed to a worker's private queue of it."""
         depths = defaultdict(int)
         with self.celery.connection_for_read() as conn:
             channel = conn.default_channel
@@ -271,7 +272,21 @@ class Dispatcher:
                     depths[q] = int(channel._size(q))
                 except Exception:
                     depths[q] = 0
+        for name, depth in self.private_depths().items():
+            shared = affinity.split_private(name)[0]
+            if shared in depths:
+                depths[shared] += depth
         return dict(depths)
+
+    def private_depths(self) -> dict[str, int]:
+        """Messages waiting in each worker's private queue (affinity routing); {} without a plain Redis broker."""
+        client = self._direct_client()
+        if client is None:
+            return {}
+        try:
+            return affinity.private_depths(client)
+        except Exception:     # the broker is down: the shared depths say so already
+            return {}
 
     def ping(self) -> None:
         with self.celery.connection_for_write() as conn:

@@ -254,7 +254,9 @@ SCHEMAS = {
                                                 "queues": {"type": "object", "additionalProperties": _INT},
                                                 "models": {"type": "array", "items": {"type": "object", "properties": {
                                                     "model": _STR, "sla_class": {"enum": list(SLA_CLASSES)},
-                                                    "queue": _STR, "depth": _INT, "served": _BOOL}}}}},
+                                                    "queue": _STR, "depth": _INT, "served": _BOOL}}},
+                                                "private": {"type": "array", "items": {"type": "object", "properties": {
+                                                    "queue": _STR, "shared": _STR, "worker": _STR, "depth": _INT}}}}},
 }
 
 _CURSOR = {"type": "string"}

@@ -3,7 +3,7 @@ depths."""
 from flask import Blueprint, request
 from sqlalchemy import select
 
-from .. import registry, tenants
+from .. import affinity, registry, tenants
 from ..auth import admin_required
 from ..db import session
 from ..errors import bad_request, not_found
@@ -168,8 +168,14 @@ def list_batches():
 @admin_required
 def queue_depths():
     """Depth per class queue of the default model (`queues`), and per (model, SLA class) with whether a live
-    worker consumes that queue (`models`): jobs of a model nobody serves wait there, never failed."""
-    return {"object": "queue_depths", "queues": ext("dispatcher").queue_depths(), "models": model_queues()}
+    worker consumes that queue (`models`): jobs of a model nobody serves wait there, never failed. Both count
+    the jobs routed to a worker's private queue (prefix affinity), which `private` lists one by one."""
+    dispatcher = ext("dispatcher")
+    private = [{"queue": name, "shared": shared, "worker": worker, "depth": depth}
+               for name, depth in sorted(dispatcher.private_depths().items())
+               for shared, worker in [affinity.split_private(name)]]
+    return {"object": "queue_depths", "queues": dispatcher.queue_depths(), "models": model_queues(),
+            "private": private}
 
 
 def model_queues() -> list[dict]:

@@ -9,6 +9,8 @@ import time
 from service import affinity
 from service.affinity import HEARTBEAT_KEY, Router, job_prefix_key, prefix_key, private_queue
 
+from .conftest import ADMIN
+
 SYSTEM = "You are a careful assistant. " * 30       # 870 characters: a long shared prefix
 
 
@@ -102,7 +104,7 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
 
     from service import create_app, tenants
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
-                      "model": str(tmp_path / "served")})
+                      "model": str(tmp_path / "served"), "admin_token": ADMIN})
     with Session(app.extensions["tidepool.engine"]) as s:
         tenant, key = tenants.create_tenant(s, "aff", 1.0)
         s.commit()
@@ -130,6 +132,12 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
     # the message names the queue it sits in (a restore after a crash returns it there)
     raw = json.loads(redis_client.lindex(private_queue("batch", "w1"), 0))
     assert raw["properties"]["delivery_info"]["routing_key"] == private_queue("batch", "w1")
+    # the admin queues view and /metrics count what waits in private queues under its shared queue
+    view = client.get("/v1/admin/queues", headers={"Authorization": f"Bearer {ADMIN}"}).get_json()
+    assert view["queues"]["batch"] == 7
+    assert view["private"] == [{"queue": private_queue("batch", "w1"), "shared": "batch", "worker": "w1",
+                                "depth": 5}]
+    assert 'tidepool:queue_depth{model="served",sla_class="batch"} 7.0' in client.get("/metrics").text
     app.extensions["tidepool.engine"].dispose()
 
 
