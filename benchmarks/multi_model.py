@@ -1,6 +1,7 @@
-"""Several models in one worker process (issue #17): one engine per model, stepped in turns by one DeviceStepper
-thread as `tidepool worker --models a,b` runs them (workers/model_workers.py, workers/device_stepper.py), or each
-on its own thread as before it (--stepping threads), or both, one after the other (the default: before/after).
+"""Several models in one worker process (issue #17): one engine per model, each stepping on its own thread through
+one DeviceStepper as `tidepool worker --models a,b` runs them (workers/model_workers.py, workers/device_stepper.py:
+offline steps overlap, online work takes its steps one at a time and first), or with no stepper at all (--stepping
+threads), or one step at a time always (--stepping turns), each mode one after the other.
 
   (a) model A alone, an offline batch              -> A tok/s
   (b) model B alone, the same batch                -> B tok/s
@@ -15,7 +16,7 @@ Model B is by default a random-weight Qwen2-architecture model of another shape,
 The last line is JSON, for scripts. Run it under `flock /tmp/tidepool-bench.lock`.
 
     python benchmarks/multi_model.py [--model-a models/smollm2-135m] [--model-b DIR] [--requests 32]
-                                     [--tokens 64] [--stepping threads,shared]
+                                     [--tokens 64] [--stepping threads,turns,shared]
 """
 import argparse
 import json
@@ -35,14 +36,14 @@ def _pct(xs, q):
 
 
 class Stepping:
-    """The engines stepped until closed: "threads", each on its own thread (a Worker's engine loop without a
-    stepper); "shared", in turns by one DeviceStepper (each engine's thread only waits for work, as in
-    `tidepool worker --models a,b`)."""
+    """The engines stepped until closed, each on its own thread: "threads", without a stepper (a Worker's engine
+    loop alone); "shared", through one DeviceStepper as in `tidepool worker --models a,b`; "turns", through one
+    DeviceStepper taking every step one at a time (overlap_offline=False)."""
 
     def __init__(self, engines: dict, mode: str):
         from workers.device_stepper import DeviceStepper
-        self.stop, self.stepper = threading.Event(), DeviceStepper()
-        target = self._shared if mode == "shared" else self._own
+        self.stop, self.stepper = threading.Event(), DeviceStepper(overlap_offline=mode != "turns")
+        target = self._own if mode == "threads" else self._shared
         self.threads = [threading.Thread(target=target, args=(name, e), daemon=True) for name, e in engines.items()]
         for t in self.threads:
             t.start()
@@ -143,11 +144,12 @@ def main() -> int:
     ap.add_argument("--rt-interval", type=float, default=0.25)
     ap.add_argument("--stepping", default="threads,shared",
                     help="how the two engines share the device in (c) and (e), comma-separated: threads (each on its "
-                    "own thread, as before DeviceStepper), shared (DeviceStepper turns, as the worker runs them)")
+                    "own thread, no stepper), shared (through DeviceStepper, as the worker runs them), turns "
+                    "(DeviceStepper, every step one at a time)")
     args = ap.parse_args()
     modes = [m.strip() for m in args.stepping.split(",") if m.strip()]
-    if not modes or set(modes) - {"threads", "shared"}:
-        ap.error("--stepping: threads and/or shared")
+    if not modes or set(modes) - {"threads", "turns", "shared"}:
+        ap.error("--stepping: threads, turns and/or shared")
 
     from workers.engine import EngineConfig, LLMEngine
     model_b = args.model_b

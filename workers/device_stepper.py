@@ -1,29 +1,39 @@
-"""Fair use of one device by several engines (issue 17 point 4): `tidepool worker --models a,b` loads one engine
-per model into one process, and instead of each engine stepping on its own thread (two threads fighting for the
-same cores or GPU, whichever grabs it more often winning), one DeviceStepper thread gives the engines that have
-work their turns, one step each:
+"""Fair use of one device by several engines (issue 17 point 4): `tidepool worker --models a,b` and `tidepool
+serve` load one engine per model into one process; each engine keeps its own thread, which asks one
+DeviceStepper before every step whether it may start one:
 
-  - an engine holding realtime or interactive work (waiting, running, or just added) goes before one holding only
-    batch or deferrable work: the most urgent SLA class of any model first (workers/engine/sequence.py ranks);
-  - engines of the same urgency take turns round robin (the one whose last turn is oldest goes next);
-  - an engine passed over `starve_limit` turns in a row gets the next one whatever it holds, so a steady stream
-    of one model's chats slows another model's batch but never stops it;
-  - an engine without work is not looked at: each engine's own thread (the worker's engine thread) sleeps in
-    engine.wait_for_work() and marks it ready when work arrives; the stepper sleeps when nothing is ready.
+  - while no engine holds realtime or interactive work, engines with batch or deferrable work step at once, each
+    on its own thread (on the project's 2-core CPU two engines overlap one's Python work with the other's
+    arithmetic: 1.2-1.3x one engine's tokens/s, where one step at a time gave 0.9x; benchmarks/multi_model.py);
+  - as soon as an engine holds realtime or interactive work (waiting, running, or just added), steps are taken
+    one at a time and the most urgent SLA class of any model goes first (workers/engine/sequence.py ranks):
+    that engine starts at once (a step already in flight is not interrupted, and not waited for either) and the
+    others start no new step until it is served;
+  - engines of the same urgency share those one-at-a-time turns by measured step time, not step count: the one
+    whose steps have taken the least time goes next (an engine coming back from idle starts level with the least
+    served), so a slow model's long steps do not take most of the device from a fast model;
+  - an engine held back while others' steps have taken `starve_limit` times its own step time (or, before its
+    first step, passed over `starve_limit` turns) gets the next turn whatever it holds, so a steady stream of
+    one model's chats slows another model's batch to about 1/(starve_limit+1) of the device but never stops it;
+  - an engine without work is not looked at: its thread sleeps in engine.wait_for_work().
 
-The worker keeps its engine thread and its crash story: that thread runs serve() instead of stepping, a step that
-raises ends that worker (on_error, as the engine loop does), and serve() returns only once the stepper is not in
-the middle of that engine's step, so the worker's shutdown (release, hand-back) never races a step."""
-import itertools
+`overlap_offline=False` takes every step one at a time (turns only; the benchmark's `turns` mode).
+
+The crash story is the engine loop's: a step that raises ends only that engine's worker (on_error, on its own
+thread), and leave() returns only once no step of that engine is in flight, so the worker's shutdown (release,
+hand-back) never races a step."""
 import logging
 import threading
+import time
 from collections import deque
 
-from workers.engine.sequence import SLA_CLASSES
+from workers.engine.sequence import CLASS_RANK, SLA_CLASSES
 
 log = logging.getLogger(__name__)
 
-IDLE = len(SLA_CLASSES)      # the urgency of an engine without work
+IDLE = len(SLA_CLASSES)                 # the urgency of an engine without work
+OFFLINE = CLASS_RANK["batch"]           # ranks from here on are offline work: such steps may overlap
+EWMA = 0.2                              # weight of the latest step in an engine's step time estimate
 
 
 def urgency(engine) -> int:
@@ -33,129 +43,162 @@ def urgency(engine) -> int:
 
 
 class _Member:
-    def __init__(self, name: str, engine, step, on_error):
-        self.name, self.engine, self.step, self.on_error = name, engine, step, on_error
-        self.ready = False        # has work; set by its own thread, cleared by the stepper when it runs out
+    def __init__(self, name: str, engine, step, on_error, order: int):
+        self.name, self.engine, self.step, self.on_error, self.order = name, engine, step, on_error, order
         self.failed = False
-        self.last_turn = -1       # the stepper's turn counter at its last step (round robin: oldest first)
-        self.passed_over = 0      # turns in a row it was ready and another engine stepped
+        self.stepping = False     # a step of it is in flight
+        self.alone = False        # ... taken as a one-at-a-time turn (others wait for it)
+        self.active = False       # had work when last looked at (coming back from idle: see _ready)
+        self.used = 0.0           # seconds its steps took (turn fairness: least first)
+        self.step_s = 0.0         # its step time, a moving average (0 before its first step)
+        self.waited = 0.0         # seconds of others' one-at-a-time steps since its last step, while it had work
+        self.passed_over = 0      # one-at-a-time turns given to others since its last step, while it had work
+        self.last_start = -1      # the stepper's count of steps started at its last start (ties: oldest first)
 
 
 class DeviceStepper:
-    """One thread stepping every engine that serve() registers, in turns (see the module docstring)."""
+    """The gate every registered engine's thread passes before each step (see the module docstring)."""
 
-    def __init__(self, starve_limit: int = 16, history: int = 4096):
-        self.starve_limit = starve_limit
-        self.turns: deque[str] = deque(maxlen=history)    # the names stepped, oldest first (tests, debugging)
-        self.steps: dict[str, int] = {}                    # name -> steps given
+    def __init__(self, starve_limit: int = 16, overlap_offline: bool = True, clock=time.perf_counter,
+                 history: int = 4096):
+        self.starve_limit, self.overlap_offline, self.clock = starve_limit, overlap_offline, clock
+        self.turns: deque[str] = deque(maxlen=history)    # the names stepped, in order of start (tests, debugging)
+        self.steps: dict[str, int] = {}                    # name -> steps started
         self._members: list[_Member] = []
-        self._current: _Member | None = None
         self._cond = threading.Condition()
-        self._clock = itertools.count()
-        self._thread: threading.Thread | None = None
+        self._started = 0
+        self._joined = 0
 
     def join(self, name: str, engine, step, on_error=None) -> _Member:
-        """Register an engine (no thread of its own is started: serve() is join + wait + leave). `step()` is one
-        engine step with its bookkeeping (Worker.engine_step); on_error(exc) runs on the stepping thread if a step
-        raises, and the engine gets no further turns."""
-        member = _Member(name, engine, step, on_error)
+        """Register an engine. `step()` is one engine step with its bookkeeping (Worker.engine_step); if it
+        raises, on_error(exc) runs and the engine gets no further steps."""
         with self._cond:
+            member = _Member(name, engine, step, on_error, self._joined)
+            self._joined += 1
             self._members.append(member)
             self.steps.setdefault(name, 0)
         return member
 
     def leave(self, member: _Member) -> None:
-        """Unregister; returns once the stepper is not in the middle of this engine's step."""
+        """Unregister; returns once no step of this engine is in flight."""
         with self._cond:
-            member.ready = False
             if member in self._members:
                 self._members.remove(member)
-            while self._current is member:
+            while member.stepping:
                 self._cond.wait()
             self._cond.notify_all()
 
     def serve(self, name: str, engine, step, stop: threading.Event, on_error=None) -> None:
-        """Run on the engine's own thread until stop is set (or its step failed): register the engine, mark it
-        ready whenever it has work (waking the stepping thread, started here if none runs) and wait while the
-        stepper drains it; leave() on the way out."""
+        """Run on the engine's own thread until stop is set (or its step failed): wait for work, wait until the
+        gate lets it start a step, step; leave() on the way out."""
         member = self.join(name, engine, step, on_error)
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="device-stepper", daemon=True)
-                self._thread.start()
         try:
             while not stop.is_set() and not member.failed:
                 if not engine.wait_for_work(0.25):    # add_request wakes it; the timeout only notices stop
                     continue
-                with self._cond:
-                    if not member.ready:
-                        member.ready = True
-                        self._cond.notify_all()
-                    while member.ready and not member.failed and not stop.is_set():
-                        self._cond.wait(0.25)
+                if self._acquire(member, stop):
+                    self._run(member)
         finally:
             self.leave(member)
 
     def step_once(self) -> str | None:
-        """Give one turn (the stepping thread's loop body; tests call it to drive members without that thread):
-        the name of the engine stepped, None if none was ready."""
+        """Give one one-at-a-time turn on the calling thread (tests drive the turns with it, no serve() threads):
+        the name of the engine stepped, None if none has work."""
         with self._cond:
-            member = self._pick()
-            if member is None:
+            ready = self._ready()
+            if not ready:
                 return None
-            self._current = member
-        more = False
+            member = self._choose(ready, {id(m): urgency(m.engine) for m in ready})
+            self._start(member, ready, alone=True)
+        self._run(member)
+        return member.name
+
+    # ---- the gate -------------------------------------------------------------------------------------------
+
+    def _acquire(self, member: _Member, stop: threading.Event) -> bool:
+        """Block until this engine may start a step (True, marked in flight) or has no work or stop is set."""
+        with self._cond:
+            while not stop.is_set() and not member.failed:
+                ready = self._ready()
+                if member not in ready:
+                    return False
+                ranks = {id(m): urgency(m.engine) for m in ready}
+                if self.overlap_offline and min(ranks.values()) >= OFFLINE:
+                    self._start(member, ready, alone=False)
+                    return True
+                # one at a time: a step in flight from before (overlapping offline) is not waited for
+                if not any(m.stepping and m.alone for m in self._members) \
+                        and self._choose(ready, ranks) is member:
+                    self._start(member, ready, alone=True)
+                    return True
+                self._cond.wait(0.25)       # a step's end or a leave notifies; the timeout only notices stop
+            return False
+
+    def _ready(self) -> list[_Member]:
+        """The members with work. One coming back from idle starts level with the least served of the others,
+        so time banked while idle buys it no run of turns."""
+        ready, fresh = [], []
+        for m in self._members:
+            if m.failed or not m.engine.has_unfinished():
+                m.active = False
+                continue
+            ready.append(m)
+            if not m.active:
+                fresh.append(m)
+        if fresh:
+            floor = min((m.used for m in ready if m.active), default=None)
+            for m in fresh:
+                m.active, m.waited, m.passed_over = True, 0.0, 0
+                if floor is not None:
+                    m.used = max(m.used, floor)
+        return ready
+
+    def _starving(self, m: _Member) -> bool:
+        if m.passed_over == 0:
+            return False
+        if m.step_s > 0:
+            return m.waited >= self.starve_limit * m.step_s
+        return m.passed_over >= self.starve_limit
+
+    def _choose(self, ready: list[_Member], ranks: dict) -> _Member:
+        pool = [m for m in ready if self._starving(m)]
+        if not pool:
+            top = min(ranks.values())
+            pool = [m for m in ready if ranks[id(m)] == top]
+        return min(pool, key=lambda m: (m.used, m.last_start, m.order))
+
+    def _start(self, member: _Member, ready: list[_Member], alone: bool) -> None:
+        member.stepping, member.alone = True, alone
+        member.waited, member.passed_over = 0.0, 0
+        member.last_start = self._started
+        self._started += 1
+        if alone:
+            for m in ready:
+                if m is not member and not m.stepping:
+                    m.passed_over += 1
+        self.turns.append(member.name)
+        self.steps[member.name] = self.steps.get(member.name, 0) + 1
+
+    def _run(self, member: _Member) -> None:
+        started = self.clock()
         try:
             member.step()
-            more = member.engine.has_unfinished()
         except BaseException as exc:  # that engine is broken: its worker ends (leases lapse, jobs are requeued)
             member.failed = True
             log.exception("device stepper: engine %s failed", member.name)
             if member.on_error is not None:
                 try:
                     member.on_error(exc)
-                except Exception:     # the stepper thread goes on for the other engines
+                except Exception:     # the other engines go on
                     log.exception("device stepper: on_error of %s failed", member.name)
         finally:
+            took = self.clock() - started
             with self._cond:
-                self._current = None
-                self.turns.append(member.name)
-                self.steps[member.name] = self.steps.get(member.name, 0) + 1
-                if not more:
-                    member.ready = False
+                member.stepping = False
+                member.used += took
+                member.step_s = took if member.step_s == 0 else (1 - EWMA) * member.step_s + EWMA * took
+                if member.alone:
+                    for m in self._members:
+                        if m is not member and m.active and not m.stepping:
+                            m.waited += took
                 self._cond.notify_all()
-        return member.name
-
-    def _pick(self) -> _Member | None:
-        ready = []
-        for m in self._members:      # work added since its thread last marked it counts at once
-            if not m.failed and m.engine.has_unfinished():
-                ready.append(m)
-            else:
-                m.ready = False
-        if not ready:
-            return None
-        starving = [m for m in ready if m.passed_over >= self.starve_limit]
-        if starving:
-            pool = starving
-        else:
-            ranks = {id(m): urgency(m.engine) for m in ready}
-            top = min(ranks.values())
-            pool = [m for m in ready if ranks[id(m)] == top]
-        member = min(pool, key=lambda m: m.last_turn)
-        for m in ready:
-            m.passed_over = 0 if m is member else m.passed_over + 1
-        member.last_turn = next(self._clock)
-        return member
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not any(m.ready and not m.failed for m in self._members):
-                    if not self._members:        # the last engine left: the thread ends (serve starts another)
-                        self._thread = None
-                        return
-                    self._cond.wait()
-            if self.step_once() is None:      # the flagged engines had no work after all: flags cleared
-                continue
-

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from workers.device_stepper import DeviceStepper
+from workers.device_stepper import OFFLINE, DeviceStepper, urgency
 from workers.engine import EngineConfig, LLMEngine, SamplingParams
 
 
@@ -38,26 +38,55 @@ def _drain(stepper) -> list[str]:
     return names
 
 
-def test_two_models_with_work_take_turns_and_both_finish(engines):
+class Clock:
+    """The stepper's clock in the turn tests: only steps move it, by what each engine's step is said to take."""
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self, engine, seconds: float):
+        def step():
+            self.now += seconds
+            engine.step()
+        return step
+
+
+def _join(stepper, clock, **seconds):
+    engines = dict(zip(("a", "b"), seconds.pop("engines")))
+    for name, engine in engines.items():
+        stepper.join(name, engine, clock.step(engine, seconds[name]))
+
+
+def test_two_models_with_work_share_turns_by_step_time(engines):
     a, b = engines
-    stepper = DeviceStepper()
-    stepper.join("a", a, a.step)
-    stepper.join("b", b, b.step)
+    clock = Clock()
+    stepper = DeviceStepper(clock=clock)
+    _join(stepper, clock, engines=(a, b), a=1 / 64, b=1 / 64)
     _add(a, "ta", 3, 6)
     _add(b, "tb", 3, 6)
     names = _drain(stepper)
     assert not a.has_unfinished() and not b.has_unfinished()
     k = min(names.count("a"), names.count("b"))
-    assert k > 1 and names[:2 * k] == ["a", "b"] * k      # round robin while both had work
+    assert k > 1 and names[:2 * k] == ["a", "b"] * k      # equal steps: round robin while both had work
     assert stepper.steps == {"a": names.count("a"), "b": names.count("b")}
     assert stepper.step_once() is None                     # idle engines are not stepped
+
+    clock = Clock()
+    stepper = DeviceStepper(clock=clock)
+    _join(stepper, clock, engines=(a, b), a=4 / 64, b=1 / 64)     # A's steps take four times B's
+    _add(a, "sa", 2, 12)
+    _add(b, "sb", 2, 40)
+    names = _drain(stepper)
+    assert names[:10] == ["a", "b", "b", "b", "b"] * 2     # each gets the device for the same time
 
 
 def test_a_realtime_request_of_one_model_goes_before_offline_work_of_the_other(engines):
     a, b = engines
-    stepper = DeviceStepper()
-    stepper.join("a", a, a.step)
-    stepper.join("b", b, b.step)
+    clock = Clock()
+    stepper = DeviceStepper(clock=clock)
+    _join(stepper, clock, engines=(a, b), a=1 / 64, b=1 / 64)
     _add(a, "off-a", 4, 24)
     assert [stepper.step_once() for _ in range(2)] == ["a", "a"]      # A's batch runs alone
     done: list[str] = []
@@ -68,23 +97,111 @@ def test_a_realtime_request_of_one_model_goes_before_offline_work_of_the_other(e
             break
         names.append(stepper.step_once())
     assert done and set(names) == {"b"}            # every turn went to B's realtime request until it finished
-    _add(b, "off-b", 2, 4)                # then offline work of both shares the device again
-    rest = _drain(stepper)
-    assert rest[:2] in (["a", "b"], ["b", "a"]) and not a.has_unfinished() and not b.has_unfinished()
+    _add(b, "off-b", 2, 4)                # then offline work of both shares the device again, A first until its
+    rest = _drain(stepper)                # steps have taken as long as B's (the realtime ones included)
+    n = len(names)
+    assert rest[:n + 4] == ["a"] * n + ["b", "a", "b", "a"] and not a.has_unfinished() and not b.has_unfinished()
 
 
 def test_offline_work_is_slowed_by_another_models_online_work_but_never_stopped(engines):
     a, b = engines
-    stepper = DeviceStepper(starve_limit=2)
-    stepper.join("a", a, a.step)
-    stepper.join("b", b, b.step)
+    clock = Clock()
+    stepper = DeviceStepper(starve_limit=2, clock=clock)
+    _join(stepper, clock, engines=(a, b), a=1 / 64, b=1 / 64)
     _add(a, "chat-a", 1, 16, sla_class="interactive")
     _add(b, "off-b", 2, 16)
     names = _drain(stepper)
-    assert names[:6] == ["a", "a", "b", "a", "a", "b"]
+    assert names[:6] == ["a", "a", "b", "a", "a", "b"]   # B: a turn once A's steps took twice B's step time
+
+    clock = Clock()
+    stepper = DeviceStepper(starve_limit=2, clock=clock)
+    _join(stepper, clock, engines=(a, b), a=1 / 64, b=4 / 64)     # B's steps take four times A's
+    _add(a, "chat-a", 1, 24, sla_class="interactive")
+    _add(b, "off-b", 2, 16)
+    names = _drain(stepper)
+    assert names[:12] == ["a", "a", "b"] + ["a"] * 8 + ["b"]   # so it waits through eight of A's steps
 
 
-def test_serve_steps_on_one_thread_and_a_failing_engine_ends_only_itself(engines):
+def _serve(stepper, stop, errors, **steps):
+    threads = [threading.Thread(target=stepper.serve, args=(name, engine, step, stop, errors.append), daemon=True)
+               for name, (engine, step) in steps.items()]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _wait(cond, what: str, limit: float = 60.0):
+    for _ in range(int(limit * 20)):
+        if cond():
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def test_engines_with_only_offline_work_step_at_once(engines):
+    a, b = engines
+    stepper, stop, errors, done = DeviceStepper(), threading.Event(), [], []
+    both = threading.Barrier(2, timeout=60)
+    first = {"a": True, "b": True}
+
+    def gated(name, engine):
+        def step():
+            if first[name]:
+                first[name] = False
+                both.wait()     # passes only while the other engine is in a step too (else: BrokenBarrierError)
+            engine.step()
+        return step
+    _add(a, "ov-a", 2, 4, done=done)
+    _add(b, "ov-b", 2, 4, done=done)
+    threads = _serve(stepper, stop, errors, a=(a, gated("a", a)), b=(b, gated("b", b)))
+    _wait(lambda: len(done) == 4 or errors, "both batches")
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and sorted(done) == ["ov-a-0", "ov-a-1", "ov-b-0", "ov-b-1"]
+
+
+def test_a_realtime_request_starts_beside_an_offline_step_in_flight_and_holds_the_others(engines):
+    a, b = engines
+    stepper, stop, errors, done = DeviceStepper(starve_limit=1000), threading.Event(), [], []
+    a_in_step, a_go, a_first_done, b_holding, b_go = (threading.Event() for _ in range(5))
+    a_starts: list[bool] = []      # at each of A's step starts: whether B held online work
+    b_calls = [0]
+
+    def a_step():
+        a_starts.append(urgency(b) < OFFLINE)
+        if len(a_starts) == 1:
+            a_in_step.set()
+            assert a_go.wait(60)
+            a.step()
+            a_first_done.set()
+            return
+        a.step()
+
+    def b_step():
+        b_calls[0] += 1
+        if b_calls[0] == 2:         # B's realtime request got its first step while A's was still in flight
+            b_holding.set()
+            assert b_go.wait(60)
+        b.step()
+    _add(a, "bg-a", 3, 12, done=done)
+    threads = _serve(stepper, stop, errors, a=(a, a_step), b=(b, b_step))
+    assert a_in_step.wait(60)
+    _add(b, "rt-b", 1, 6, sla_class="realtime", done=done)
+    _wait(lambda: b_holding.is_set() or errors, "B's realtime request to step beside A's step in flight")
+    a_go.set()                      # A's step ends while B's request is unfinished: A must start no new step
+    assert a_first_done.wait(60)
+    b_go.set()
+    _wait(lambda: len(done) == 4 or errors, "every request")
+    stop.set()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and "rt-b-0" in done
+    assert a_starts[0] is False and len(a_starts) > 2 and not any(a_starts[1:])
+    assert done.index("rt-b-0") < done.index("bg-a-0")
+
+
+def test_a_failing_engine_ends_only_itself(engines):
     a, b = engines
     stepper = DeviceStepper()
     stops = {"a": threading.Event(), "b": threading.Event()}
