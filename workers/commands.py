@@ -39,12 +39,14 @@ def register_processes(sub) -> None:
                    help="gpu: all four queues, offline ones only with spare capacity; cpu: deferrable only")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--models", default=None, metavar="A,B",
-                   help="registered models to serve, one engine each (default: the TIDEPOOL_MODEL folder)")
+                   help="registered models to serve, one engine each (default: every enabled registered model whose "
+                        "weights fit the memory budget; just the TIDEPOOL_MODEL folder when no other is registered)")
     p.add_argument("--memory-budget-mb", type=float, default=None, metavar="MB",
-                   help="with --models: weights of the loaded models at most this; warm and cold models are "
-                        "unloaded least recently busy first to make room (default: no limit)")
+                   help="weights of the loaded models at most this; warm and cold models are unloaded least "
+                        "recently busy first to make room (default: the device's memory: a GPU's total, on the CPU "
+                        "what is available at start)")
     add_engine_flags(p)
-    p.set_defaults(func=lambda args: _run("workers.model_workers" if args.models else "workers.worker", "main", args))
+    p.set_defaults(func=lambda args: _run("workers.model_workers", "main", args))
     p = sub.add_parser("beat", help="Celery beat + upkeep: sweeper and batch finaliser (needs Redis)")
     p.set_defaults(func=lambda args: _run("workers.celery_app", "main_beat", args))
     p = sub.add_parser("serve", help="all in one process: web, workers, upkeep (SQLite + in-process queue)")

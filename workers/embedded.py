@@ -92,14 +92,14 @@ def main(args) -> int:
         log.info("loading %s on %s for the %s worker", model, dev, kind)
         workers.append(Worker(wcfg))
     # the model registry: filled at the first start (the default model and TIDEPOOL_MODELS_DIR's folders); every
-    # other enabled hot or warm model gets a gpu worker of its own
+    # other enabled hot or warm model whose weights fit the device gets a gpu worker of its own
     from workers.model_workers import other_model_configs, register_first_start
     register_first_start(app.extensions["tidepool.engine"], cfg)
     for wcfg in other_model_configs(app.extensions["tidepool.engine"], cfg, device, args.engine):
         log.info("loading %s on %s for the %s worker", wcfg.model, device, wcfg.name)
         workers.append(Worker(wcfg))
     on_device = [w for w in workers if w.cfg.kind == "gpu"]
-    if len(on_device) > 1:       # several models on one device take turns, as a --models worker's (device_stepper.py)
+    if len(on_device) > 1:       # several models share the device as a --models worker's do (device_stepper.py)
         from workers.device_stepper import DeviceStepper
         stepper = DeviceStepper()
         for w in on_device:

@@ -1,11 +1,14 @@
-"""Workers for registered models (service/registry.py): `tidepool worker --models a,b` and `tidepool serve`.
+"""Workers for registered models (service/registry.py): `tidepool worker [--models a,b]` and `tidepool serve`.
 
+Without --models a worker serves every enabled registered model whose weights fit its memory budget
+(fitting_models), or, when no other model is registered, the deployment's default model alone as ever.
 Each model gets its own Worker (its own engine, on a thread of this process) consuming that model's queues
 (service/dispatch.py queue_name: the bare class queues for the deployment's default model, `<class>@<model>`
-for any other); one DeviceStepper thread steps their engines in turns, the most urgent SLA class first
+for any other); their engines share the device through one DeviceStepper, the most urgent SLA class first
 (workers/device_stepper.py). Hot models are loaded at start and kept; warm ones load when their queues hold work
 and cold ones after `tidepool models warm NAME`, unloaded least recently busy first to fit --memory-budget-mb
 (ModelHost)."""
+import dataclasses
 import json
 import logging
 import signal
@@ -17,19 +20,69 @@ from service.registry import WARM_KEY   # set by `tidepool models warm NAME`
 log = logging.getLogger(__name__)
 
 
-def model_configs(names: list[str], settings, kind: str, device: str, engine_overrides: dict | None = None,
-                  base_name: str | None = None) -> list:
-    """One WorkerConfig per registered model name; a name the registry does not know, or has disabled, fails
-    here (SystemExit with the reason)."""
+MB = 1 << 20
+
+
+def registry_entries(settings) -> dict:
+    """Every registered model by name (service/registry.py Registry.entries), read once."""
     from service.db import make_engine
     from service.registry import Registry
-    from workers.worker import WorkerConfig
 
     db = make_engine(settings.database_url)
     try:
-        entries = Registry(db, settings.served_model_name, settings.model).entries()
+        return Registry(db, settings.served_model_name, settings.model).entries()
     finally:
         db.dispose()
+
+
+def device_memory(device: str) -> int:
+    """What the device can hold: a GPU's total memory; on the CPU, the memory available now."""
+    if device.startswith("cuda"):
+        import torch
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    from workers.engine.model_runner import available_memory
+    return available_memory()
+
+
+def memory_budget(args, device: str) -> int:
+    """Bytes of weights a worker process may hold loaded: --memory-budget-mb, else the device's memory."""
+    mb = getattr(args, "memory_budget_mb", None)
+    return int(mb * MB) if mb is not None else device_memory(device)
+
+
+def fitting_models(entries: dict, default_name: str | None, budget: int, skip_cold: bool = False) -> list[str]:
+    """The models a worker serves without --models: every enabled registered model whose weights (folder_bytes)
+    fit the budget beside the hot models' (hot ones are kept loaded, so they count together; a warm or cold one
+    needs only room beside them, ModelHost unloads the others), the default model first, then hot ones, by name.
+    Each enabled model left out is logged once here with the reason; disabled ones are left out silently."""
+    from pathlib import Path
+    order = sorted((e for e in entries.values() if e.enabled and not (skip_cold and e.tier == "cold")),
+                   key=lambda e: (e.name != default_name, e.tier != "hot", e.name))
+    hot, out = 0, []
+    for e in order:
+        if not e.source or not (Path(e.source) / "config.json").is_file():
+            reason = f"no model folder at {e.source}"
+        else:
+            need = folder_bytes(e.source)
+            beside = f" beside the hot models' {hot / MB:.1f} MB" if hot else ""
+            reason = (f"its weights ({need / MB:.1f} MB) do not fit the memory budget ({budget / MB:.1f} MB){beside}"
+                      if hot + need > budget else None)
+        if reason:
+            log.warning("model %s is not served: %s", e.name, reason,
+                        extra={"event": "model.skipped", "model": e.name})
+            continue
+        hot += need if e.tier == "hot" else 0
+        out.append(e.name)
+    return out
+
+
+def model_configs(names: list[str], settings, kind: str, device: str, engine_overrides: dict | None = None,
+                  base_name: str | None = None, entries: dict | None = None) -> list:
+    """One WorkerConfig per registered model name; a name the registry does not know, or has disabled, fails
+    here (SystemExit with the reason)."""
+    from workers.worker import WorkerConfig
+
+    entries = registry_entries(settings) if entries is None else entries
     out = []
     for name in names:
         entry = entries.get(name)
@@ -48,31 +101,41 @@ def model_configs(names: list[str], settings, kind: str, device: str, engine_ove
 
 
 def main(args) -> int:
-    """`tidepool worker --models a,b [--memory-budget-mb N]`: serve the listed registered models until SIGTERM,
-    hot ones loaded from the start, warm and cold ones as ModelHost decides."""
+    """`tidepool worker [--models a,b] [--memory-budget-mb N]`: serve the listed registered models (default:
+    every enabled one whose weights fit the budget, fitting_models) until SIGTERM, hot ones loaded from the start,
+    warm and cold ones as ModelHost decides. When nothing but the deployment's default model is to be served, this
+    is the plain one-model worker (workers/worker.py main): same name, queues and metrics ports as ever."""
     import redis as redis_lib
 
     from service.config import Config
-    from service.db import make_engine
-    from service.registry import Registry
+    from workers import worker as one_model
     from workers.metrics import DEFAULT_PORTS, bind_metrics_server
-    from workers.worker import default_device
 
     settings = Config.from_env()
-    names = [n.strip() for n in args.models.split(",") if n.strip()]
-    if not names:
-        raise SystemExit("--models needs at least one registered model name")
-    cfgs = model_configs(names, settings, args.kind, args.device or default_device(),
-                         getattr(args, "engine", None), settings.worker_name)
-    db = make_engine(settings.database_url)
-    try:
-        entries = Registry(db, settings.served_model_name, settings.model).entries()
-    finally:
-        db.dispose()
+    device = args.device or one_model.default_device()
+    if args.models is not None:
+        names = [n.strip() for n in args.models.split(",") if n.strip()]
+        if not names:
+            raise SystemExit("--models needs at least one registered model name")
+        entries = registry_entries(settings)
+        budget = memory_budget(args, device)
+    else:
+        try:
+            entries = registry_entries(settings)
+        except Exception as exc:   # a ledger without the models table yet: the deployment's model, as before
+            log.warning("model registry unreadable (%s): serving %s alone", exc, settings.model)
+            return one_model.main(args)
+        others = [e for e in entries.values() if e.enabled and e.name != settings.served_model_name]
+        if not others:
+            return one_model.main(args)
+        budget = memory_budget(args, device)
+        names = fitting_models(entries, settings.served_model_name, budget)
+        if set(names) <= {settings.served_model_name}:
+            return one_model.main(args)
+    cfgs = model_configs(names, settings, args.kind, device, getattr(args, "engine", None), settings.worker_name,
+                         entries)
     client = redis_lib.Redis.from_url(settings.redis_url) if settings.redis_url else None
-    budget = getattr(args, "memory_budget_mb", None)
-    host = ModelHost([(n, entries[n].tier, c) for n, c in zip(names, cfgs)], client,
-                     None if budget is None else int(budget * (1 << 20)))
+    host = ModelHost([(n, entries[n].tier, c) for n, c in zip(names, cfgs)], client, budget)
     port = DEFAULT_PORTS[args.kind] if settings.metrics_port is None else settings.metrics_port
     if port:
         try:   # this process's model series; each hot model's engine series on the next free ports
@@ -100,7 +163,8 @@ def main(args) -> int:
                 port += 1
             except OSError as exc:
                 log.warning("worker %s: no /metrics: %s", worker.cfg.name, exc)
-    print(json.dumps({"models": names, "memory_budget_mb": budget, "metrics_port": host.metrics_port}), flush=True)
+    print(json.dumps({"models": names, "memory_budget_mb": round(budget / MB, 1), "metrics_port": host.metrics_port}),
+          flush=True)
     for name, cfg in zip(names, cfgs):
         print(json.dumps({"worker": cfg.name, "kind": cfg.kind, "device": cfg.device, "model": name,
                           "tier": host.models[name]["tier"], "loaded": name in host.loaded, "source": cfg.model,
@@ -148,11 +212,17 @@ def register_first_start(engine, settings, actor: str = "serve") -> list[str]:
 def other_model_configs(engine, settings, device: str, engine_overrides: dict | None = None,
                         base_name: str = "embedded-gpu") -> list:
     """Worker configs for `tidepool serve`: every enabled hot or warm registered model besides the default one
-    (which the embedded gpu worker serves), named `<base_name>.<model>`; cold models wait for an operator."""
+    (which the embedded gpu worker serves) whose weights fit the device's memory, as a worker's default
+    (fitting_models; every one of them is loaded, so all count together), named `<base_name>.<model>`; cold
+    models wait for an operator."""
     from service.registry import Registry
-    entries = Registry(engine, settings.served_model_name, settings.model).entries().values()
-    names = [e.name for e in entries if e.enabled and e.tier != "cold" and e.name != settings.served_model_name]
-    cfgs = model_configs(names, settings, "gpu", device, engine_overrides, base_name) if names else []
+    entries = Registry(engine, settings.served_model_name, settings.model).entries()
+    if not any(e.enabled and e.tier != "cold" and e.name != settings.served_model_name for e in entries.values()):
+        return []
+    loaded = {n: dataclasses.replace(e, tier="hot") for n, e in entries.items() if e.tier != "cold"}
+    names = [n for n in fitting_models(loaded, settings.served_model_name, device_memory(device))
+             if n != settings.served_model_name]
+    cfgs = model_configs(names, settings, "gpu", device, engine_overrides, base_name, entries) if names else []
     if len(names) == 1:
         cfgs[0].name = f"{base_name}.{names[0]}"
     return cfgs
@@ -175,7 +245,7 @@ class ModelHost:
     warm or cold model with nothing in flight is unloaded first, never one that is running jobs (its queued
     work waits in the broker, so nothing is lost or run twice). Each load and unload is logged with its
     duration and exported as tidepool:model_loaded{model} and tidepool:model_load_seconds{model}. The loaded
-    models' engines take turns on the device through one DeviceStepper (fair use, issue 17 point 4)."""
+    models' engines share the device through one DeviceStepper (fair use, issue 17 point 4)."""
 
     def __init__(self, models: list[tuple[str, str, object]], redis_client, budget_bytes: int | None,
                  make_worker=None, registry=None):
@@ -195,8 +265,8 @@ class ModelHost:
             self.loaded_gauge.labels(name).set(0)
         self.events: list[tuple[str, str]] = []       # ("load" | "unload", model), in order
         self.metrics_port: int | None = None
-        # One thread steps every loaded model's engine in turns (workers/device_stepper.py): the most urgent SLA
-        # class of any model first, round robin among equals, never two engines fighting for the device at once.
+        # The loaded models' engines share the device through one gate (workers/device_stepper.py): offline steps
+        # overlap; online work of any model steps first, one step at a time, turns shared by step time.
         from workers.device_stepper import DeviceStepper
         self.stepper = DeviceStepper()
 

@@ -1,7 +1,8 @@
 """Routing by model (issue #17) with real worker processes over two random-weight models of different
 architectures: each job runs on its own model (outputs equal that model's own LLM.generate), a model no live
-worker serves keeps its jobs queued and shown so, never failed, until a worker for it starts; one process
-serving both models (`tidepool worker --models a,b`) survives kill -9 with every job completed exactly once."""
+worker serves keeps its jobs queued and shown so, never failed, until a worker for it starts; a worker without
+--models serves every enabled model whose weights fit its budget; one process serving both models
+(`tidepool worker --models a,b`) survives kill -9 with every job completed exactly once."""
 import json
 import signal
 
@@ -10,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.models import Job, JobStatus
+from service.snapshots import HEARTBEAT_KEY
 from workers.engine import LLM, SamplingParams
 
 ADMIN = {"Authorization": "Bearer admin"}
@@ -59,11 +61,46 @@ def test_each_model_runs_its_own_jobs_and_an_unserved_model_waits(stack, qwen_mo
     default = stack.app.config["TIDEPOOL"].served_model_name
     assert _queues(stack)[(default, "interactive")] == (2, False)
 
-    stack.worker("wt")     # a worker of the default model takes them
+    stack.start("worker", "--device", "cpu", "--models", default, wait_for="wt", TIDEPOOL_WORKER_NAME="wt",
+                TIDEPOOL_LEASE_SECONDS=4)     # a worker of the default model takes them
     stack.wait(lambda: stack.count(Job.id.in_(t_ids), Job.status == JobStatus.completed) == 2, 120, "tiny jobs")
     got = {j.request["prompt"]: j for j in stack.jobs(Job.id.in_(t_ids))}
     assert [got[f"tiny {i}"].output for i in range(2)] == _expected(stack.model, ["tiny 0", "tiny 1"], 6)
     assert {j.worker for j in got.values()} == {"wt"} and {j.model for j in got.values()} == {default}
+
+
+def test_a_worker_without_models_serves_every_enabled_model_that_fits(stack, qwen_model, tmp_path):
+    from workers.engine.tiny_model import make_tiny_model
+    from workers.model_workers import folder_bytes
+    default = stack.app.config["TIDEPOOL"].served_model_name
+    client = stack.app.test_client()
+    big = str(make_tiny_model(str(tmp_path / "big"), seed=2, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=4))
+    _register(stack, "qwen", qwen_model)
+    _register(stack, "off", qwen_model)
+    assert client.patch("/v1/admin/models/off", json={"enabled": False}, headers=ADMIN).status_code == 200
+    assert client.post("/v1/admin/models", json={"name": "big", "source": big, "tier": "warm"},
+                       headers=ADMIN).status_code == 201
+    both = folder_bytes(stack.model) + folder_bytes(qwen_model)
+    budget_mb = both * 1.5 / (1 << 20)
+    assert both + folder_bytes(big) > budget_mb * (1 << 20)          # big does not fit beside the two hot ones
+    _, key = stack.tenant()
+    proc = stack.start("worker", "--device", "cpu", "--memory-budget-mb", f"{budget_mb:.6f}",
+                       wait_for=f"w.{default}", TIDEPOOL_WORKER_NAME="w", TIDEPOOL_LEASE_SECONDS=4)
+    stack.wait(lambda: stack.redis.exists(HEARTBEAT_KEY.format("w.qwen")), 60, "w.qwen to start")
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    q_ids = [stack.submit(key, 1, prompt=f"qwen {i}", model="qwen", **body)[0] for i in range(2)]
+    t_ids = [stack.submit(key, 1, prompt=f"tiny {i}", **body)[0] for i in range(2)]
+    stack.wait(lambda: stack.count(Job.id.in_(q_ids + t_ids), Job.status == JobStatus.completed) == 4, 120,
+               "both models' jobs")
+    for ids, folder, tag, model in ((q_ids, qwen_model, "qwen", "qwen"), (t_ids, stack.model, "tiny", default)):
+        got = {j.request["prompt"]: j for j in stack.jobs(Job.id.in_(ids))}
+        assert [got[f"{tag} {i}"].output for i in range(2)] == _expected(folder, [f"{tag} {i}" for i in range(2)], 6)
+        assert {j.worker for j in got.values()} == {f"w.{model}"} and {j.model for j in got.values()} == {model}
+    lines = [json.loads(ln) for ln in open(proc.log_path) if ln.startswith("{")]
+    assert next(rec["models"] for rec in lines if "models" in rec) == [default, "qwen"]     # not off, not big
+    skipped = [rec for rec in lines if rec.get("event") == "model.skipped"]
+    assert [rec["model"] for rec in skipped] == ["big"] and "do not fit the memory budget" in skipped[0]["msg"]
 
 
 def test_a_two_model_worker_killed_loses_nothing(stack, qwen_model):
