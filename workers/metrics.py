@@ -87,9 +87,9 @@ class EngineMetrics:
     def observe_request(self, output, sla_class: str, tenant: str, queue_time: float | None = None) -> None:
         """Record one finished RequestOutput (arrival_time, first_token_time, finished_time, token ids)."""
         tenant = self._tenant(tenant)
-        n_out = len(output.token_ids)
+        n_out = len(output.token_ids)      # the first choice's tokens: its inter-token gaps
         self.prompt_tokens.labels(sla_class, tenant).inc(len(output.prompt_token_ids))
-        self.generation_tokens.labels(sla_class, tenant).inc(n_out)
+        self.generation_tokens.labels(sla_class, tenant).inc(output.generated_tokens or n_out)   # every choice
         self.success.labels(sla_class, output.finish_reason or "unknown").inc()
         if output.first_token_time is not None:
             self.ttft.labels(sla_class).observe(max(0.0, output.first_token_time - output.arrival_time))

@@ -92,8 +92,9 @@ def test_engine_metrics_from_a_real_tiny_engine(tmp_path):
     prefix = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]  # a full block to share
     classes = {"r0": ("batch", "a"), "r1": ("realtime", "b"), "r2": ("batch", "a"), "r3": ("interactive", "b")}
     for i, (rid, (cls, tenant)) in enumerate(classes.items()):
-        engine.add_request(rid, prefix + [30 + i], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
-                           sla_class=cls, tenant=tenant)
+        n = 2 if rid == "r2" else 1     # every choice's tokens count
+        engine.add_request(rid, prefix + [30 + i], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True,
+                                                                  n=n), sla_class=cls, tenant=tenant)
     t0 = time.time()  # every update below is stamped t0, so only the first publishes a snapshot
     engine.step()
     metrics.update_from_stats(engine.stats(), now=t0)
@@ -111,8 +112,8 @@ def test_engine_metrics_from_a_real_tiny_engine(tmp_path):
     page = samples(text)
     for name in ENGINE_NAMES:
         assert name in text, name
-    assert value(page, "tidepool:generation_tokens_total") == 32 == stats["total_generation_tokens"]
-    assert value(page, "tidepool:generation_tokens_total", sla_class="batch", tenant="a") == 16
+    assert value(page, "tidepool:generation_tokens_total") == 40 == stats["total_generation_tokens"]
+    assert value(page, "tidepool:generation_tokens_total", sla_class="batch", tenant="a") == 24
     assert value(page, "tidepool:prompt_tokens_total") == 4 * 18
     assert value(page, "tidepool:time_to_first_token_seconds_count") == 4
     assert value(page, "tidepool:time_to_first_token_seconds_count", sla_class="batch") == 2
@@ -125,14 +126,14 @@ def test_engine_metrics_from_a_real_tiny_engine(tmp_path):
     assert value(page, "tidepool:prefix_cache_hits_total", worker="cpu0") == stats["prefix_cache_hits"]
     assert value(page, "tidepool:iteration_tokens_count", worker="cpu0") == stats["total_steps"]
     assert value(page, "tidepool:iteration_tokens_sum", worker="cpu0") == \
-        stats["total_prompt_tokens"] + stats["total_generation_tokens"] - 4  # the first token comes with prefill
+        stats["total_prompt_tokens"] + stats["total_generation_tokens"] - 5  # each sequence's first token: prefill
     assert value(page, "tidepool:num_requests_running", worker="cpu0") == 0
     # the snapshot the dashboard reads
     [snap] = store.read(now=t0)
     assert snap["worker"] == "cpu0" and snap["device"] == "cpu" and snap["running"] == 4
     metrics.update_from_stats(stats, now=snap["ts"] + 2)
     [snap] = store.read(now=snap["ts"] + 2)
-    assert snap["running"] == 0 and snap["total_generation_tokens"] == 32 and snap["generation_tokens_per_s"] > 0
+    assert snap["running"] == 0 and snap["total_generation_tokens"] == 40 and snap["generation_tokens_per_s"] > 0
     assert store.read(now=snap["ts"] + 60) == []  # a silent worker drops off the dashboard
     # and its own /metrics endpoint
     server, thread = start_metrics_server(0, registry, addr="127.0.0.1")
@@ -159,8 +160,8 @@ def test_tenant_label_cardinality_is_bounded():
     from workers import metrics as wm
     registry = CollectorRegistry()
     m = EngineMetrics(registry=registry)
-    out = SimpleNamespace(prompt_token_ids=[1], token_ids=[2], finish_reason="stop", arrival_time=0.0,
-                          first_token_time=None, finished_time=None)
+    out = SimpleNamespace(prompt_token_ids=[1], token_ids=[2], generated_tokens=1, finish_reason="stop",
+                          arrival_time=0.0, first_token_time=None, finished_time=None)
     for i in range(wm.MAX_TENANT_LABELS + 20):
         m.observe_request(out, "batch", f"t{i}")
     page = samples(generate_latest(registry).decode())
