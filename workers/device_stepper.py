@@ -47,6 +47,7 @@ class _Member:
         self.name, self.engine, self.step, self.on_error, self.order = name, engine, step, on_error, order
         self.failed = False
         self.stepping = False     # a step of it is in flight
+        self.rank = IDLE          # its urgency when that step started
         self.alone = False        # ... taken as a one-at-a-time turn (others wait for it)
         self.active = False       # had work when last looked at (coming back from idle: see _ready)
         self.used = 0.0           # seconds its steps took (turn fairness: least first)
@@ -108,8 +109,9 @@ class DeviceStepper:
             ready = self._ready()
             if not ready:
                 return None
-            member = self._choose(ready, {id(m): urgency(m.engine) for m in ready})
-            self._start(member, ready, alone=True)
+            ranks = self._ranks(ready)
+            member = self._choose(ready, ranks)
+            self._start(member, ready, ranks, alone=True)
         self._run(member)
         return member.name
 
@@ -122,24 +124,25 @@ class DeviceStepper:
                 ready = self._ready()
                 if member not in ready:
                     return False
-                ranks = {id(m): urgency(m.engine) for m in ready}
+                ranks = self._ranks(ready)
                 if self.overlap_offline and min(ranks.values()) >= OFFLINE:
-                    self._start(member, ready, alone=False)
+                    self._start(member, ready, ranks, alone=False)
                     return True
                 # one at a time: a step in flight from before (overlapping offline) is not waited for
                 if not any(m.stepping and m.alone for m in self._members) \
                         and self._choose(ready, ranks) is member:
-                    self._start(member, ready, alone=True)
+                    self._start(member, ready, ranks, alone=True)
                     return True
                 self._cond.wait(0.25)       # a step's end or a leave notifies; the timeout only notices stop
             return False
 
     def _ready(self) -> list[_Member]:
-        """The members with work. One coming back from idle starts level with the least served of the others,
-        so time banked while idle buys it no run of turns."""
+        """The members with work (one in a step counts as having some until the step ends). One coming back
+        from idle starts level with the least served of the others, so time banked while idle buys it no run of
+        turns."""
         ready, fresh = [], []
         for m in self._members:
-            if m.failed or not m.engine.has_unfinished():
+            if m.failed or not (m.stepping or m.engine.has_unfinished()):
                 m.active = False
                 continue
             ready.append(m)
@@ -152,6 +155,12 @@ class DeviceStepper:
                 if floor is not None:
                     m.used = max(m.used, floor)
         return ready
+
+    @staticmethod
+    def _ranks(ready: list[_Member]) -> dict:
+        """Each member's urgency; one in a step is asked too (work added meanwhile counts), but keeps at least
+        the urgency it had when the step started (a request the step is taking in may be missed by the ask)."""
+        return {id(m): min(m.rank, urgency(m.engine)) if m.stepping else urgency(m.engine) for m in ready}
 
     def _starving(self, m: _Member) -> bool:
         if m.passed_over == 0:
@@ -167,8 +176,8 @@ class DeviceStepper:
             pool = [m for m in ready if ranks[id(m)] == top]
         return min(pool, key=lambda m: (m.used, m.last_start, m.order))
 
-    def _start(self, member: _Member, ready: list[_Member], alone: bool) -> None:
-        member.stepping, member.alone = True, alone
+    def _start(self, member: _Member, ready: list[_Member], ranks: dict, alone: bool) -> None:
+        member.stepping, member.alone, member.rank = True, alone, ranks[id(member)]
         member.waited, member.passed_over = 0.0, 0
         member.last_start = self._started
         self._started += 1

@@ -170,10 +170,12 @@ class LLMEngine:
 
     def most_urgent_rank(self) -> int | None:
         """The rank (0 = realtime) of the most urgent SLA class among unfinished requests, those added but not yet
-        taken in by a step included; None when there are none. Call it between steps on the stepping thread (only
-        a step removes requests; add_request's inbox is read under the lock)."""
+        taken in by a step included; None when there are none. Safe beside a step on another thread (the device
+        stepper asks while one runs): the requests are copied in one go, and a request a step is taking in from
+        the inbox at that moment may be missed (the caller knows the rank it had before the step)."""
         with self._lock:
-            return min([r.seq.rank for r in self.requests.values()] + [r.seq.rank for r in self._inbox], default=None)
+            requests = list(self.requests.values())     # one copy in C: a step may change the dict meanwhile
+            return min([r.seq.rank for r in requests] + [r.seq.rank for r in self._inbox], default=None)
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
