@@ -50,8 +50,9 @@ class Intake:
         free_slots = stats["offline_seats_free"] if stats["offline_blocks_free"] else 0
         return stats["waiting"] < self.cfg.low_water + free_slots
 
-    def pull(self) -> bool:
-        """One pass over the queues: take and claim what there is room for; True if anything was taken."""
+    def pull(self, online_only: bool = False) -> bool:
+        """One pass over the queues: take and claim what there is room for; True if anything was taken.
+        online_only: the online queues alone (between two chunks of result writes, see workers/results.py)."""
         if not self._queues:
             raise ConnectionError("not connected to the broker")
         got = False
@@ -61,6 +62,8 @@ class Intake:
                 self._accept(name, message)
         for name in self.cfg.queues:
             online = name in self.cfg.online_queues
+            if online_only and not online:
+                continue
             for lane in self.affinity.lanes(name):   # its private queue (prefix affinity), then the shared one
                 message = None
                 while len(self.inflight) < self.cfg.max_inflight:

@@ -3,9 +3,11 @@ service/jobs.py, then acked (or requeued) on the broker and announced on the tok
 checks and renewal; the hand-back at shutdown. A result the ledger refused (e.g. during a database restart) is
 written again in place, the pause doubling from WRITE_RETRY_FIRST to WRITE_RETRY_MAX seconds, for up to
 WRITE_PATIENCE seconds: the write is guarded by the lease, so it lands exactly once, or not at all if the sweeper
-has requeued the job meanwhile. Reads and writes on the Worker: cfg, db, engine, inflight, counters, preempted,
-_done, _firsts, _unwritten, _retry_at, _retry_pause; each attempt's end goes out through _publish_end
-(workers/streaming.py)."""
+has requeued the job meanwhile. A wave of finished attempts (a batch's sequences end in the same step) is written
+RESULT_CHUNK per transaction, online ones first, and the online queues are pulled (workers/intake.py) between two
+transactions: an arriving realtime job waits for one chunk, not for the wave. Reads and writes on the Worker: cfg,
+db, engine, inflight, counters, preempted, _done, _firsts, _unwritten, _retry_at, _retry_pause, _stop; each
+attempt's end goes out through _publish_end (workers/streaming.py)."""
 import logging
 import queue
 import time
@@ -18,6 +20,7 @@ from workers.openai_bodies import ledger_result
 
 log = logging.getLogger("workers.worker")
 WRITE_RETRY_FIRST, WRITE_RETRY_MAX, WRITE_PATIENCE = 0.25, 4.0, 300.0
+RESULT_CHUNK = 8      # finished attempts written per ledger transaction (the online queues are pulled between two)
 
 
 class Results:
@@ -31,7 +34,9 @@ class Results:
 
 
     def finish_done(self) -> bool:
-        """Write every finished request to the ledger (one transaction for all of them), then ack."""
+        """Write every finished request to the ledger, then ack: online results first, RESULT_CHUNK per
+        transaction, with a look at the online queues between two transactions, so an online job that arrives
+        while a wave of offline results is written is claimed after one chunk, not after the whole wave."""
         done = []
         while True:
             try:
@@ -49,14 +54,31 @@ class Results:
             done = [(inf, out) for inf, out, _ in self._unwritten] + done
         if not done:
             return False
-        try:
-            statuses = self._write_results(done)
-        except Exception:  # one bad row must not sink the others: retry one transaction each
-            log.exception("worker %s: writing %d results failed; retrying one by one", self.cfg.name, len(done))
-            statuses = [self._write_one(item) for item in done]
+        done.sort(key=lambda item: not item[0].online)     # their callers are waiting on them
         since = {inf.job_id: at for inf, _, at in self._unwritten}
         self._unwritten, now = [], time.monotonic()
-        for (inf, out), status in zip(done, statuses):
+        landed = True
+        for start in range(0, len(done), RESULT_CHUNK):
+            if start and landed:      # (a ledger that refused the last chunk would refuse the claims too)
+                self._pull_between_writes()
+            landed = self._settle(done[start:start + RESULT_CHUNK], since, now)
+        if self._unwritten:
+            self._retry_at = now + self._retry_pause
+            self._retry_pause = min(self._retry_pause * 2, WRITE_RETRY_MAX)
+        else:
+            self._retry_pause = WRITE_RETRY_FIRST
+        return True
+
+
+    def _settle(self, chunk: list, since: dict, now: float) -> bool:
+        """One transaction for a chunk of (attempt, output); then each is acked (or requeued) and announced, or
+        kept for a retry in place when the ledger did not take it. False if the ledger refused any."""
+        try:
+            statuses = self._write_results(chunk)
+        except Exception:  # one bad row must not sink the others: retry one transaction each
+            log.exception("worker %s: writing %d results failed; retrying one by one", self.cfg.name, len(chunk))
+            statuses = [self._write_one(item) for item in chunk]
+        for (inf, out), status in zip(chunk, statuses):
             if status is None:    # not in the ledger (database down?): retried in place, with backoff
                 first = since.get(inf.job_id, now)
                 if now - first < WRITE_PATIENCE:
@@ -70,12 +92,19 @@ class Results:
             else:
                 self._ack(inf)        # only now: the result (or the cancellation) is in the ledger
             self._publish_end(inf, "queued" if status == "released" else status)
-        if self._unwritten:
-            self._retry_at = now + self._retry_pause
-            self._retry_pause = min(self._retry_pause * 2, WRITE_RETRY_MAX)
-        else:
-            self._retry_pause = WRITE_RETRY_FIRST
-        return True
+        return None not in statuses
+
+
+    def _pull_between_writes(self) -> None:
+        """Claim what arrived on the online queues (not while stopping: _release_all would hand it straight
+        back). A broker or ledger error here must not strand the results still to write: the intake loop's next
+        pull meets it again and reconnects."""
+        if self._stop.is_set():
+            return
+        try:
+            self.pull(online_only=True)
+        except Exception as exc:
+            log.warning("worker %s: online pull between result writes failed: %s", self.cfg.name, exc)
 
 
     def _write_results(self, done: list) -> list[str]:
