@@ -1,10 +1,11 @@
-"""Decode attention microbenchmark, CPU: the pure-torch path against the native kernel, ms per layer (CPU time).
+"""Decode attention microbenchmark, CPU: the pure-torch path against the native kernel, ms per layer (wall time) and
+the K/V bytes read per second (every cached token's K and V rows once).
 
 Defaults follow the engine benchmark's worst decode step with SmolLM2-135M: 256 sequences with contexts uniform in
 [16, 768], 9 query heads, 3 KV heads, head_dim 64, block 16, fp32, blocks shuffled over an 8192-block pool.
 --pools N cycles N separate pools so that every call reads from DRAM, as the engine's 30 layers do.
 
-    python -m kernels.bench_decode [--threads 1] [--pools 8] [--repeat 7]
+    python -m kernels.bench_decode [--threads 1] [--pools 8] [--repeat 7] [--dtype bfloat16] [--native-only] [--huge-pages]
 """
 import argparse
 import random
@@ -13,6 +14,7 @@ import time
 import torch
 
 from kernels.cpu_ops import paged_decode_op
+from kernels.cpu_pages import empty_on_huge_pages, huge_page_bytes
 from kernels.paged_attention import paged_decode_ref
 
 
@@ -38,9 +40,9 @@ def timed(fn, q, pools, tables, lens, repeat):
     times = []
     for i in range(repeat * len(pools)):
         k, v = pools[i % len(pools)]
-        start = time.process_time()
+        start = time.perf_counter()
         fn(q, k, v, tables, lens, 0.125)
-        times.append(time.process_time() - start)
+        times.append(time.perf_counter() - start)
     times.sort()
     return 1e3 * times[0], 1e3 * times[len(times) // 2]
 
@@ -52,18 +54,26 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--huge-pages", action="store_true", help="K/V pools on 2 MiB pages, as the engine's KV cache")
+    ap.add_argument("--native-only", action="store_true", help="time the native kernel only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     q, k, v, tables, lens = make_batch(batch=args.batch, dtype=getattr(torch, args.dtype))
     pools = [(k, v)] + [(torch.randn_like(k), torch.randn_like(v)) for _ in range(args.pools - 1)]
+    if args.huge_pages:     # the pools where the engine keeps its KV cache (kernels/cpu_pages.py)
+        pools = [tuple(empty_on_huge_pages(c.shape, c.dtype).copy_(c) for c in pool) for pool in pools]
     op = paged_decode_op()
     want = paged_decode_ref(q, k, v, tables, lens, 0.125)
     err = (op(q, k, v, tables, lens, 0.125).float() - want.float()).abs().max()
     print(f"{args.batch} seqs, {int(lens.sum())} cached tokens, {args.dtype}, threads {args.threads}, "
-          f"{args.pools} pool(s); max abs diff {err.item():.2e}")
+          f"{args.pools} pool(s), {(huge_page_bytes() or 0) / 2**20:.0f} MiB on huge pages; max abs diff {err.item():.2e}")
+    kv_bytes = 2 * int(lens.sum()) * k[0, 0].numel() * k.element_size()
     for name, fn in (("torch path", paged_decode_ref), ("native kernel", op)):
+        if name == "torch path" and args.native_only:
+            continue
         best, median = timed(fn, q, pools, tables, lens, args.repeat)
-        print(f"  {name:14s} {best:7.1f} ms/layer (median {median:.1f})")
+        print(f"  {name:14s} {best:7.1f} ms/layer (median {median:.1f}), K/V read at {kv_bytes / best / 1e6:5.1f} GB/s"
+              f" (median {kv_bytes / median / 1e6:.1f})")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The native CPU decode kernel's tiled path (kernels/csrc/paged_decode_cpu.cpp: 16-position tiles that may span
-cache blocks, each K/V row read once for a whole GQA group, a running softmax across tiles) against the pure-torch
+"""The native CPU decode kernel's tiled paths (kernels/csrc/paged_decode_cpu.cpp: attend16 on AVX-512 builds, 16-position
+tiles; attend8 on AVX2 builds, 32-position tiles of four 8-lane groups; both may span cache blocks, read each K/V row
+once for a whole GQA group and keep a running softmax across tiles) against the pure-torch
 reference (kernels/paged_attention.py), on the cases that path adds: contexts on and around tile and block edges with
 block sizes that do not divide 16, group sizes 1-8, scores whose maximum arrives late (every rescale of the running
 softmax is exercised), bf16 and fp16 caches accumulated in fp32, and batches big enough to be split per sequence
@@ -120,3 +121,19 @@ def test_bf16_pair_dot_and_widened_paths(op, head_dim):
     assert torch.isfinite(out).all(), "a NaN from an unowned slot leaked"
     ref = paged_decode_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
     assert (out.float() - ref).abs().max().item() <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [8, 24, 40, 72, 136, 256])
+def test_head_dims_of_eight_lane_groups(op, dtype, head_dim):
+    """head_dims in multiples of 8 (all but 256 not multiples of 16, which AVX-512 builds send to the AVX2 path too;
+    136 and 256 take more than one pass of accumulator registers over a V row), across tile edges (8-lane groups and 32-position tiles partly past the
+    context read a zero row, never the NaN after it) with the maximum arriving late."""
+    rng = random.Random(head_dim + 7)
+    q, k_cache, v_cache, tables, lens = paged(rng, [1, 7, 8, 9, 31, 32, 33, 40, 95, 96, 97, 130], 2, 3, head_dim, 16,
+                                              dtype, ramp=10.0 / head_dim ** 0.5)
+    scale = head_dim ** -0.5
+    out = op(q, k_cache, v_cache, tables, lens, scale)
+    assert torch.isfinite(out).all(), "a NaN from an unowned slot leaked"
+    ref = paged_decode_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype]
