@@ -3,8 +3,8 @@ serve` load one engine per model into one process; each engine keeps its own thr
 DeviceStepper before every step whether it may start one:
 
   - while no engine holds realtime or interactive work, engines with batch or deferrable work step at once, each
-    on its own thread (on the project's 2-core CPU two engines overlap one's Python work with the other's
-    arithmetic: 1.2-1.3x one engine's tokens/s, where one step at a time gave 0.9x; benchmarks/multi_model.py);
+    on its own thread (on the project's 2-core CPU two engines of one model overlap one's Python work with the
+    other's arithmetic: 1.15-1.21x one engine's tokens/s, one step at a time 0.77-0.86x; benchmarks/multi_model.py);
   - as soon as an engine holds realtime or interactive work (waiting, running, or just added), steps are taken
     one at a time and the most urgent SLA class of any model goes first (workers/engine/sequence.py ranks):
     that engine starts at once (a step already in flight is not interrupted, and not waited for either) and the
