@@ -7,7 +7,8 @@ Each model gets its own Worker (its own engine, on a thread of this process) con
 for any other); their engines share the device through one DeviceStepper, the most urgent SLA class first
 (workers/device_stepper.py). Hot models are loaded at start and kept; warm ones load when their queues hold work
 and cold ones after `tidepool models warm NAME`, unloaded least recently busy first to fit --memory-budget-mb
-(ModelHost)."""
+(ModelHost). The budget holds the loaded models' weights and KV pools together: each engine's pool is sized when
+its model loads, from what the budget has left, split by demand (ModelHost.pool_blocks)."""
 import dataclasses
 import json
 import logging
@@ -45,16 +46,19 @@ def device_memory(device: str) -> int:
 
 
 def memory_budget(args, device: str) -> int:
-    """Bytes of weights a worker process may hold loaded: --memory-budget-mb, else the device's memory."""
+    """Bytes of weights and KV pools a worker process may hold loaded: --memory-budget-mb, else the device's
+    memory."""
     mb = getattr(args, "memory_budget_mb", None)
     return int(mb * MB) if mb is not None else device_memory(device)
 
 
-def fitting_models(entries: dict, default_name: str | None, budget: int, skip_cold: bool = False) -> list[str]:
-    """The models a worker serves without --models: every enabled registered model whose weights (folder_bytes)
-    fit the budget beside the hot models' (hot ones are kept loaded, so they count together; a warm or cold one
-    needs only room beside them, ModelHost unloads the others), the default model first, then hot ones, by name.
-    Each enabled model left out is logged once here with the reason; disabled ones are left out silently."""
+def fitting_models(entries: dict, default_name: str | None, budget: int, skip_cold: bool = False,
+                   device: str = "cpu", engine_overrides: dict | None = None) -> list[str]:
+    """The models a worker serves without --models: every enabled registered model whose weights and smallest KV
+    pool (min_footprint) fit the budget beside the hot models' (hot ones are kept loaded, so they count together;
+    a warm or cold one needs only room beside them, ModelHost unloads the others), the default model first, then
+    hot ones, by name. Each enabled model left out is logged once here with the reason; disabled ones are left
+    out silently."""
     from pathlib import Path
     order = sorted((e for e in entries.values() if e.enabled and not (skip_cold and e.tier == "cold")),
                    key=lambda e: (e.name != default_name, e.tier != "hot", e.name))
@@ -63,10 +67,13 @@ def fitting_models(entries: dict, default_name: str | None, budget: int, skip_co
         if not e.source or not (Path(e.source) / "config.json").is_file():
             reason = f"no model folder at {e.source}"
         else:
-            need = folder_bytes(e.source)
-            beside = f" beside the hot models' {hot / MB:.1f} MB" if hot else ""
-            reason = (f"its weights ({need / MB:.1f} MB) do not fit the memory budget ({budget / MB:.1f} MB){beside}"
-                      if hot + need > budget else None)
+            try:
+                need = min_footprint(e.source, device, engine_overrides)
+                beside = f" beside the hot models' {hot / MB:.1f} MB" if hot else ""
+                reason = (f"its weights and smallest KV pool ({need / MB:.1f} MB) do not fit the memory budget "
+                          f"({budget / MB:.1f} MB){beside}" if hot + need > budget else None)
+            except (ValueError, KeyError, OSError) as exc:
+                reason = f"its engine config does not load ({exc})"
         if reason:
             log.warning("model %s is not served: %s", e.name, reason,
                         extra={"event": "model.skipped", "model": e.name})
@@ -129,7 +136,8 @@ def main(args) -> int:
         if not others:
             return one_model.main(args)
         budget = memory_budget(args, device)
-        names = fitting_models(entries, settings.served_model_name, budget)
+        names = fitting_models(entries, settings.served_model_name, budget, device=device,
+                               engine_overrides=getattr(args, "engine", None))
         if set(names) <= {settings.served_model_name}:
             return one_model.main(args)
     cfgs = model_configs(names, settings, args.kind, device, getattr(args, "engine", None), settings.worker_name,
@@ -220,8 +228,8 @@ def other_model_configs(engine, settings, device: str, engine_overrides: dict | 
     if not any(e.enabled and e.tier != "cold" and e.name != settings.served_model_name for e in entries.values()):
         return []
     loaded = {n: dataclasses.replace(e, tier="hot") for n, e in entries.items() if e.tier != "cold"}
-    names = [n for n in fitting_models(loaded, settings.served_model_name, device_memory(device))
-             if n != settings.served_model_name]
+    names = [n for n in fitting_models(loaded, settings.served_model_name, device_memory(device), device=device,
+                                       engine_overrides=engine_overrides) if n != settings.served_model_name]
     cfgs = model_configs(names, settings, "gpu", device, engine_overrides, base_name, entries) if names else []
     if len(names) == 1:
         cfgs[0].name = f"{base_name}.{names[0]}"
@@ -238,22 +246,58 @@ def folder_bytes(folder: str) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
+def engine_config(folder: str, device: str, engine_overrides: dict | None = None):
+    """The EngineConfig an engine of this model would run with (reads config.json only, loads no weights)."""
+    from workers.engine import EngineConfig
+    return EngineConfig(model=folder, device=device, **(engine_overrides or {}))
+
+
+def default_kv_blocks(ecfg) -> int:
+    """The pool the engine sizes for itself when given no num_kv_blocks (workers/engine/model_runner.py
+    _blocks_from_budget): kv_cache_memory_bytes, else a share of the GPU's free / the host's available memory,
+    never beyond max_num_seqs sequences of max_model_len."""
+    from workers.engine.model_runner import CPU_KV_SHARE, available_memory
+    budget = ecfg.kv_cache_memory_bytes
+    if budget is None:
+        if ecfg.device.startswith("cuda"):
+            import torch
+            budget = int(torch.cuda.mem_get_info(torch.device(ecfg.device))[0] * ecfg.gpu_memory_utilization)
+        else:
+            budget = int(available_memory() * CPU_KV_SHARE)
+    return max(1, min(ecfg.max_num_seqs * ecfg.blocks_per_sequence, budget // ecfg.kv_block_bytes))
+
+
+def min_footprint(folder: str, device: str, engine_overrides: dict | None = None) -> int:
+    """The least a loaded model takes: its weights and a KV pool for one sequence of its full context (or the
+    num_kv_blocks an operator fixed)."""
+    ecfg = engine_config(folder, device, engine_overrides)
+    return folder_bytes(folder) + (ecfg.num_kv_blocks or ecfg.blocks_per_sequence) * ecfg.kv_block_bytes
+
+
 class ModelHost:
     """The models of one worker process (`tidepool worker --models a,b --memory-budget-mb N`). Hot models are
     loaded at start and kept. A warm model is loaded when one of its queues holds work, a cold one only after
-    `tidepool models warm NAME`; to fit the budget (the weights of the loaded models) the least recently busy
-    warm or cold model with nothing in flight is unloaded first, never one that is running jobs (its queued
-    work waits in the broker, so nothing is lost or run twice). Each load and unload is logged with its
-    duration and exported as tidepool:model_loaded{model} and tidepool:model_load_seconds{model}. The loaded
-    models' engines share the device through one DeviceStepper (fair use, issue 17 point 4)."""
+    `tidepool models warm NAME`. The budget holds the loaded models' weights and KV pools: a model is loaded only
+    when its weights and smallest pool fit (to make room the least recently busy warm or cold model with nothing
+    in flight is unloaded first, never one that is running jobs; its queued work waits in the broker, so nothing
+    is lost or run twice), and its engine gets the pool pool_blocks decides. Unloading returns both. Each load
+    and unload is logged with its duration and exported as tidepool:model_loaded{model} and
+    tidepool:model_load_seconds{model}. The loaded models' engines share the device through one DeviceStepper
+    (fair use, issue 17 point 4)."""
 
     def __init__(self, models: list[tuple[str, str, object]], redis_client, budget_bytes: int | None,
                  make_worker=None, registry=None):
         from prometheus_client import CollectorRegistry, Gauge, Histogram
-        self.models = {name: {"tier": tier, "cfg": cfg, "bytes": folder_bytes(cfg.model)} for name, tier, cfg in models}
+        self.models = {}
+        for name, tier, cfg in models:
+            ecfg = engine_config(cfg.model, cfg.device, cfg.engine)
+            self.models[name] = {"tier": tier, "cfg": cfg, "bytes": folder_bytes(cfg.model), "engine": ecfg,
+                                 "block_bytes": ecfg.kv_block_bytes,
+                                 "min_blocks": ecfg.num_kv_blocks or ecfg.blocks_per_sequence}
         self.redis, self.budget = redis_client, budget_bytes
         self.make_worker = make_worker or self._make_worker
         self.loaded: dict[str, tuple] = {}           # name -> (worker, thread)
+        self.pools: dict[str, int] = {}              # name -> KV blocks its engine was given (loaded models)
         self.busy_at: dict[str, float] = {}          # name -> when it last had work (LRU order)
         self.registry = registry if registry is not None else CollectorRegistry()
         self.loaded_gauge = Gauge("tidepool:model_loaded", "1 while the model is loaded in this worker process.",
@@ -292,11 +336,50 @@ class ModelHost:
         worker, _ = self.loaded[name]
         return not worker.inflight and self._depth(name) == 0
 
-    def _used(self) -> int:
-        return sum(self.models[n]["bytes"] for n in self.loaded)
+    def used_bytes(self) -> int:
+        """Bytes the loaded models hold: weights and KV pools."""
+        return sum(self.models[n]["bytes"] + self.pools.get(n, 0) * self.models[n]["block_bytes"]
+                   for n in self.loaded)
 
-    def load(self, name: str) -> None:
+    def _least(self, name: str) -> int:
+        """Bytes the model needs loaded at the least: weights and its floor pool."""
+        m = self.models[name]
+        return m["bytes"] + m["min_blocks"] * m["block_bytes"]
+
+    def demand(self, name: str) -> int:
+        """A model's weight in the KV split: 1 + its queued jobs + the jobs its engine is running (the 1 gives a
+        model without work an even share beside other idle ones)."""
+        running = len(self.loaded[name][0].inflight) if name in self.loaded else 0
+        return 1 + self._depth(name) + running
+
+    def pool_blocks(self, name: str, pending: list[str] = (), demand: dict | None = None) -> int | None:
+        """The KV blocks `name`'s engine gets when it loads now. The pool share of the budget (the budget less the
+        weights of the loaded models, this one and `pending`, the wanted ones that load after it in this pass) is
+        split in proportion to demand(); this model gets its part, never more than the budget has left once the
+        loaded models' weights and pools, its own weights and the pending models' weights and floor pools are
+        counted, clamped between its floor (one sequence of its full context: what a loaded model needs to run at
+        all) and its ceiling (the pool its engine would size for itself, default_kv_blocks). A num_kv_blocks the
+        operator set is used as is; without a budget the engine sizes its own pool (None)."""
+        m = self.models[name]
+        if m["engine"].num_kv_blocks:
+            return m["engine"].num_kv_blocks
+        if self.budget is None:
+            return None
+        demand = demand if demand is not None else {}
+        weight = {n: demand.get(n) or self.demand(n) for n in (*self.loaded, name, *pending)}
+        pool_bytes = self.budget - sum(self.models[n]["bytes"] for n in weight)
+        fair = pool_bytes * weight[name] // sum(weight.values())
+        left = (self.budget - self.used_bytes() - m["bytes"]
+                - sum(self._least(n) for n in pending if n not in self.loaded))
+        floor = m["min_blocks"]
+        ceiling = max(floor, default_kv_blocks(m["engine"]))
+        return max(floor, min(ceiling, min(fair, left) // m["block_bytes"]))
+
+    def load(self, name: str, kv_blocks: int | None = None) -> None:
+        """Start `name`'s worker and engine, its KV pool `kv_blocks` blocks (None: the engine's own sizing)."""
         cfg = self.models[name]["cfg"]
+        if kv_blocks is not None:
+            cfg = dataclasses.replace(cfg, engine={**cfg.engine, "num_kv_blocks": kv_blocks})
         started = time.perf_counter()
         worker = self.make_worker(cfg)
         worker.stepper = self.stepper
@@ -304,15 +387,20 @@ class ModelHost:
         thread.start()
         seconds = time.perf_counter() - started
         self.loaded[name] = (worker, thread)
+        blocks = getattr(getattr(getattr(worker, "engine", None), "runner", None), "num_kv_blocks", kv_blocks)
+        self.pools[name] = blocks or 0
         self.busy_at[name] = time.monotonic()
         self.loaded_gauge.labels(name).set(1)
         self.load_seconds.labels(name).observe(seconds)
         self.events.append(("load", name))
-        log.info("model %s loaded in %.2f s (%s)", name, seconds, self.models[name]["tier"],
-                 extra={"event": "model.loaded", "model": name, "seconds": round(seconds, 3)})
+        pool_mb = (blocks or 0) * self.models[name]["block_bytes"] / MB
+        log.info("model %s loaded in %.2f s (%s, KV pool %s blocks, %.1f MB)", name, seconds,
+                 self.models[name]["tier"], blocks, pool_mb,
+                 extra={"event": "model.loaded", "model": name, "seconds": round(seconds, 3), "kv_blocks": blocks})
 
     def unload(self, name: str) -> None:
         worker, thread = self.loaded.pop(name)
+        self.pools.pop(name, None)
         started = time.perf_counter()
         worker.stop()
         thread.join(120)
@@ -338,23 +426,30 @@ class ModelHost:
             log.warning("model host %s: advertising failed: %s", name, exc)
 
     def tick(self) -> None:
-        """One pass: note which loaded models are busy, then load what is wanted, making room LRU."""
+        """One pass: note which loaded models are busy, then load what is wanted (hot ones first), making room LRU,
+        each with the pool pool_blocks gives it from the demand read at the start of the pass."""
         now = time.monotonic()
         for name, (worker, _) in self.loaded.items():
             if worker.inflight or self._depth(name):
                 self.busy_at[name] = now
-        for name in sorted(self.models, key=lambda n: self.models[n]["tier"] != "hot"):
-            if name in self.loaded or not self._wanted(name):
-                continue
-            need = self.models[name]["bytes"]
-            while self.budget is not None and self._used() + need > self.budget:
+        wanted = [n for n in sorted(self.models, key=lambda n: self.models[n]["tier"] != "hot")
+                  if n not in self.loaded and self._wanted(n)]
+        demand = {n: self.demand(n) for n in (*self.loaded, *wanted)} if wanted and self.budget is not None else {}
+        for i, name in enumerate(wanted):
+            need = self._least(name)
+            while self.budget is not None and self.used_bytes() + need > self.budget:
                 victims = sorted((n for n in self.loaded if self.models[n]["tier"] != "hot" and self._idle(n)),
                                  key=lambda n: self.busy_at.get(n, 0))
                 if not victims:
                     break
                 self.unload(victims[0])
-            if self.budget is None or self._used() + need <= self.budget:
-                self.load(name)
+            if self.budget is None or self.used_bytes() + need <= self.budget:
+                pending, room = [], self.budget - self.used_bytes() - need if self.budget is not None else 0
+                for other in wanted[i + 1:]:          # those that still fit beside it, at their least
+                    if self.budget is not None and self._least(other) <= room:
+                        pending.append(other)
+                        room -= self._least(other)
+                self.load(name, self.pool_blocks(name, pending, demand))
 
     def stop(self) -> None:
         for name in list(self.loaded):

@@ -71,7 +71,7 @@ def test_each_model_runs_its_own_jobs_and_an_unserved_model_waits(stack, qwen_mo
 
 def test_a_worker_without_models_serves_every_enabled_model_that_fits(stack, qwen_model, tmp_path):
     from workers.engine.tiny_model import make_tiny_model
-    from workers.model_workers import folder_bytes
+    from workers.model_workers import min_footprint
     default = stack.app.config["TIDEPOOL"].served_model_name
     client = stack.app.test_client()
     big = str(make_tiny_model(str(tmp_path / "big"), seed=2, hidden_size=256, intermediate_size=512,
@@ -81,9 +81,9 @@ def test_a_worker_without_models_serves_every_enabled_model_that_fits(stack, qwe
     assert client.patch("/v1/admin/models/off", json={"enabled": False}, headers=ADMIN).status_code == 200
     assert client.post("/v1/admin/models", json={"name": "big", "source": big, "tier": "warm"},
                        headers=ADMIN).status_code == 201
-    both = folder_bytes(stack.model) + folder_bytes(qwen_model)
+    both = min_footprint(stack.model, "cpu") + min_footprint(qwen_model, "cpu")     # weights and floor KV pools
     budget_mb = both * 1.5 / (1 << 20)
-    assert both + folder_bytes(big) > budget_mb * (1 << 20)          # big does not fit beside the two hot ones
+    assert both + min_footprint(big, "cpu") > budget_mb * (1 << 20)   # big does not fit beside the two hot ones
     _, key = stack.tenant()
     proc = stack.start("worker", "--device", "cpu", "--memory-budget-mb", f"{budget_mb:.6f}",
                        wait_for=f"w.{default}", TIDEPOOL_WORKER_NAME="w", TIDEPOOL_LEASE_SECONDS=4)
@@ -139,14 +139,15 @@ def _events(proc, kinds=("model.loaded", "model.unloaded")) -> list[tuple[str, s
 
 
 def test_warm_models_load_on_demand_and_take_turns_under_a_budget_for_one(stack, qwen_model):
-    from workers.model_workers import folder_bytes
+    from workers.model_workers import min_footprint
     default = stack.app.config["TIDEPOOL"].served_model_name
     _register(stack, "qwen", qwen_model)
     client = stack.app.test_client()
     for name in ("qwen", default):
         assert client.patch(f"/v1/admin/models/{name}", json={"tier": "warm"}, headers=ADMIN).status_code == 200
-    budget_mb = max(folder_bytes(qwen_model), folder_bytes(stack.model)) * 1.5 / (1 << 20)
-    assert budget_mb * (1 << 20) < folder_bytes(qwen_model) + folder_bytes(stack.model)    # fits only one
+    least = [min_footprint(f, "cpu") for f in (qwen_model, stack.model)]     # weights and floor KV pools
+    budget_mb = max(least) * 1.2 / (1 << 20)
+    assert budget_mb * (1 << 20) < sum(least)    # fits only one
     _, key = stack.tenant()
     proc = stack.start("worker", "--device", "cpu", "--models", f"{default},qwen", "--memory-budget-mb",
                        f"{budget_mb:.6f}", TIDEPOOL_WORKER_NAME="host", TIDEPOOL_LOG_LEVEL="INFO",

@@ -96,6 +96,18 @@ class EngineConfig:
             raise ValueError("swap_space_gib must be >= 0")
 
     @property
+    def kv_block_bytes(self) -> int:
+        """Bytes one KV block takes on the device (keys and values of block_size tokens in every layer)."""
+        m = self.model_config
+        element = torch.tensor([], dtype=self.torch_dtype).element_size()
+        return 2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim * element
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        """KV blocks one sequence of max_model_len tokens needs."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype is not None:
             return DTYPES[self.dtype]
