@@ -8,7 +8,6 @@ import torch
 from kernels import cpu_ops
 from kernels.attention import resolve_backend
 from kernels.cpu_linear import prepack_linears
-from kernels.cpu_pages import empty_on_huge_pages
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.engine.models.config import ModelConfig
@@ -48,12 +47,10 @@ class ModelRunner:
         self.num_kv_blocks, why = ((config.num_kv_blocks, "num_kv_blocks") if config.num_kv_blocks
                                    else self._blocks_from_budget())
         shape = (self.num_kv_blocks, config.block_size, model_config.num_key_value_heads, model_config.head_dim)
-        # empty, not zeros: no slot is read before it is written, and on the CPU untouched pages cost no memory;
-        # CPU pools on 2 MiB pages, where decode attention's scattered block reads miss the TLB far less
+        # empty, not zeros: no slot is read before it is written, and on the CPU untouched pages cost no memory
         for layer in self.model.layers:
-            for name in ("k_cache", "v_cache"):
-                setattr(layer.self_attn, name, empty_on_huge_pages(shape, self.dtype) if self.device.type == "cpu"
-                        else torch.empty(shape, dtype=self.dtype, device=self.device))
+            layer.self_attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
         log.info("KV pool: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; max_num_seqs %d, max_model_len %d)",
                  self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
                  self.num_kv_blocks * self.bytes_per_block / 2**20, why, config.max_num_seqs, config.max_model_len)
