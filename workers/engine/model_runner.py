@@ -71,9 +71,7 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        m = self.model_config
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * m.num_hidden_layers * self.config.block_size * m.num_key_value_heads * m.head_dim * element
+        return self.config.kv_block_bytes
 
     def _blocks_from_budget(self) -> tuple[int, str]:
         budget = self.config.kv_cache_memory_bytes
