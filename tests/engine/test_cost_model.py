@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from workers.engine.cost_model import STALL_CLIP, CostModel
+from workers.engine.cost_model import DRIFT_WINDOW, STALL_CLIP, CostModel, attended
 
 TRUE = (0.020, 0.0008, 0.000002)     # fixed, per new token, per attended context token (seconds)
 
@@ -54,3 +54,89 @@ def test_unseeded_model_learns_from_zero():
     for _ in range(3):
         cost.observe(16, 16 * 100, true_time(16, 16 * 100))
     assert cost.predict(16, 16 * 100) == pytest.approx(true_time(16, 16 * 100), rel=0.05)
+
+
+
+# The shapes calibrate() times: a 64-token prompt chunk, 16 decodes at context 64, one decode at context 16.
+CALIBRATION = ((64, attended(0, 64)), (16, 16 * 65), (1, 17))
+DECODE = (16, 16 * 400)              # a steady batch of 16 decodes at context ~400
+
+
+def too_slow():
+    """Seeded as calibrate() seeds it, from steps timed beside a process loading a core (as measured: no
+    fixed cost, ten times the per-token cost): the steady decode step is predicted ~15x too slow."""
+    cost = CostModel()
+    for tokens, att in CALIBRATION:
+        cost.observe(tokens, att, 10 * TRUE[1] * tokens + 10 * TRUE[2] * att)
+    cost.seed(cost.fixed, cost.per_token, cost.per_context)
+    return cost
+
+
+def too_fast():
+    cost = CostModel()
+    cost.seed(*(c / 10 for c in TRUE))
+    return cost
+
+
+def steps_to_recover(cost, factor=1.0, limit=60):
+    """Steady decode steps at `factor` x the true cost until the prediction for that shape is within 20%."""
+    for step in range(1, limit + 1):
+        cost.observe(*DECODE, factor * true_time(*DECODE))
+        if cost.predict(*DECODE) == pytest.approx(factor * true_time(*DECODE), rel=0.2):
+            return step
+    return None
+
+
+def test_a_calibration_ten_times_too_slow_is_undone():
+    """Steady steps of one shape cannot undo a bad calibration by themselves (the ridge holds the bad split,
+    the calibration steps fade slowly); the drift check sees the fit keep mispredicting and rescales it."""
+    cost = too_slow()
+    assert cost.predict(*DECODE) > 10 * true_time(*DECODE)
+    assert steps_to_recover(cost) <= DRIFT_WINDOW + 4
+    assert cost.recalibrations == 1
+    assert cost.as_dict()["recalibrations"] == 1
+
+
+def test_a_calibration_ten_times_too_fast_is_undone():
+    """Too fast, clipping lets the fit climb only so fast; the drift check looks at the unclipped steps."""
+    cost = too_fast()
+    assert cost.predict(*DECODE) == pytest.approx(true_time(*DECODE) / 10)
+    assert steps_to_recover(cost) <= DRIFT_WINDOW + 4
+    assert cost.recalibrations == 1
+
+
+@pytest.mark.parametrize("factor", [10, 0.1])
+def test_a_lasting_change_after_a_long_history_is_followed(factor):
+    """Hundreds of steps fitted at one speed, then the device gets 10x slower (a co-tenant) or faster (it
+    left) for good: the old statistics would hold the fit back for hundreds of steps; a rescale drops them."""
+    cost = CostModel()
+    cost.seed(*TRUE)
+    for tokens, att in shapes(500, seed=7):
+        cost.observe(tokens, att, true_time(tokens, att))
+    assert steps_to_recover(cost, factor) <= DRIFT_WINDOW + 4
+    assert cost.recalibrations == 1
+
+
+@pytest.mark.parametrize("seeded", [too_slow, too_fast])
+def test_after_a_rescale_mixed_steps_recover_the_coefficients(seeded):
+    """The rescale keeps the bad calibration's split between the terms (steps of one shape cannot tell it);
+    mixed steps then separate the terms. The ridge toward that rescaled prior leaves up to ~2% in one
+    coefficient, hence 3% here."""
+    cost = seeded()
+    assert steps_to_recover(cost) is not None
+    for tokens, att in shapes(300, seed=4):
+        cost.observe(tokens, att, true_time(tokens, att))
+    assert (cost.fixed, cost.per_token, cost.per_context) == pytest.approx(TRUE, rel=0.03)
+    assert cost.recalibrations == 1
+
+
+def test_stalls_on_a_correct_seed_never_rescale():
+    """One step in ten at 20x its time: three in four recent steps are never off together: no rescale."""
+    cost = CostModel()
+    cost.seed(*TRUE)
+    rng = random.Random(5)
+    for tokens, att in shapes(2000, seed=6):
+        t = true_time(tokens, att)
+        cost.observe(tokens, att, t * 20 if rng.random() < 0.1 else t)
+    assert cost.recalibrations == 0
+    assert cost.predict(64, 64 * 200) == pytest.approx(true_time(64, 64 * 200), rel=0.1)

@@ -10,12 +10,29 @@ every step slower than it is, shrinking the online step budget (and offline thro
 observation counts at most STALL_CLIP times what the model predicted, so the fit follows the typical step
 (a genuine slow-down still moves it, by up to that factor per step), and calibration keeps the fastest of
 three runs of each shape.
+
+A wrong calibration is noticed and undone (drift): if calibration ran while another process loaded the
+host, the seed can be many times off, and steady steps of one shape cannot correct it by themselves (they
+cannot separate fixed from per-token cost, the ridge keeps pulling toward the bad prior, old observations
+fade slowly, and clipping lets a too-fast model climb only so fast). So the model keeps its last
+DRIFT_WINDOW observations, unclipped (a clipped step would hide a real change), and after each step
+compares them with what the current fit predicts for them. When at least DRIFT_QUORUM of them are off the
+same way by more than DRIFT_BAND, the fit no longer describes the device: every coefficient and the prior
+are scaled by the window's median observed / predicted ratio (a load or a clock change scales the whole
+step), the accumulated statistics are dropped (the scaled fit, now the prior, carries what they knew about
+the split between the terms), and `recalibrations` counts it. Three steps in four off the same way is no
+stall pattern (one step in ten at 20x never comes near), nor a fit that is right on some shapes and wrong
+on others (the data fix that, and a rescale would not); the window starts empty after a rescale, so it
+fires at most once per DRIFT_WINDOW steps.
 """
 import numpy as np
 
 STALL_CLIP = 1.5          # an observed step counts at most this many times the prediction (once seeded,
                           # or after WARMUP steps of an unseeded model)
 WARMUP = 8
+DRIFT_WINDOW = 16         # recent steps whose observed / predicted ratios are checked
+DRIFT_BAND = 1.5          # observed / predicted beyond this either way is off
+DRIFT_QUORUM = 0.75       # this share of the window off the same way rescales the model (by the median)
 
 
 def attended(start: int, num_new: int) -> int:
@@ -34,6 +51,9 @@ class CostModel:
         self._prior = np.array([fixed, per_token, per_context])
         self.observations = 0
         self.seeded = False                # seeded by calibration: observations are clipped from the start
+        self.recalibrations = 0            # times drift rescaled the model
+        self._recent = np.zeros((DRIFT_WINDOW, 4))   # rows of [1, new tokens, attended, seconds], unclipped
+        self._recent_n = 0                 # rows filled since the last seed or rescale
 
     def predict(self, num_tokens: int, num_attended: int) -> float:
         return self.fixed + self.per_token * num_tokens + self.per_context * num_attended
@@ -42,10 +62,14 @@ class CostModel:
         self.fixed, self.per_token, self.per_context = fixed, per_token, per_context
         self._prior = np.array([fixed, per_token, per_context])
         self.seeded = True
+        self._recent_n = 0
 
     def observe(self, num_tokens: int, num_attended: int, seconds: float) -> None:
+        armed = self.seeded or self.observations >= WARMUP
+        self._recent[self._recent_n % DRIFT_WINDOW] = (1.0, num_tokens, num_attended, seconds)
+        self._recent_n += 1
         predicted = self.predict(num_tokens, num_attended)
-        if predicted > 0 and (self.seeded or self.observations >= WARMUP):
+        if predicted > 0 and armed:
             # One step slowed by something outside the engine (another process, a GC pause) must not
             # drag the fit: clip it to a little more than what the model expected.
             seconds = min(seconds, STALL_CLIP * predicted)
@@ -54,6 +78,29 @@ class CostModel:
         self._xty = self.decay * self._xty + x * seconds
         self.observations += 1
         self._refit()
+        if armed and self._recent_n >= DRIFT_WINDOW:
+            self._check_drift()
+
+    def _check_drift(self) -> None:
+        """Rescale the model when the current fit keeps mispredicting the recent (unclipped) steps."""
+        theta = np.array([self.fixed, self.per_token, self.per_context])
+        predicted = self._recent[:, :3] @ theta
+        ok = predicted > 0
+        if ok.sum() < DRIFT_WINDOW // 2:
+            return
+        ratios = self._recent[ok, 3] / predicted[ok]
+        quorum = DRIFT_QUORUM * ratios.size
+        if (ratios > DRIFT_BAND).sum() < quorum and (ratios < 1 / DRIFT_BAND).sum() < quorum:
+            return
+        ratio = float(np.median(ratios))
+        if not 0 < ratio < np.inf:
+            return
+        self.fixed, self.per_token, self.per_context = (float(v) for v in theta * ratio)
+        self._prior = theta * ratio
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._recent_n = 0
+        self.recalibrations += 1
 
     def _refit(self) -> None:
         # Ridge toward the prior, each coefficient scaled by its feature's typical size so the pull is even.
@@ -72,7 +119,7 @@ class CostModel:
 
     def as_dict(self) -> dict:
         return {"fixed_s": self.fixed, "per_token_s": self.per_token, "per_context_s": self.per_context,
-                "observations": self.observations}
+                "observations": self.observations, "recalibrations": self.recalibrations}
 
 
 def calibrate(cost: "CostModel", runner, num_blocks: int, block_size: int, max_num_seqs: int,
