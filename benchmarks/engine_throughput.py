@@ -40,7 +40,8 @@ def run_engine(model: str, requests, args, breakdown: bool = False) -> dict:
     engine = LLMEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype,
                                     max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    online_reserve=0.0))      # offline only: no seats or blocks held back
+                                    online_reserve=0.0, sla_targets={}))   # offline only, as LLM runs it: no seats
+                                                                           # or blocks held back, no step time cap
     timers = StepBreakdown(engine) if breakdown else None
     for i, (prompt, olen) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),

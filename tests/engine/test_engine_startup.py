@@ -30,7 +30,7 @@ def test_pool_is_capped_by_available_memory(tiny_model_dir, caplog, monkeypatch)
     engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama-gqa"), max_num_seqs=256))
     budget = int(40 * 2**20 * model_runner.CPU_KV_SHARE)
     assert engine.runner.num_kv_blocks == budget // engine.runner.bytes_per_block
-    assert "(10% of available memory;" in _pool_lines(caplog)[0]
+    assert f"({model_runner.CPU_KV_SHARE:.0%} of available memory;" in _pool_lines(caplog)[0]
 
 
 def test_native_kernel_is_ready_before_the_first_request(tiny_model_dir, caplog):

@@ -41,7 +41,7 @@ class EngineConfig:
     max_model_len: int | None = None            # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str | None = None        # "torch" | "triton"; None: by device
-    kv_cache_memory_bytes: int | None = None    # CPU default: a quarter of physical memory
+    kv_cache_memory_bytes: int | None = None    # CPU default: a quarter of available memory
     gpu_memory_utilization: float = 0.85        # share of free GPU memory given to the KV pool
     enforce_eager: bool = False                 # True: no CUDA graphs on GPU
     # Online classes' latency targets; None: DEFAULT_SLA_TARGETS for the device (sla_targets_for).

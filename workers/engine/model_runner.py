@@ -16,7 +16,8 @@ from workers.engine.models.loader import load_model
 from workers.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
-CPU_KV_SHARE = 0.10     # CPU default pool: at most this share of *available* memory (pages touched lazily)
+CPU_KV_SHARE = 0.25     # CPU default pool: at most this share of *available* memory (pages touched as blocks
+                        # are first written; vLLM-CPU takes 90% of memory by default)
 
 
 def available_memory() -> int:
