@@ -68,5 +68,7 @@ def paged_attention(backend: str, q, k_cache, v_cache, block_tables, context_len
     if backend == "triton":
         from kernels.triton_paged_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale)
+    if max_seqlen_q == 1:       # a pure decode step: rows are sequences, nothing to plan per sequence
+        return cpu_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale, key, value,
                                decode=cpu_decode)
