@@ -4,6 +4,8 @@
 //   silu_and_mul:  x [T, 2I] -> silu(x[:, :I]) * x[:, I:]
 //   rotary:        q, k [T, heads, D] rotated in place (rotate-half layout) by per-token cos, sin [T, D]
 //   store_kv:      key/value rows into their cache slots (slot -1: not stored)
+//   argmax_rows:   logits [rows, V] -> int64 [rows], exactly torch.argmax(dim=-1): the first index of the maximum,
+//                  the first NaN's index where a row has one, index 0 for a row of -inf
 // Each computes in fp32 and rounds to the tensor's dtype wherever the torch definition in
 // workers/engine/models/llama.py and kernels/paged_attention.py rounds, so bf16/fp16 results match it
 // to the last bit but for reduction order and exp's last ulp.
@@ -16,9 +18,15 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -241,6 +249,163 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
   }
 }
 
+// ---- argmax_rows ------------------------------------------------------------------------------------------------
+// One scan of a stretch [begin, end) of a row: `idx` the first index of its largest value (begin when all are -inf),
+// `nan` the first NaN's index or -1. Stretches of one row combine in order (argmax_combine), so a row can be split
+// across threads. bf16/fp16 widen to fp32 exactly, so comparing in fp32 is comparing the stored values.
+struct ArgmaxPart {
+  float max;
+  int64_t idx;
+  int64_t nan;
+};
+
+template <typename T>
+inline float widen(T v) { return static_cast<float>(v); }
+
+template <typename T>
+ArgmaxPart argmax_scalar(const T* p, int64_t begin, int64_t end) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t idx = -1;
+  for (int64_t i = begin; i < end; ++i) {
+    const float x = widen(p[i]);
+    if (x > m) { m = x; idx = i; }
+    else if (x != x) return {m, idx < 0 ? begin : idx, i};
+  }
+  return {m, idx < 0 ? begin : idx, -1};
+}
+
+#if defined(__AVX512F__)
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {     // bf16 is the top half of an fp32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 4 x 16 lanes, each keeping the first index of its own largest value (strict >: NaN never wins a lane, an equal
+// later value never replaces); NaNs are only noted, then found by a scalar rescan (rare). The lanes reduce to the
+// largest value and, among lanes holding it, the smallest index: the row's first maximum.
+template <typename T>
+ArgmaxPart argmax_avx512(const T* p, int64_t begin, int64_t end) {
+  constexpr int64_t W = 16, U = 4 * W;
+  const int64_t vec_end = begin + (end - begin) / U * U;
+  if (vec_end == begin) return argmax_scalar(p, begin, end);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m0 = ninf, m1 = ninf, m2 = ninf, m3 = ninf;
+  const __m512i none = _mm512_set1_epi32(-1);
+  __m512i i0 = none, i1 = none, i2 = none, i3 = none;
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(W);
+  __m512i cur = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(begin)), lane);   // index of lane 0, 1, ...
+  __mmask16 nan = 0;
+  for (int64_t i = begin; i < vec_end; i += U) {
+    const __m512 x0 = load16(p + i), x1 = load16(p + i + W), x2 = load16(p + i + 2 * W), x3 = load16(p + i + 3 * W);
+    const __mmask16 g0 = _mm512_cmp_ps_mask(x0, m0, _CMP_GT_OQ), g1 = _mm512_cmp_ps_mask(x1, m1, _CMP_GT_OQ);
+    const __mmask16 g2 = _mm512_cmp_ps_mask(x2, m2, _CMP_GT_OQ), g3 = _mm512_cmp_ps_mask(x3, m3, _CMP_GT_OQ);
+    nan |= _mm512_cmp_ps_mask(x0, x1, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(x2, x3, _CMP_UNORD_Q);
+    const __m512i c1 = _mm512_add_epi32(cur, step), c2 = _mm512_add_epi32(c1, step), c3 = _mm512_add_epi32(c2, step);
+    m0 = _mm512_mask_mov_ps(m0, g0, x0); i0 = _mm512_mask_mov_epi32(i0, g0, cur);
+    m1 = _mm512_mask_mov_ps(m1, g1, x1); i1 = _mm512_mask_mov_epi32(i1, g1, c1);
+    m2 = _mm512_mask_mov_ps(m2, g2, x2); i2 = _mm512_mask_mov_epi32(i2, g2, c2);
+    m3 = _mm512_mask_mov_ps(m3, g3, x3); i3 = _mm512_mask_mov_epi32(i3, g3, c3);
+    cur = _mm512_add_epi32(c3, step);
+  }
+  if (nan) {    // the first NaN of the vector part decides the row (or this stretch)
+    for (int64_t i = begin; i < vec_end; ++i)
+      if (widen(p[i]) != widen(p[i])) return {widen(p[i]), i, i};
+  }
+  alignas(64) float mv[U];
+  alignas(64) int32_t iv[U];
+  _mm512_store_ps(mv, m0); _mm512_store_ps(mv + W, m1); _mm512_store_ps(mv + 2 * W, m2); _mm512_store_ps(mv + 3 * W, m3);
+  _mm512_store_si512(iv, i0); _mm512_store_si512(iv + W, i1); _mm512_store_si512(iv + 2 * W, i2); _mm512_store_si512(iv + 3 * W, i3);
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t idx = -1;
+  for (int64_t l = 0; l < U; ++l) {
+    if (iv[l] < 0) continue;                                   // a lane that saw only -inf
+    if (mv[l] > m || (mv[l] == m && iv[l] < idx)) { m = mv[l]; idx = iv[l]; }
+  }
+  for (int64_t i = vec_end; i < end; ++i) {                   // the tail: later indices, so strict >
+    const float x = widen(p[i]);
+    if (x > m) { m = x; idx = i; }
+    else if (x != x) return {m, idx < 0 ? begin : idx, i};
+  }
+  return {m, idx < 0 ? begin : idx, -1};
+}
+#endif
+
+template <typename T>
+inline ArgmaxPart argmax_part(const T* p, int64_t begin, int64_t end) {
+#if defined(__AVX512F__)
+  return argmax_avx512(p, begin, end);
+#else
+  return argmax_scalar(p, begin, end);
+#endif
+}
+
+// parts of one row, in index order -> the row's argmax
+inline int64_t argmax_combine(const ArgmaxPart* parts, int64_t n) {
+  ArgmaxPart best = parts[0];
+  for (int64_t c = 0; c < n; ++c) if (parts[c].nan >= 0) return parts[c].nan;
+  for (int64_t c = 1; c < n; ++c) if (parts[c].max > best.max) best = parts[c];
+  return best.idx;
+}
+
+template <typename T>
+void argmax_rows_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t rows = x.size(0), n = x.size(1), rs = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  int64_t* op = out.data_ptr<int64_t>();
+  // few rows (one online request, a handful): each row split into stretches of >= 4096 values (multiples of 64)
+  // so every thread has work; many rows: a row per task
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  if (rows < 4 * threads && n >= 8192) {
+    chunks = std::min<int64_t>((4 * threads + rows - 1) / rows, n / 4096);
+  }
+  const int64_t chunk = chunks == 1 ? n : (n / chunks + 63) / 64 * 64;
+  chunks = (n + chunk - 1) / chunk;
+  const int64_t grain = std::max<int64_t>(1, 32768 / chunk);   // tiny inputs stay on one thread
+  if (chunks == 1) {
+    at::parallel_for(0, rows, grain, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const ArgmaxPart part = argmax_part(xp + r * rs, 0, n);
+        op[r] = part.nan >= 0 ? part.nan : part.idx;
+      }
+    });
+    return;
+  }
+  std::vector<ArgmaxPart> parts(rows * chunks);
+  at::parallel_for(0, rows * chunks, grain, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t r = t / chunks, c = t % chunks;
+      parts[t] = argmax_part(xp + r * rs, c * chunk, std::min(n, (c + 1) * chunk));
+    }
+  });
+  for (int64_t r = 0; r < rows; ++r) op[r] = argmax_combine(parts.data() + r * chunks, chunks);
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  check_rows(logits, "logits");
+  TORCH_CHECK(logits.size(1) > 0, "logits must have a non-empty last dimension");
+  TORCH_CHECK(logits.size(1) < std::numeric_limits<int32_t>::max() - 64, "logits rows too long");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  if (logits.size(0) == 0) return out;
+  switch (logits.scalar_type()) {
+    case at::kFloat: argmax_rows_impl<float>(logits, out); break;
+    case at::kBFloat16: argmax_rows_impl<c10::BFloat16>(logits, out); break;
+    case at::kHalf: argmax_rows_impl<c10::Half>(logits, out); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", logits.scalar_type());
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tidepool_cpu, m) {
@@ -254,4 +419,6 @@ TORCH_LIBRARY_FRAGMENT(tidepool_cpu, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rotary", c10::DispatchKey::CPU, &rotary);
   m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 }

@@ -2,6 +2,7 @@
 per-request seeded sampling, and top-N log-probabilities."""
 import torch
 
+from kernels.layer_ops import argmax_rows
 from workers.engine.sequence import Sequence
 from workers.engine.structured import apply_bitmask
 
@@ -32,7 +33,7 @@ class Sampler:
         rows' allowed tokens (StructuredDecoding.bitmask), or None."""
         if bitmask is None and all(s.params.greedy and not s.params.has_penalties and not s.params.needs_logprob
                                    for s in seqs):
-            return logits.argmax(dim=-1).tolist(), [None] * len(seqs)   # all greedy: no copy, no softmax
+            return argmax_rows(logits).tolist(), [None] * len(seqs)     # all greedy: no copy, no softmax
         logits = logits.float().clone()
         raw_logprobs = None
         if any(s.params.needs_logprob for s in seqs):
@@ -42,7 +43,7 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if seq.params.has_penalties:
                 self._apply_penalties(logits[i], seq)
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)     # torch.argmax(dim=-1), natively on CPU
         for i, seq in enumerate(seqs):
             p = seq.params
             if p.greedy:
