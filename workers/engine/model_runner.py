@@ -176,4 +176,4 @@ class ModelRunner:
         if not step["sample_rows"]:
             return None
         rows = torch.tensor(step["sample_rows"], device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()
+        return self.model.compute_logits(hidden[rows])      # model dtype: the sampler widens it when it must

@@ -29,7 +29,7 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], bitmask=None):
-        """logits [S, V] (fp32) -> (token ids [S], per-row logprob info or None). bitmask: the constrained
+        """logits [S, V] (the model's dtype) -> (token ids [S], per-row logprob info or None). bitmask: the constrained
         rows' allowed tokens (StructuredDecoding.bitmask), or None."""
         if bitmask is None and all(s.params.greedy and not s.params.has_penalties and not s.params.needs_logprob
                                    for s in seqs):
