@@ -8,10 +8,12 @@
 // Two implementations of the same contract:
 //  * attend16 (AVX-512 builds, head_dim a multiple of 16; the engine's case): 16-position tiles, each K/V row read
 //    once for all the query heads of its GQA group, dot products reduced 16 at a time by vertical adds, a running
-//    (online) softmax across tiles, so K and V are read once each and interleaved, with no score buffer. With a
-//    bf16 cache on a CPU with AVX512-BF16 (and head_dim a multiple of 32), q.k and p.V are vdpbf16ps on the cache
-//    rows as they are (V's positions interleaved in pairs once per tile, p rounded to bf16 as the reference's
-//    softmax(...).to(v.dtype) does), instead of widening each row to fp32 first.
+//    (online) softmax across tiles, so K and V are read once each and interleaved, with no score buffer. Per tile
+//    and KV head, the softmax updates of up to four query rows run side by side (independent dependency chains),
+//    then one pass over the V rows serves all of them (each V vector loaded, and widened if bf16/fp16, once per
+//    four rows); the next tile's rows are prefetched a few per query row, spread over the tile's work, not in one
+//    burst. With a bf16 cache on a CPU with AVX512-BF16 (and head_dim a multiple of 32), q.k is vdpbf16ps on the
+//    cache rows as they are, and p is rounded to bf16 before p.V as the reference's softmax(...).to(v.dtype) does.
 //  * attend8 (AVX2+FMA builds: every head_dim attend16 does not take, and every head_dim on CPUs without AVX-512):
 //    attend16's design at eight lanes, in tiles of 32 positions (four groups of 8 dot products, each group reduced
 //    by a tree of horizontal adds), one running-softmax update per query row and tile; bf16/fp16 rows widened to
@@ -32,6 +34,8 @@
 #endif
 
 #include <algorithm>
+#include <array>
+#include <utility>
 #include <type_traits>
 #include <atomic>
 #include <cmath>
@@ -233,7 +237,8 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
 // AVX-512 path (head_dim a multiple of 16). The library is built with -march=native, so this is compiled in only
 // where the CPU has AVX-512; `attend` above serves every other build and head_dim. An item (a sequence's KV heads
 // [h0, h1)) walks the context in tiles of 16 positions (a tile may span blocks), reads each K and V row once for
-// all the query heads of its GQA group (bf16/fp16 rows widened to fp32 once per tile), and keeps a running softmax
+// all the query heads of its GQA group (bf16/fp16 K rows widened to fp32 once per tile, or read as they are by
+// vdpbf16ps; V rows widened as loaded, once per four query rows), and keeps a running softmax
 // per query row (the tile's max, rescale of the accumulator, exp): no score buffer, no second pass over K. A tile's
 // 16 dot products are reduced together (a 16x16 transpose-and-add tree of vertical adds) instead of a horizontal sum
 // each. A row's arithmetic does not depend on how rows are grouped into items or on the thread count.
@@ -298,65 +303,52 @@ template <typename T>
 constexpr bool kBf16Dot = false;
 #endif
 
-// Where element d (< 32) of a V row lands in the accumulator of accumulate_pairs: unpacklo/hi_epi16 interleave
-// 128-bit lanes, so the low half holds d = 8L + i and the high half d = 8L + 4 + i (L < 4, i < 4) at lane 4L + i.
-inline int64_t pair_lane(int64_t d) { return (d % 8 < 4 ? 0 : 16) + 4 * (d / 8) + d % 4; }
-
-#if defined(__AVX512BF16__)
-// The tile's n V rows (span bf16 each) as position pairs (2i, 2i + 1): per 32 elements of a row, 64 bf16 (low and
-// high unpack halves) alternating the two rows' elements, so one vdpbf16ps adds p_2i v_2i + p_2i+1 v_2i+1 per lane.
-// An odd last row is paired with zeros, not with whatever the next slot holds.
-inline void interleave_pairs(const c10::BFloat16* const* rows, int n, int64_t span, uint16_t* out) {
-  for (int i = 0; 2 * i < n; ++i) {
-    const c10::BFloat16* a = rows[2 * i];
-    const c10::BFloat16* b = 2 * i + 1 < n ? rows[2 * i + 1] : nullptr;
-    uint16_t* o = out + i * 2 * span;
-    for (int64_t c = 0; c < span / 32; ++c) {
-      const __m512i va = _mm512_loadu_si512(a + 32 * c);
-      const __m512i vb = b ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
-      _mm512_storeu_si512(o + 64 * c, _mm512_unpacklo_epi16(va, vb));
-      _mm512_storeu_si512(o + 64 * c + 32, _mm512_unpackhi_epi16(va, vb));
+// The V side of one KV head's tile: acc rows [R) (row stride `dim` floats), vector columns [C) (the caller offsets
+// acc and hd to the first column) = acc * alpha + sum_t p_t v_t over the tile's n positions, p from pt (kTile floats
+// per row), V rows read from the cache (bf16/fp16 widened as loaded): each V vector is loaded once for the R rows.
+template <int R, int C, typename VT>
+void accumulate(float* acc, int64_t dim, const float* alpha, const float* pt, int n, const VT* const* vr,
+                int64_t hd) {
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r) {
+    const __m512 al = _mm512_set1_ps(alpha[r]);
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 16 * c), al);
+  }
+  for (int t = 0; t < n; ++t) {
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(vr[t] + hd + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pv = _mm512_set1_ps(pt[r * kTile + t]);
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(pv, v[c], a[r][c]);
     }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + r * dim + 16 * c, a[r][c]);
   }
 }
 
-// acc (chunks of 32 floats in pair_lane order) = acc * alpha + sum_t p_t v_t over the tile's n positions, from the
-// pairs of interleave_pairs (`stride` bf16 apart; `pairs` already offset to this row's KV head), nc32 chunks.
-inline void accumulate_pairs(__m512 p, int n, const uint16_t* pairs, int64_t stride, int64_t nc32, __m512 alpha,
-                             float* acc) {
-  alignas(64) uint32_t pp[kTile / 2];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(pp), (__m256i)_mm512_cvtneps_pbh(p));
-  __m512 lo[8], hi[8];    // nc32 <= 8 (head_dim <= 256)
-  for (int64_t c = 0; c < nc32; ++c) {
-    lo[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 32 * c), alpha);
-    hi[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 32 * c + 16), alpha);
-  }
-  for (int i = 0; 2 * i < n; ++i) {
-    const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[i]));
-    const uint16_t* v = pairs + i * stride;
-    for (int64_t c = 0; c < nc32; ++c) {
-      lo[c] = _mm512_dpbf16_ps(lo[c], (__m512bh)_mm512_loadu_si512(v + 64 * c), pv);
-      hi[c] = _mm512_dpbf16_ps(hi[c], (__m512bh)_mm512_loadu_si512(v + 64 * c + 32), pv);
-    }
-  }
-  for (int64_t c = 0; c < nc32; ++c) {
-    _mm512_storeu_ps(acc + 32 * c, lo[c]);
-    _mm512_storeu_ps(acc + 32 * c + 16, hi[c]);
-  }
+constexpr int kRowsAtOnce = 4, kColsAtOnce = 4;     // accumulate: up to 16 accumulator registers
+template <typename VT>
+using AccumulateFn = void (*)(float*, int64_t, const float*, const float*, int, const VT* const*, int64_t);
+template <typename VT, int... I>
+constexpr std::array<AccumulateFn<VT>, sizeof...(I)> accumulate_table(std::integer_sequence<int, I...>) {
+  return {&accumulate<I / kColsAtOnce + 1, I % kColsAtOnce + 1, VT>...};
 }
-#endif
+template <typename VT>     // [rows - 1][cols - 1]
+constexpr auto kAccumulate = accumulate_table<VT>(std::make_integer_sequence<int, kRowsAtOnce * kColsAtOnce>{});
 
 // floats of per-thread scratch attend16 needs
 inline int64_t scratch_floats(const Shape& s, int64_t heads) {
-  return heads * (2 * s.group * s.dim + 2 * kTile * s.dim + 2 * s.group);
+  return heads * (2 * s.group * s.dim + kTile * s.dim + s.group * (kTile + 1)) + s.group * (kTile + 1);
 }
 
-// One sequence's KV head h: its `group` query rows of q (the sequence's [Hq, D] row) -> the same rows of out.
-// head_dim = 16 * NC (NC = 0: read at run time).
+// One sequence's KV heads [h0, h1): their `group` query rows each of q (the sequence's [Hq, D] row) -> the same rows
+// of out. head_dim = 16 * NC (NC = 0: read at run time). Per tile and KV head: the scores, running max and
+// probabilities of its query rows, up to kRowsAtOnce side by side (independent chains the core overlaps), then one
+// pass over the head's V rows for all of them (accumulate).
 template <typename T, int NC>
 void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
               int64_t h1, const Shape& s, float* scratch) {
-  constexpr int kMaxNC = NC ? NC : 16;
   const int64_t nc = NC ? NC : s.dim / 16;
   const int64_t dim = 16 * nc, group = s.group, bs = s.block_size, heads = h1 - h0, rows = heads * group;
   const int64_t tok_stride = s.num_kv_heads * dim, blk_stride = bs * tok_stride, span = heads * dim;
@@ -372,14 +364,15 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
   }
   float* acc = scratch;                       // [rows, dim] un-normalised output (row = (head, query in group))
   float* qf = acc + rows * dim;               // [rows, dim] q in fp32
-  float* kf = qf + rows * dim;                // [kTile, heads, dim] a tile's K rows widened (bf16/fp16 only)
-  float* vf = kf + kTile * span;              // [kTile, heads, dim] and its V rows
-  float* mx = vf + kTile * span;              // [rows] running max of the scaled scores
-  float* den = mx + rows;                     // [rows] running softmax denominator
+  float* kf = qf + rows * dim;                // [kTile, heads, dim] a tile's K rows widened (bf16/fp16, no bf16_dot)
+  float* den = kf + kTile * span;             // [rows, kTile] running softmax denominator, lane by lane
+  float* mx = den + rows * kTile;             // [rows] running max of the scaled scores
+  float* pw = mx + rows;                      // [group, kTile] a KV head's probabilities for the tile
+  float* alpha = pw + group * kTile;          // [group] and the tile's rescale of its accumulator rows
   for (int64_t i = 0; i < rows * dim; ++i) qf[i] = static_cast<float>(qh[i]);
   std::fill(acc, acc + rows * dim, 0.0f);
+  std::fill(den, den + rows * kTile, 0.0f);
   std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
-  std::fill(den, den + rows, 0.0f);
   const __m512 scale = _mm512_set1_ps(s.scale);
   const int64_t span_bytes = span * static_cast<int64_t>(sizeof(T));
   // offsets of the tile's rows (heads h0..h1 of each position; one division per tile, not per row)
@@ -392,129 +385,119 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
     }
   };
 
-  const float* kr[kTile];     // this tile's rows, heads h0..h1 side by side (dim floats apart)
-  const float* vr[kTile];
-  [[maybe_unused]] const T* kb[kTile];     // the same K and V rows in the cache, when bf16_dot
-  [[maybe_unused]] const T* vb[kTile];
+  const float* kr[kTile];     // this tile's K rows in fp32 (the cache's, or widened into kf)
+  const T* kb[kTile];         // this tile's K and V rows in the cache, heads h0..h1 side by side (dim apart)
+  const T* vb[kTile];
   const bool bf16_dot = kBf16Dot<T> && nc % 2 == 0;
-  [[maybe_unused]] uint16_t* vpair = reinterpret_cast<uint16_t*>(vf);   // bf16_dot: the tile's V rows in pairs
   int64_t cur[kTile], nxt[kTile];
+  const char* pf[2 * kTile];  // the next tile's K and V rows, prefetched a few per query row through this tile
   tile_offsets(0, cur);
   for (int64_t p0 = 0; p0 < ctx; p0 += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, ctx - p0));
+    int npf = 0;
     if (p0 + kTile < ctx) {
       tile_offsets(p0 + kTile, nxt);
       for (int64_t t = 0, m = std::min<int64_t>(kTile, ctx - p0 - kTile); t < m; ++t) {
-        for (int64_t b = 0; b < span_bytes; b += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_cache + nxt[t]) + b, _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(v_cache + nxt[t]) + b, _MM_HINT_T0);
-        }
+        pf[npf++] = reinterpret_cast<const char*>(k_cache + nxt[t]);
+        pf[npf++] = reinterpret_cast<const char*>(v_cache + nxt[t]);
       }
     }
     for (int t = 0; t < n; ++t) {
-      const int64_t off = cur[t];
+      kb[t] = k_cache + cur[t];
+      vb[t] = v_cache + cur[t];
       if constexpr (std::is_same_v<T, float>) {
-        kr[t] = k_cache + off;
-        vr[t] = v_cache + off;
-      } else {
-        if (bf16_dot) {
-          kb[t] = k_cache + off;      // K and V rows used as they are by vdpbf16ps: not widened
-          vb[t] = v_cache + off;
-        } else {
-          for (int64_t c = 0; c < span / 16; ++c) {
-            _mm512_storeu_ps(kf + t * span + 16 * c, load16(k_cache + off + 16 * c));
-            _mm512_storeu_ps(vf + t * span + 16 * c, load16(v_cache + off + 16 * c));
-          }
-          kr[t] = kf + t * span;
-          vr[t] = vf + t * span;
-        }
+        kr[t] = kb[t];
+      } else if (!bf16_dot) {
+        for (int64_t c = 0; c < span / 16; ++c) _mm512_storeu_ps(kf + t * span + 16 * c, load16(kb[t] + 16 * c));
+        kr[t] = kf + t * span;
       }
     }
-#if defined(__AVX512BF16__)
-    if constexpr (kBf16Dot<T>) {
-      if (bf16_dot) interleave_pairs(vb, n, span, vpair);
-    }
-#endif
     std::copy(nxt, nxt + kTile, cur);
     const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t hd = r / group * dim;     // this query row's KV head, as an offset into a tile row
-      __m512 qv[kMaxNC];
-      for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_loadu_ps(qf + r * dim + 16 * c);
-      __m512 dots[kTile];
-      bool dotted = false;
+
+    // query rows g0..g0 + RB of KV head h: scores, running max and denominator, probabilities into pw
+    auto score_rows = [&](auto rb, int64_t h, int64_t g0) {
+      constexpr int RB = decltype(rb)::value;
+      const int64_t hd = h * dim;     // this KV head, as an offset into a tile row
+      __m512 sc[RB];
+      for (int i = 0; i < RB; ++i) {
+        const int64_t r = h * group + g0 + i;
+        for (int k = r * npf / rows, e = (r + 1) * npf / rows; k < e; ++k) {
+          for (int64_t b = 0; b < span_bytes; b += 64) _mm_prefetch(pf[k] + b, _MM_HINT_T0);
+        }
+        __m512 dots[kTile];
+        bool dotted = false;
 #if defined(__AVX512BF16__)
-      if constexpr (kBf16Dot<T>) {
-        if (bf16_dot) {   // q . k straight from the bf16 rows: each lane sums two exact products in fp32 (vdpbf16ps)
-          __m512bh qb[(kMaxNC + 1) / 2];
-          const T* qr = qh + r * dim;
-          for (int64_t c = 0; c < nc / 2; ++c) qb[c] = load32bh(qr + 32 * c);
+        if constexpr (kBf16Dot<T>) {
+          if (bf16_dot) {   // q . k straight from the bf16 rows: each lane sums two exact products in fp32 (vdpbf16ps)
+            __m512bh qb[((NC ? NC : 16) + 1) / 2];
+            const T* qr = qh + r * dim;
+            for (int64_t c = 0; c < nc / 2; ++c) qb[c] = load32bh(qr + 32 * c);
+            for (int t = 0; t < n; ++t) {
+              const T* kt = kb[t] + hd;
+              __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], load32bh(kt));
+              for (int64_t c = 1; c < nc / 2; ++c) a = _mm512_dpbf16_ps(a, qb[c], load32bh(kt + 32 * c));
+              dots[t] = a;
+            }
+            dotted = true;
+          }
+        }
+#endif
+        if (!dotted) {
+          __m512 qv[NC ? NC : 16];
+          for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_loadu_ps(qf + r * dim + 16 * c);
           for (int t = 0; t < n; ++t) {
-            const T* kt = kb[t] + hd;
-            __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], load32bh(kt));
-            for (int64_t c = 1; c < nc / 2; ++c) a = _mm512_dpbf16_ps(a, qb[c], load32bh(kt + 32 * c));
+            const float* kt = kr[t] + hd;
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
+            for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
             dots[t] = a;
           }
-          dotted = true;
         }
+        for (int t = n; t < kTile; ++t) dots[t] = _mm512_setzero_ps();
+        sc[i] = _mm512_mul_ps(reduce16(dots), scale);
       }
-#endif
-      for (int t = 0; t < n && !dotted; ++t) {
-        const float* kt = kr[t] + hd;
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-        for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
-        dots[t] = a;
-      }
-      for (int t = n; t < kTile; ++t) dots[t] = _mm512_setzero_ps();
-      const __m512 scores = _mm512_mul_ps(reduce16(dots), scale);
-      const float m_old = mx[r];
-      const float m_new = std::max(m_old, _mm512_mask_reduce_max_ps(valid, scores));
-      const float alpha = std::exp(m_old - m_new);     // 0 on the first tile (m_old = -inf)
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp16_nonpos(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
-      den[r] = den[r] * alpha + _mm512_reduce_add_ps(p);
-      mx[r] = m_new;
-      alignas(64) float pt[kTile];
-      _mm512_store_ps(pt, p);
-      float* ar = acc + r * dim;
-      const __m512 al = _mm512_set1_ps(alpha);
+      for (int i = 0; i < RB; ++i) {
+        const int64_t r = h * group + g0 + i;
+        const float m_old = mx[r];
+        const float m_new = std::max(m_old, _mm512_mask_reduce_max_ps(valid, sc[i]));
+        // exp(m_old - m_new): ~0 on the first tile (m_old = -inf), where acc and den are still 0
+        const __m512 al = exp16_nonpos(_mm512_set1_ps(m_old - m_new));
+        __m512 p = _mm512_maskz_mov_ps(valid, exp16_nonpos(_mm512_sub_ps(sc[i], _mm512_set1_ps(m_new))));
+        _mm512_storeu_ps(den + r * kTile, _mm512_fmadd_ps(_mm512_loadu_ps(den + r * kTile), al, p));
+        mx[r] = m_new;
+        alpha[g0 + i] = _mm512_cvtss_f32(al);
 #if defined(__AVX512BF16__)
-      if constexpr (kBf16Dot<T>) {
-        if (bf16_dot) {   // acc += p . V by vdpbf16ps over position pairs, p rounded to bf16 (as the reference does)
-          accumulate_pairs(p, n, vpair + 2 * hd, 2 * span, nc / 2, al, ar);
-          continue;
+        if constexpr (kBf16Dot<T>) {    // p rounded to bf16 for p . V, as the reference's softmax(...).to(v.dtype)
+          if (bf16_dot) p = load16(reinterpret_cast<const c10::BFloat16*>(&static_cast<const __m256i&>(
+                                       (__m256i)_mm512_cvtneps_pbh(p))));
         }
-      }
 #endif
-      __m512 a0[kMaxNC], a1[kMaxNC];      // even and odd positions: two independent FMA chains
-      for (int64_t c = 0; c < nc; ++c) {
-        a0[c] = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), al);
-        a1[c] = _mm512_setzero_ps();
+        _mm512_storeu_ps(pw + (g0 + i) * kTile, p);
       }
-      int t = 0;
-      for (; t + 2 <= n; t += 2) {
-        const __m512 p0v = _mm512_set1_ps(pt[t]), p1v = _mm512_set1_ps(pt[t + 1]);
-        const float* v0 = vr[t] + hd;
-        const float* v1 = vr[t + 1] + hd;
-        for (int64_t c = 0; c < nc; ++c) {
-          a0[c] = _mm512_fmadd_ps(p0v, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
-          a1[c] = _mm512_fmadd_ps(p1v, _mm512_loadu_ps(v1 + 16 * c), a1[c]);
+    };
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t g0 = 0; g0 < group; g0 += kRowsAtOnce) {
+        switch (std::min<int64_t>(kRowsAtOnce, group - g0)) {
+          case 1: score_rows(std::integral_constant<int, 1>{}, h, g0); break;
+          case 2: score_rows(std::integral_constant<int, 2>{}, h, g0); break;
+          case 3: score_rows(std::integral_constant<int, 3>{}, h, g0); break;
+          default: score_rows(std::integral_constant<int, 4>{}, h, g0); break;
         }
       }
-      if (t < n) {
-        const __m512 p0v = _mm512_set1_ps(pt[t]);
-        const float* v0 = vr[t] + hd;
-        for (int64_t c = 0; c < nc; ++c) a0[c] = _mm512_fmadd_ps(p0v, _mm512_loadu_ps(v0 + 16 * c), a0[c]);
+      // acc += p . V for the head's rows, kRowsAtOnce rows by kColsAtOnce vectors at a time
+      for (int64_t g0 = 0; g0 < group; g0 += kRowsAtOnce) {
+        const int64_t nr = std::min<int64_t>(kRowsAtOnce, group - g0);
+        for (int64_t c0 = 0; c0 < nc; c0 += kColsAtOnce) {
+          const int64_t ncol = std::min<int64_t>(kColsAtOnce, nc - c0);
+          kAccumulate<T>[(nr - 1) * kColsAtOnce + ncol - 1](acc + (h * group + g0) * dim + 16 * c0, dim, alpha + g0,
+                                                             pw + g0 * kTile, n, vb, h * dim + 16 * c0);
+        }
       }
-      for (int64_t c = 0; c < nc; ++c) _mm512_storeu_ps(ar + 16 * c, _mm512_add_ps(a0[c], a1[c]));
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.0f / den[r];
-    if (bf16_dot) {     // acc rows in pair order: element d of each 32 at pair_lane(d)
-      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<T>(acc[r * dim + i / 32 * 32 + pair_lane(i % 32)] * inv);
-    } else {
-      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<T>(acc[r * dim + i] * inv);
-    }
+    const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(den + r * kTile));
+    for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<T>(acc[r * dim + i] * inv);
   }
 }
 
