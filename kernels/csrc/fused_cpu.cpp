@@ -9,6 +9,9 @@
 // Each computes in fp32 and rounds to the tensor's dtype wherever the torch definition in
 // workers/engine/models/llama.py and kernels/paged_attention.py rounds, so bf16/fp16 results match it
 // to the last bit but for reduction order and exp's last ulp.
+// With AVX-512 (F), fp32 and bf16 run explicit 16-lane loops (bf16 widened exactly, narrowed with c10::BFloat16's
+// round-to-nearest-even and its NaN, 0x7FC0, in integer ops: bit for bit the scalar conversion, denormals included,
+// which the AVX512-BF16 instruction would flush); fp16 and other builds run the scalar loops.
 //
 // Built with paged_decode_cpu.cpp into one library by kernels/cpu_ops.py (same cache, self-check and fallback).
 #include <ATen/Parallel.h>
@@ -20,6 +23,9 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define TP_AVX512 1
+#else
+#define TP_AVX512 0
 #endif
 
 #include <algorithm>
@@ -27,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -36,8 +43,115 @@ inline float rd(float x) { return static_cast<float>(static_cast<T>(x)); }   // 
 template <>
 inline float rd<float>(float x) { return x; }
 
-// work per parallel chunk: element-wise passes are memory-bound; tiny inputs stay on one thread
-inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_elems, 1)); }
+// rows per parallel chunk, from the bytes a row moves: ~64 KB a chunk, so a decode batch (64 rows: 74-600 KB) already
+// takes both threads (a fork costs ~1-2 us; measured faster than one thread from ~64 KB) and a one-row call stays on one
+inline int64_t grain_for(int64_t row_bytes, int64_t chunk_bytes = 64 * 1024) {
+  return std::max<int64_t>(1, chunk_bytes / std::max<int64_t>(row_bytes, 1));
+}
+
+#if TP_AVX512
+// 16 lanes of T <-> fp32: fp32 and bf16 (exact widening; RNE narrowing as c10::BFloat16(float)) everywhere; fp16
+// only loaded (argmax)
+template <typename T>
+constexpr bool kVec = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {     // bf16 is the top half of an fp32
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// 32 values of T as two fp32 vectors: fp32 its two halves; bf16 its even and its odd elements, one shift or one
+// mask each (no lane crossing). Element-wise code never sees the difference, as long as every operand is loaded so.
+struct V32 {
+  __m512 a, b;
+};
+inline V32 load32(const float* p) { return {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; }
+inline V32 load32(const c10::BFloat16* p) {
+  const __m512i v = _mm512_loadu_si512(p);
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+          _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+}
+
+// fp32 rounded to the nearest bf16, ties to even (c10's round_to_nearest_even), kept as an fp32 with the low 16
+// bits clear. NaNs are not canonicalised here: every NaN in these kernels is a widened bf16 input or the default
+// NaN of an invalid operation (or propagated from one), so its low 16 bits are zero and the bias cannot carry.
+inline __m512i round_bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u)));
+}
+
+template <typename T>
+inline V32 vrd(V32 v);   // round through T
+template <>
+inline V32 vrd<float>(V32 v) { return v; }
+template <>
+inline V32 vrd<c10::BFloat16>(V32 v) {
+  return {_mm512_castsi512_ps(round_bf16_bits(v.a)), _mm512_castsi512_ps(round_bf16_bits(v.b))};
+}
+
+inline void store32(float* p, V32 v) {
+  _mm512_storeu_ps(p, v.a);
+  _mm512_storeu_ps(p + 16, v.b);
+}
+// rounds as c10::BFloat16(float), NaN -> 0x7FC0
+inline void store32(c10::BFloat16* p, V32 v) {
+  const __m512i qnan = _mm512_set1_epi32(0x7FC00000);
+  const __m512i a = _mm512_mask_mov_epi32(round_bf16_bits(v.a), _mm512_cmp_ps_mask(v.a, v.a, _CMP_UNORD_Q), qnan);
+  const __m512i b = _mm512_mask_mov_epi32(round_bf16_bits(v.b), _mm512_cmp_ps_mask(v.b, v.b, _CMP_UNORD_Q), qnan);
+  _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(a, 16), b));
+}
+
+inline V32 operator+(V32 x, V32 y) { return {_mm512_add_ps(x.a, y.a), _mm512_add_ps(x.b, y.b)}; }
+inline V32 operator*(V32 x, V32 y) { return {_mm512_mul_ps(x.a, y.a), _mm512_mul_ps(x.b, y.b)}; }
+inline V32 operator*(V32 x, __m512 y) { return {_mm512_mul_ps(x.a, y), _mm512_mul_ps(x.b, y)}; }
+#endif
+
+// one row: residual (when given) += x in place, rounded to T; out = weight * rd(h * scale), h the row's (new) values
+// read back exactly from where they are stored, so no scratch row
+template <typename T>
+inline void rms_norm_row(const T* xr, T* rr, const T* wp, T* orow, int64_t n, float eps) {
+  const T* h = rr ? rr : xr;
+  int64_t i = 0;
+  float sum = 0.f;
+#if TP_AVX512
+  if constexpr (kVec<T>) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    if (rr) {
+      for (; i + 32 <= n; i += 32) {
+        const V32 v = vrd<T>(load32(rr + i) + load32(xr + i));
+        store32(rr + i, v);
+        s0 = _mm512_fmadd_ps(v.a, v.a, s0);
+        s1 = _mm512_fmadd_ps(v.b, v.b, s1);
+      }
+    } else {
+      for (; i + 32 <= n; i += 32) {
+        const V32 v = load32(xr + i);
+        s0 = _mm512_fmadd_ps(v.a, v.a, s0);
+        s1 = _mm512_fmadd_ps(v.b, v.b, s1);
+      }
+    }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  }
+#endif
+  for (; i < n; ++i) {
+    if (rr) rr[i] = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
+    const float v = static_cast<float>(h[i]);
+    sum += v * v;
+  }
+  const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  i = 0;
+#if TP_AVX512
+  if constexpr (kVec<T>) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (; i + 32 <= n; i += 32) store32(orow + i, load32(wp + i) * vrd<T>(load32(h + i) * sc));
+  }
+#endif
+  for (; i < n; ++i) orow[i] = static_cast<T>(static_cast<float>(wp[i]) * rd<T>(static_cast<float>(h[i]) * scale));
+}
 
 template <typename T>
 void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, at::Tensor& out,
@@ -48,26 +162,8 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0, os = out.stride(0);
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    std::vector<float> h(n);
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = xp + r * xs;
-      float sum = 0.f;
-      if (rp) {
-        T* rr = rp + r * rs;
-        for (int64_t i = 0; i < n; ++i) {
-          const T v = static_cast<T>(static_cast<float>(rr[i]) + static_cast<float>(xr[i]));
-          rr[i] = v;
-          h[i] = static_cast<float>(v);
-        }
-      } else {
-        for (int64_t i = 0; i < n; ++i) h[i] = static_cast<float>(xr[i]);
-      }
-      for (int64_t i = 0; i < n; ++i) sum += h[i] * h[i];
-      const float scale = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
-      T* orow = op + r * os;
-      for (int64_t i = 0; i < n; ++i) orow[i] = static_cast<T>(static_cast<float>(wp[i]) * rd<T>(h[i] * scale));
-    }
+  at::parallel_for(0, rows, grain_for(n * sizeof(T) * (rp ? 4 : 2)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row<T>(xp + r * xs, rp ? rp + r * rs : nullptr, wp, op + r * os, n, eps);
   });
 }
 
@@ -125,19 +221,57 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+#if TP_AVX512
+// exp_nonpos on 16 lanes, the same steps (NaN stays NaN)
+inline __m512 exp_nonpos16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);    // max(c, NaN) is NaN
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);    // p * 2^n, as the scalar's exponent bits (n >= -126)
+}
+
+// sigmoid(a) = (a >= 0 ? 1 : e) / (1 + e), e = exp(-|a|), as the scalar loop
+inline __m512 silu_sig1(__m512 a) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 e = exp_nonpos16(_mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)))));   // -|a|
+  const __m512 num = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GE_OQ), one);
+  return _mm512_div_ps(num, _mm512_add_ps(one, e));
+}
+inline V32 silu_sig(__m512 a, __m512 b) { return {silu_sig1(a), silu_sig1(b)}; }
+#endif
+
 template <typename T>
 void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t rows = x.size(0), n = out.size(1);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0);
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(3 * n * sizeof(T)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = xp + r * xs;
       const T* u = g + n;
       T* o = op + r * n;
+      int64_t i = 0;
+#if TP_AVX512
+      if constexpr (kVec<T>) {
+        for (; i + 32 <= n; i += 32) {
+          const V32 a = load32(g + i);
+          store32(o + i, vrd<T>(a * silu_sig(a.a, a.b)) * load32(u + i));
+        }
+      }
+#endif
 #pragma GCC ivdep
-      for (int64_t i = 0; i < n; ++i) {
+      for (; i < n; ++i) {
         const float a = static_cast<float>(g[i]);
         const float e = exp_nonpos(-std::fabs(a));                  // sigmoid from exp(-|a|): no overflow
         const float sig = a >= 0.f ? 1.0f / (1.0f + e) : e / (1.0f + e);
@@ -160,15 +294,44 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+#if TP_AVX512
+constexpr int kRne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+inline V32 rot_mul(V32 x, V32 y) { return {_mm512_mul_round_ps(x.a, y.a, kRne), _mm512_mul_round_ps(x.b, y.b, kRne)}; }
+inline V32 rot_add(V32 x, V32 y) { return {_mm512_add_round_ps(x.a, y.a, kRne), _mm512_add_round_ps(x.b, y.b, kRne)}; }
+inline V32 neg(V32 x) {
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  return {_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x.a), sign)),
+          _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x.b), sign))};
+}
+#endif
+
 template <typename T>
 void rotate_rows(T* x, int64_t tokens, int64_t heads, int64_t ts, int64_t hs, const T* cos, const T* sin,
                  int64_t cs, int64_t half, int64_t t) {
   const T* c = cos + t * cs;
   const T* s = sin + t * cs;
+  int64_t vec_end = 0;
+#if TP_AVX512
+  if constexpr (kVec<T>) {
+    // x * cos + rotate_half(x) * sin with torch's roundings: each product, then the sum, rounded to T (explicitly
+    // rounded mul/add, which the compiler does not contract into a fused multiply-add)
+    vec_end = half / 32 * 32;
+    for (int64_t i = 0; i < vec_end; i += 32) {
+      const V32 c1 = load32(c + i), c2 = load32(c + i + half), s1 = load32(s + i), s2 = load32(s + i + half);
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + t * ts + h * hs;
+        const V32 x1 = load32(v + i), x2 = load32(v + i + half);
+        store32(v + i, rot_add(vrd<T>(rot_mul(x1, c1)), vrd<T>(rot_mul(neg(x2), s1))));
+        store32(v + i + half, rot_add(vrd<T>(rot_mul(x2, c2)), vrd<T>(rot_mul(x1, s2))));
+      }
+    }
+  }
+#endif
+  if (vec_end == half) return;
   for (int64_t h = 0; h < heads; ++h) {
     T* v = x + t * ts + h * hs;
 #pragma GCC ivdep
-    for (int64_t i = 0; i < half; ++i) {
+    for (int64_t i = vec_end; i < half; ++i) {
       const float x1 = static_cast<float>(v[i]), x2 = static_cast<float>(v[i + half]);
       const float lo = rd<T>(x1 * static_cast<float>(c[i])) + rd<T>(-x2 * static_cast<float>(s[i]));
       const float hi = rd<T>(x2 * static_cast<float>(c[i + half])) + rd<T>(x1 * static_cast<float>(s[i + half]));
@@ -185,7 +348,7 @@ void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& cos, const at::
   T* kp = k.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  at::parallel_for(0, tokens, grain_rows((q.size(1) + k.size(1)) * dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, grain_for(2 * (q.size(1) + k.size(1) + 1) * dim * sizeof(T)), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       rotate_rows<T>(qp, tokens, q.size(1), q.stride(0), q.stride(1), cp, sp, cos.stride(0), half, t);
       rotate_rows<T>(kp, tokens, k.size(1), k.stride(0), k.stride(1), cp, sp, cos.stride(0), half, t);
@@ -214,19 +377,25 @@ void store_kv_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k
                    const int64_t* slots) {
   const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
   const int64_t total_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] < total_slots, "slot ", slots[t], " outside the cache");
   const T* kp = key.data_ptr<T>();
   const T* vp = value.data_ptr<T>();
   T* kc = k_cache.data_ptr<T>();
   T* vc = v_cache.data_ptr<T>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0) continue;
-    TORCH_CHECK(slot < total_slots, "slot ", slot, " outside the cache");
-    for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(kc + (slot * heads + h) * dim, kp + t * key.stride(0) + h * key.stride(1), dim * sizeof(T));
-      std::memcpy(vc + (slot * heads + h) * dim, vp + t * value.stride(0) + h * value.stride(1), dim * sizeof(T));
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  const int64_t row = heads * dim;     // a slot's heads are contiguous in the cache, and mostly in key/value too
+  const bool k_rows = heads == 1 || ks1 == dim, v_rows = heads == 1 || vs1 == dim;
+  // prefill-sized stores split across threads (which also shares out the page faults of a pool's first use)
+  at::parallel_for(0, tokens, grain_for(4 * row * sizeof(T), 128 * 1024), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      if (k_rows) std::memcpy(kc + slot * row, kp + t * ks0, row * sizeof(T));
+      else for (int64_t h = 0; h < heads; ++h) std::memcpy(kc + slot * row + h * dim, kp + t * ks0 + h * ks1, dim * sizeof(T));
+      if (v_rows) std::memcpy(vc + slot * row, vp + t * vs0, row * sizeof(T));
+      else for (int64_t h = 0; h < heads; ++h) std::memcpy(vc + slot * row + h * dim, vp + t * vs0 + h * vs1, dim * sizeof(T));
     }
-  }
+  });
 }
 
 void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
@@ -274,21 +443,7 @@ ArgmaxPart argmax_scalar(const T* p, int64_t begin, int64_t end) {
   return {m, idx < 0 ? begin : idx, -1};
 }
 
-#if defined(__AVX512F__)
-template <typename T>
-inline __m512 load16(const T* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {     // bf16 is the top half of an fp32
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-template <>
-inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
+#if TP_AVX512
 // 4 x 16 lanes, each keeping the first index of its own largest value (strict >: NaN never wins a lane, an equal
 // later value never replaces); NaNs are only noted, then found by a scalar rescan (rare). The lanes reduce to the
 // largest value and, among lanes holding it, the smallest index: the row's first maximum.
@@ -342,7 +497,7 @@ ArgmaxPart argmax_avx512(const T* p, int64_t begin, int64_t end) {
 
 template <typename T>
 inline ArgmaxPart argmax_part(const T* p, int64_t begin, int64_t end) {
-#if defined(__AVX512F__)
+#if TP_AVX512
   return argmax_avx512(p, begin, end);
 #else
   return argmax_scalar(p, begin, end);
