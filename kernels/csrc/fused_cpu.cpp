@@ -9,9 +9,10 @@
 // Each computes in fp32 and rounds to the tensor's dtype wherever the torch definition in
 // workers/engine/models/llama.py and kernels/paged_attention.py rounds, so bf16/fp16 results match it
 // to the last bit but for reduction order and exp's last ulp.
-// With AVX-512 (F), fp32 and bf16 run explicit 16-lane loops (bf16 widened exactly, narrowed with c10::BFloat16's
-// round-to-nearest-even and its NaN, 0x7FC0, in integer ops: bit for bit the scalar conversion, denormals included,
-// which the AVX512-BF16 instruction would flush); fp16 and other builds run the scalar loops.
+// With AVX-512 (F), fp32 and bf16 run explicit 16-lane loops: bf16 widened exactly, narrowed bit for bit as
+// c10::BFloat16(float) (round to nearest even, denormals kept, NaN -> 0x7FC0): with AVX512-BF16 by its conversion
+// (same rounding) except for blocks holding a NaN or an fp32 denormal, which it would flush, else in integer ops.
+// fp16, AVX2 and generic builds run the scalar loops.
 //
 // Built with paged_decode_cpu.cpp into one library by kernels/cpu_ops.py (same cache, self-check and fallback).
 #include <ATen/Parallel.h>
@@ -98,12 +99,28 @@ inline void store32(float* p, V32 v) {
   _mm512_storeu_ps(p + 16, v.b);
 }
 // rounds as c10::BFloat16(float), NaN -> 0x7FC0
-inline void store32(c10::BFloat16* p, V32 v) {
+inline void store32_exact(c10::BFloat16* p, V32 v) {
   const __m512i qnan = _mm512_set1_epi32(0x7FC00000);
   const __m512i a = _mm512_mask_mov_epi32(round_bf16_bits(v.a), _mm512_cmp_ps_mask(v.a, v.a, _CMP_UNORD_Q), qnan);
   const __m512i b = _mm512_mask_mov_epi32(round_bf16_bits(v.b), _mm512_cmp_ps_mask(v.b, v.b, _CMP_UNORD_Q), qnan);
   _mm512_storeu_si512(p, _mm512_or_si512(_mm512_srli_epi32(a, 16), b));
 }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// AVX512-BF16 rounds to nearest even too, in one instruction, but flushes fp32 denormals to zero and keeps NaN
+// payloads: a block with either takes the integer path
+inline void store32(c10::BFloat16* p, V32 v) {
+  if (__builtin_expect(_mm512_fpclass_ps_mask(v.a, 0xA1) | _mm512_fpclass_ps_mask(v.b, 0xA1), 0)) {   // NaN, denormal
+    store32_exact(p, v);
+    return;
+  }
+  const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v.b, v.a));   // a in words 0-15, b in 16-31
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_storeu_si512(p, _mm512_permutexvar_epi16(interleave, packed));
+}
+#else
+inline void store32(c10::BFloat16* p, V32 v) { store32_exact(p, v); }
+#endif
 
 inline V32 operator+(V32 x, V32 y) { return {_mm512_add_ps(x.a, y.a), _mm512_add_ps(x.b, y.b)}; }
 inline V32 operator*(V32 x, V32 y) { return {_mm512_mul_ps(x.a, y.a), _mm512_mul_ps(x.b, y.b)}; }
@@ -202,9 +219,11 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   return out;
 }
 
-// exp(x) for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp); auto-vectorises
-inline float exp_nonpos(float x) {
-  x = x < -87.0f ? -87.0f : x;
+// exp(x) (Cephes expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp), x clamped to [-104, 89], beyond which
+// exp rounds to 0 or overflows to inf; 2^n (n in [-150, 128]) applied in two halves that are normal floats, which
+// rounds once, as a single scaling would. NaN stays NaN. Auto-vectorises.
+inline float exp_clamped(float x) {
+  x = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
   const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round to an integer
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
@@ -215,16 +234,18 @@ inline float exp_nonpos(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  const int32_t n0 = static_cast<int32_t>(n), n1 = n0 / 2;
+  const int32_t bits1 = (n1 + 127) << 23, bits2 = (n0 - n1 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &bits1, sizeof s1);
+  std::memcpy(&s2, &bits2, sizeof s2);
+  return p * s1 * s2;
 }
 
 #if TP_AVX512
-// exp_nonpos on 16 lanes, the same steps (NaN stays NaN)
-inline __m512 exp_nonpos16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);    // max(c, NaN) is NaN
+// exp_clamped on 16 lanes, the same steps (scalef: p * 2^n rounded once)
+inline __m512 exp_clamped16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));    // NaN passes both
   const __m512 magic = _mm512_set1_ps(12582912.0f);
   const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -236,18 +257,15 @@ inline __m512 exp_nonpos16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);    // p * 2^n, as the scalar's exponent bits (n >= -126)
+  return _mm512_scalef_ps(p, n);
 }
 
-// sigmoid(a) = (a >= 0 ? 1 : e) / (1 + e), e = exp(-|a|), as the scalar loop
-inline __m512 silu_sig1(__m512 a) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 e = exp_nonpos16(_mm512_castsi512_ps(
-      _mm512_or_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u)))));   // -|a|
-  const __m512 num = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GE_OQ), one);
-  return _mm512_div_ps(num, _mm512_add_ps(one, e));
+// silu(a) = a / (1 + exp(-a)), torch's formula (exp(-a) = inf for a < -89: -0; a = -inf: NaN, as torch)
+inline __m512 silu16(__m512 a) {
+  const __m512 na = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));
+  return _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_clamped16(na)));
 }
-inline V32 silu_sig(__m512 a, __m512 b) { return {silu_sig1(a), silu_sig1(b)}; }
+inline V32 silu32(V32 a) { return {silu16(a.a), silu16(a.b)}; }
 #endif
 
 template <typename T>
@@ -266,16 +284,14 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       if constexpr (kVec<T>) {
         for (; i + 32 <= n; i += 32) {
           const V32 a = load32(g + i);
-          store32(o + i, vrd<T>(a * silu_sig(a.a, a.b)) * load32(u + i));
+          store32(o + i, vrd<T>(silu32(a)) * load32(u + i));
         }
       }
 #endif
 #pragma GCC ivdep
       for (; i < n; ++i) {
         const float a = static_cast<float>(g[i]);
-        const float e = exp_nonpos(-std::fabs(a));                  // sigmoid from exp(-|a|): no overflow
-        const float sig = a >= 0.f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        o[i] = static_cast<T>(rd<T>(a * sig) * static_cast<float>(u[i]));
+        o[i] = static_cast<T>(rd<T>(a / (1.0f + exp_clamped(-a))) * static_cast<float>(u[i]));
       }
     }
   });

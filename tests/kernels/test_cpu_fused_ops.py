@@ -65,6 +65,25 @@ def test_fused_ops_match_torch(dtype, rows):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
+@pytest.mark.parametrize("scale", [2.0 ** -8, 3 * 2.0 ** -9, -(2.0 ** -8), 2.0 ** -20, 1.0])
+def test_bf16_rounding_matches_torch_bit_for_bit(scale):
+    """The kernels' fp32 -> bf16 rounding (AVX-512: the AVX512-BF16 instruction, blocks with a NaN or a denormal on
+    exact integer ops; elsewhere c10::BFloat16) through add_rms_norm's residual sum: every bf16 bit pattern plus a
+    fraction of itself (ties to even, denormals, overflow to inf), in order and shuffled, against torch's add;
+    NaN stored as c10's 0x7FC0."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    residual = torch.cat([base, base[torch.randperm(base.numel(), generator=gen)]]).view(-1, 512)
+    x = residual * scale
+    want = residual + x
+    got = residual.clone()
+    rms_norm(x, torch.ones(512, dtype=torch.bfloat16), 1e-5, got)
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert (got.view(torch.int16)[nan] == 0x7FC0).all()
+
+
 def test_fused_ops_fall_back_when_switched_off(monkeypatch):
     monkeypatch.setattr(cpu_ops, "_enabled", False)
     x = torch.randn(4, 32)
