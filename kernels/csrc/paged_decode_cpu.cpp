@@ -11,8 +11,9 @@
 //    (online) softmax across tiles, so K and V are read once each and interleaved, with no score buffer. Per tile
 //    and KV head, the softmax updates of up to four query rows run side by side (independent dependency chains),
 //    then one pass over the V rows serves all of them (each V vector loaded, and widened if bf16/fp16, once per
-//    four rows); the next tile's rows are prefetched a line or two per q.k position, spread over the tile's work,
-//    not in one burst (a burst fills the core's line fill buffers and stalls the arithmetic behind it). With a bf16 cache on a CPU with AVX512-BF16 (and head_dim a multiple of 32), q.k is vdpbf16ps on the
+//    four rows); the next tile's rows are prefetched a line or two per position of each q.k and p.V pass, spread
+//    evenly over the tile's work, not in one burst (a burst fills the core's line fill buffers and stalls the
+//    arithmetic behind it). With a bf16 cache on a CPU with AVX512-BF16 (and head_dim a multiple of 32), q.k is vdpbf16ps on the
 //    cache rows as they are, and p is rounded to bf16 before p.V as the reference's softmax(...).to(v.dtype) does.
 //  * attend8 (AVX2+FMA builds: every head_dim attend16 does not take, and every head_dim on CPUs without AVX-512):
 //    attend16's design at eight lanes, in tiles of 32 positions (four groups of 8 dot products, each group reduced
@@ -306,15 +307,35 @@ constexpr bool kBf16Dot = false;
 // The V side of one KV head's tile: acc rows [R) (row stride `dim` floats), vector columns [C) (the caller offsets
 // acc and hd to the first column) = acc * alpha + sum_t p_t v_t over the tile's n positions, p from pt (kTile floats
 // per row), V rows read from the cache (bf16/fp16 widened as loaded): each V vector is loaded once for the R rows.
+// The next tile's K and V rows (nrows of row_bytes), prefetched evenly over this tile's `slots` steps (one per
+// position of each query row's q . k and of each pass of accumulate): `lines` lines in all, a line or two a step, so
+// that the core's line fill buffers never fill up and stall the arithmetic, as a burst of prefetches does.
+struct Prefetcher {
+  const char* const* rows;
+  int nrows;
+  int64_t row_bytes, lines, slots;
+  int k = 0;
+  int64_t b = 0, credit = 0;
+  inline void step() {
+    for (credit += lines; credit >= slots; credit -= slots) {
+      if (k < nrows) {
+        _mm_prefetch(rows[k] + b, _MM_HINT_T0);
+        if ((b += 64) >= row_bytes) b = 0, ++k;
+      }
+    }
+  }
+};
+
 template <int R, int C, typename VT>
 void accumulate(float* acc, int64_t dim, const float* alpha, const float* pt, int n, const VT* const* vr,
-                int64_t hd) {
+                int64_t hd, Prefetcher* pfr) {
   __m512 a[R][C];
   for (int r = 0; r < R; ++r) {
     const __m512 al = _mm512_set1_ps(alpha[r]);
     for (int c = 0; c < C; ++c) a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + 16 * c), al);
   }
   for (int t = 0; t < n; ++t) {
+    pfr->step();
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(vr[t] + hd + 16 * c);
     for (int r = 0; r < R; ++r) {
@@ -329,7 +350,7 @@ void accumulate(float* acc, int64_t dim, const float* alpha, const float* pt, in
 
 constexpr int kRowsAtOnce = 4, kColsAtOnce = 4;     // accumulate: up to 16 accumulator registers
 template <typename VT>
-using AccumulateFn = void (*)(float*, int64_t, const float*, const float*, int, const VT* const*, int64_t);
+using AccumulateFn = void (*)(float*, int64_t, const float*, const float*, int, const VT* const*, int64_t, Prefetcher*);
 template <typename VT, int... I>
 constexpr std::array<AccumulateFn<VT>, sizeof...(I)> accumulate_table(std::integer_sequence<int, I...>) {
   return {&accumulate<I / kColsAtOnce + 1, I % kColsAtOnce + 1, VT>...};
@@ -390,7 +411,7 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
   const T* vb[kTile];
   const bool bf16_dot = kBf16Dot<T> && nc % 2 == 0;
   int64_t cur[kTile], nxt[kTile];
-  const char* pf[2 * kTile];  // the next tile's K and V rows, prefetched a few lines per q . k through this tile
+  const char* pf[2 * kTile];  // the next tile's K and V rows, prefetched through this tile (Prefetcher)
   tile_offsets(0, cur);
   for (int64_t p0 = 0; p0 < ctx; p0 += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, ctx - p0));
@@ -414,9 +435,8 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
     }
     std::copy(nxt, nxt + kTile, cur);
     const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
-    const int64_t lines = npf * ((span_bytes + 63) / 64);   // to prefetch through this tile
-    int pk = 0;
-    int64_t pb = 0;
+    const int64_t vpasses = heads * ((group + kRowsAtOnce - 1) / kRowsAtOnce) * ((nc + kColsAtOnce - 1) / kColsAtOnce);
+    Prefetcher pfr{pf, npf, span_bytes, npf * ((span_bytes + 63) / 64), rows * kTile + vpasses * n};
 
     // query rows g0..g0 + RB of KV head h: scores, running max and denominator, probabilities into pw
     auto score_rows = [&](auto rb, int64_t h, int64_t g0) {
@@ -425,14 +445,6 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
       __m512 sc[RB];
       for (int i = 0; i < RB; ++i) {
         const int64_t r = h * group + g0 + i;
-        // this row's share of the next tile's lines, a few per position of its q . k
-        const int64_t quota = lines * (r + 1) / rows - lines * r / rows;
-        auto prefetch_at = [&](int t) {
-          for (int64_t m = (t + 1) * quota / kTile - t * quota / kTile; m > 0 && pk < npf; --m) {
-            _mm_prefetch(pf[pk] + pb, _MM_HINT_T0);
-            if ((pb += 64) >= span_bytes) pb = 0, ++pk;
-          }
-        };
         __m512 dots[kTile];
         bool dotted = false;
 #if defined(__AVX512BF16__)
@@ -442,7 +454,7 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
             const T* qr = qh + r * dim;
             for (int64_t c = 0; c < nc / 2; ++c) qb[c] = load32bh(qr + 32 * c);
             for (int t = 0; t < n; ++t) {
-              prefetch_at(t);
+              pfr.step();
               const T* kt = kb[t] + hd;
               __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], load32bh(kt));
               for (int64_t c = 1; c < nc / 2; ++c) a = _mm512_dpbf16_ps(a, qb[c], load32bh(kt + 32 * c));
@@ -456,14 +468,14 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
           __m512 qv[NC ? NC : 16];
           for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_loadu_ps(qf + r * dim + 16 * c);
           for (int t = 0; t < n; ++t) {
-            prefetch_at(t);
+            pfr.step();
             const float* kt = kr[t] + hd;
             __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
             for (int64_t c = 1; c < nc; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + 16 * c), a);
             dots[t] = a;
           }
         }
-        for (int t = n; t < kTile; ++t) prefetch_at(t), dots[t] = _mm512_setzero_ps();
+        for (int t = n; t < kTile; ++t) pfr.step(), dots[t] = _mm512_setzero_ps();
         sc[i] = _mm512_mul_ps(reduce16(dots), scale);
       }
       for (int i = 0; i < RB; ++i) {
@@ -500,7 +512,7 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
         for (int64_t c0 = 0; c0 < nc; c0 += kColsAtOnce) {
           const int64_t ncol = std::min<int64_t>(kColsAtOnce, nc - c0);
           kAccumulate<T>[(nr - 1) * kColsAtOnce + ncol - 1](acc + (h * group + g0) * dim + 16 * c0, dim, alpha + g0,
-                                                             pw + g0 * kTile, n, vb, h * dim + 16 * c0);
+                                                             pw + g0 * kTile, n, vb, h * dim + 16 * c0, &pfr);
         }
       }
     }
