@@ -304,28 +304,35 @@ template <typename T>
 constexpr bool kBf16Dot = false;
 #endif
 
-// The V side of one KV head's tile: acc rows [R) (row stride `dim` floats), vector columns [C) (the caller offsets
-// acc and hd to the first column) = acc * alpha + sum_t p_t v_t over the tile's n positions, p from pt (kTile floats
-// per row), V rows read from the cache (bf16/fp16 widened as loaded): each V vector is loaded once for the R rows.
 // The next tile's K and V rows (nrows of row_bytes), prefetched evenly over this tile's `slots` steps (one per
 // position of each query row's q . k and of each pass of accumulate): `lines` lines in all, a line or two a step, so
-// that the core's line fill buffers never fill up and stall the arithmetic, as a burst of prefetches does.
+// that the core's line fill buffers never fill up and stall the arithmetic, as a burst of prefetches does. Into L1,
+// unless this tile's rows and the next's together would crowd it (to_l2: fp32 rows of three KV heads, 48 KiB).
+constexpr int64_t kL1Bytes = 32 * 1024;
 struct Prefetcher {
   const char* const* rows;
   int nrows;
   int64_t row_bytes, lines, slots;
+  bool to_l2;
   int k = 0;
   int64_t b = 0, credit = 0;
   inline void step() {
     for (credit += lines; credit >= slots; credit -= slots) {
       if (k < nrows) {
-        _mm_prefetch(rows[k] + b, _MM_HINT_T0);
+        if (to_l2) {
+          _mm_prefetch(rows[k] + b, _MM_HINT_T1);
+        } else {
+          _mm_prefetch(rows[k] + b, _MM_HINT_T0);
+        }
         if ((b += 64) >= row_bytes) b = 0, ++k;
       }
     }
   }
 };
 
+// The V side of one KV head's tile: acc rows [R) (row stride `dim` floats), vector columns [C) (the caller offsets
+// acc and hd to the first column) = acc * alpha + sum_t p_t v_t over the tile's n positions, p from pt (kTile floats
+// per row), V rows read from the cache (bf16/fp16 widened as loaded): each V vector is loaded once for the R rows.
 template <int R, int C, typename VT>
 void accumulate(float* acc, int64_t dim, const float* alpha, const float* pt, int n, const VT* const* vr,
                 int64_t hd, Prefetcher* pfr) {
@@ -436,7 +443,8 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
     std::copy(nxt, nxt + kTile, cur);
     const __mmask16 valid = static_cast<__mmask16>(n == kTile ? 0xFFFF : (1u << n) - 1);
     const int64_t vpasses = heads * ((group + kRowsAtOnce - 1) / kRowsAtOnce) * ((nc + kColsAtOnce - 1) / kColsAtOnce);
-    Prefetcher pfr{pf, npf, span_bytes, npf * ((span_bytes + 63) / 64), rows * kTile + vpasses * n};
+    Prefetcher pfr{pf, npf, span_bytes, npf * ((span_bytes + 63) / 64), rows * kTile + vpasses * n,
+                   4 * kTile * span_bytes > kL1Bytes};
 
     // query rows g0..g0 + RB of KV head h: scores, running max and denominator, probabilities into pw
     auto score_rows = [&](auto rb, int64_t h, int64_t g0) {
