@@ -109,10 +109,9 @@ def test_per_sequence_and_per_kv_head_items_agree(op, dtype):
 
 @pytest.mark.parametrize("head_dim", [48, 64, 80, 96, 160])
 def test_bf16_pair_dot_and_widened_paths(op, head_dim):
-    """bf16 caches on AVX512-BF16 CPUs take vdpbf16ps straight on the cache rows (q.k, and p.V over position pairs
-    with p rounded to bf16, as the reference rounds it) where head_dim % 32 == 0, and widen rows to fp32 otherwise:
-    both against the reference, with odd tile tails (an odd last position is paired with zeros, never with the NaN
-    of the slot after it)."""
+    """bf16 caches on AVX512-BF16 CPUs take vdpbf16ps straight on the cache's K rows for q.k where head_dim % 32 == 0
+    (p rounded to bf16 for p.V, as the reference rounds it), and widen K rows to fp32 otherwise: both against the
+    reference, with odd tile tails (positions past the context never read the NaN of the slot after them)."""
     rng = random.Random(head_dim + 1)
     q, k_cache, v_cache, tables, lens = paged(rng, [1, 15, 17, 33, 100, 257], 2, 3, head_dim, 16, torch.bfloat16,
                                               ramp=10.0 / head_dim ** 0.5)
@@ -137,3 +136,24 @@ def test_head_dims_of_eight_lane_groups(op, dtype, head_dim):
     assert torch.isfinite(out).all(), "a NaN from an unowned slot leaked"
     ref = paged_decode_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
     assert (out.float() - ref).abs().max().item() <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [5, 6, 7])
+@pytest.mark.parametrize("head_dim", [80, 96, 160])
+def test_row_and_column_blocks_of_the_v_pass(op, dtype, group, head_dim):
+    """attend16 updates up to four query rows of a KV head side by side and passes over V for up to four rows and
+    four 16-lane vectors at a time: groups of 5-7 rows and head_dims of 5, 6 and 10 vectors leave partial blocks of
+    each. Batches both big (one item per sequence; fp32 rows of three KV heads prefetched into L2) and small (one item
+    per KV head)."""
+    rng = random.Random(group * 1000 + head_dim)
+    contexts = [1, 16, 17, 40, 129, 300, 5, 64, 33, 250]
+    q, k_cache, v_cache, tables, lens = paged(rng, contexts, 3, group, head_dim, 16, dtype,
+                                              ramp=10.0 / head_dim ** 0.5)
+    scale = head_dim ** -0.5
+    ref = paged_decode_ref(q.float(), k_cache.float(), v_cache.float(), tables, lens, scale)
+    out = op(q, k_cache, v_cache, tables, lens, scale)
+    assert torch.isfinite(out).all(), "a NaN from an unowned slot leaked"
+    assert (out.float() - ref).abs().max().item() <= TOL[dtype]
+    few = op(q[:2].contiguous(), k_cache, v_cache, tables[:2], lens[:2].contiguous(), scale)
+    assert (few.float() - ref[:2]).abs().max().item() <= TOL[dtype]
