@@ -153,14 +153,16 @@ def test_redis_restart_mid_run_loses_no_accepted_job(pg_url, tiny_model, tmp_pat
         tenant_id, key = st.tenant()
         beat.sweep(st.app)                            # broker epoch recorded
         st.worker("restart-1", TIDEPOOL_MAX_NUM_SEQS=4, TIDEPOOL_LOW_WATER=1)
-        ids = st.submit(key, 12, sla_class="batch", **{**LONG, "max_tokens": 40})
+        # 24 jobs for 4 seats: several waves must still wait in the broker when the first completion is seen,
+        # even when the tiny model finishes waves between two polls (12 x 40 tokens left none once, on a fast CPU)
+        ids = st.submit(key, 24, sla_class="batch", **{**LONG, "max_tokens": 100})
         st.wait(lambda: st.count(Job.status == JobStatus.completed) >= 1, 60, "first completion")
         assert st.redis.llen("batch") > 0             # offline work still waits in the broker
         private_redis.restart()                       # no persistence: every queued message is gone
         assert st.redis.llen("batch") == 0
         _sweep_until(st, lambda: _all_completed(st, ids), 120)
         assert all(j.attempts == 1 for j in st.jobs(Job.id.in_(ids)))
-        assert _usage(st, tenant_id).requests == 12
+        assert _usage(st, tenant_id).requests == 24
     finally:
         st.close()
 
