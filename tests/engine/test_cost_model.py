@@ -26,15 +26,20 @@ def test_fit_recovers_the_coefficients_of_clean_steps():
     assert (cost.fixed, cost.per_token, cost.per_context) == pytest.approx(TRUE, rel=0.02)
 
 
+def observe_with_stalls(cost, n, seed):
+    """n clean steps of mixed shapes, one in ten (at random) stalled for 20x its time."""
+    rng = random.Random(seed)
+    for tokens, attended in shapes(n, seed=seed):
+        t = true_time(tokens, attended)
+        cost.observe(tokens, attended, t * 20 if rng.random() < 0.1 else t)
+
+
 def test_stalled_steps_do_not_drag_the_fit():
     """One step in ten stalls for 20x its time (a loaded host): the fit still predicts the typical step
     within a few percent, where a plain mean would predict steps nearly three times slower."""
     cost = CostModel()
     cost.seed(*TRUE)
-    rng = random.Random(1)
-    for tokens, attended in shapes(400, seed=2):
-        t = true_time(tokens, attended)
-        cost.observe(tokens, attended, t * 20 if rng.random() < 0.1 else t)
+    observe_with_stalls(cost, 400, seed=2)
     for tokens, attended in ((1, 300), (64, 64 * 200), (256, 256 * 100)):
         assert cost.predict(tokens, attended) == pytest.approx(true_time(tokens, attended), rel=0.1)
 
@@ -134,9 +139,6 @@ def test_stalls_on_a_correct_seed_never_rescale():
     """One step in ten at 20x its time: three in four recent steps are never off together: no rescale."""
     cost = CostModel()
     cost.seed(*TRUE)
-    rng = random.Random(5)
-    for tokens, att in shapes(2000, seed=6):
-        t = true_time(tokens, att)
-        cost.observe(tokens, att, t * 20 if rng.random() < 0.1 else t)
+    observe_with_stalls(cost, 2000, seed=6)
     assert cost.recalibrations == 0
     assert cost.predict(64, 64 * 200) == pytest.approx(true_time(64, 64 * 200), rel=0.1)
