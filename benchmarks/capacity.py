@@ -190,7 +190,7 @@ def main():
         rurl = f"redis://127.0.0.1:{rport}/0"
         rc = redis.Redis.from_url(rurl)
         wait(lambda: _ping(rc), 10, "redis")
-        from workers.engine.tiny_model import make_tiny_model
+        from workers.tools.tiny_model import make_tiny_model
         model = str(make_tiny_model(str(tmp / "tiny"), seed=1))
         env = {**os.environ, "TIDEPOOL_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/tidepool",
                "TIDEPOOL_REDIS_URL": rurl, "TIDEPOOL_ADMIN_TOKEN": ADMIN, "TIDEPOOL_MODEL": model,

@@ -71,12 +71,13 @@ def main() -> None:
     if args.client:
         return client_main(*args.client, args.rate, args.phase_seconds, args.max_tokens)
 
-    from service.logging import configure
+    from service.ledger.logging import configure
     configure("WARNING")
     from kombu.transport.memory import Channel
     from sqlalchemy.orm import Session
 
-    from service import create_app, migrate, tenants
+    from service import create_app, migrate
+    from service.ledger import tenants
     from workers.embedded import http_server
     from workers.worker import Worker, WorkerConfig
 

@@ -161,7 +161,7 @@ def run_hf_static(model_dir: str, requests, batch_size: int, dtype, device) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from service.config import Config
+    from service.ledger.config import Config
     ap.add_argument("--model", default=Config.setting("model") or "models/smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)

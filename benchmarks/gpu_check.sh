@@ -29,7 +29,7 @@ timeout 240 python3 benchmarks/kernel_bench.py --iters 20 2>&1 | tee "$out/kerne
 model="$(mktemp -d)/smollm2-shaped"
 python3 - "$model" <<'EOF' || status=1
 import sys
-from workers.engine.tiny_model import make_tiny_model
+from workers.tools.tiny_model import make_tiny_model
 make_tiny_model(sys.argv[1], hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                 num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, vocab_size=49152)
 EOF

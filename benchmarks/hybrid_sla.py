@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import select  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
-from service import create_app, migrate, tenants  # noqa: E402
-from service.models import Job, JobStatus  # noqa: E402
+from service import create_app, migrate
+from service.ledger import tenants  # noqa: E402
+from service.ledger.models import Job, JobStatus  # noqa: E402
 
 
 def _pct(xs, q):
@@ -264,7 +265,7 @@ def main():
         if (default / "config.json").is_file():
             args.model = str(default)
         else:
-            from workers.engine.tiny_model import make_tiny_model
+            from workers.tools.tiny_model import make_tiny_model
             args.model = str(make_tiny_model(tempfile.mkdtemp(prefix="tiny-") + "/tiny", seed=1))
     if args.device is None:
         from workers.worker import default_device

@@ -154,7 +154,7 @@ def main() -> int:
     from workers.engine import EngineConfig, LLMEngine
     model_b = args.model_b
     if model_b is None:
-        from workers.engine.tiny_model import make_tiny_model
+        from workers.tools.tiny_model import make_tiny_model
         model_b = str(make_tiny_model(str(Path(tempfile.mkdtemp(prefix="mm-")) / "qwen-b"), arch="qwen2", seed=3,
                                       hidden_size=384, num_hidden_layers=8, num_attention_heads=6,
                                       num_key_value_heads=2))

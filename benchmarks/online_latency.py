@@ -273,7 +273,7 @@ class Production:
              "32", "--timeout", "120", "--bind", f"127.0.0.1:{a.port}", "service.wsgi:app"],
             cwd=self.tmp, env=self.env, stdout=open(self.web_log, "w"), stderr=subprocess.STDOUT))
         client = redis.Redis.from_url(a.redis_url)
-        from service.snapshots import HEARTBEAT_KEY
+        from service.ledger.snapshots import HEARTBEAT_KEY
         _wait(lambda: client.exists(HEARTBEAT_KEY.format("bench-online")), 120, "worker heartbeat", self.procs[0],
               self.worker_log)
         _wait(lambda: _get(self.base, "/healthz")[0] == 200, 60, "gunicorn", self.procs[1], self.web_log)

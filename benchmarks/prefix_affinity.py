@@ -1,4 +1,4 @@
-"""Prefix-affinity routing: prefix-cache hit rate and throughput with and without it (service/affinity.py).
+"""Prefix-affinity routing: prefix-cache hit rate and throughput with and without it (service/ledger/affinity.py).
 
     python benchmarks/prefix_affinity.py [--model models/smollm2-135m | tiny] [--requests 512] [--groups 16]
                                          [--prefix-tokens 256] [--kv-blocks 160] [--max-tokens 8]
@@ -139,7 +139,7 @@ def scenario(name: str, run: Run, app, key: str, lines: bytes, n: int, workers: 
     from sqlalchemy import func, select
     from sqlalchemy.orm import Session
 
-    from service.models import Job, JobStatus
+    from service.ledger.models import Job, JobStatus
     run.workers(workers, kv_blocks)
     app.extensions["tidepool.dispatcher"].affinity = affinity
     router = app.extensions["tidepool.dispatcher"].router
@@ -214,7 +214,8 @@ def main():
 
     import psycopg
 
-    from service import create_app, migrate, tenants
+    from service import create_app, migrate
+    from service.ledger import tenants
     from workers.engine.tokenizer import Tokenizer
 
     # SIGTERM (a timeout, a kill) unwinds like Ctrl-C: workers stopped, redis-server killed, database dropped
@@ -222,7 +223,7 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix="tidepool-affinity-"))
     model = args.model
     if model == "tiny":
-        from workers.engine.tiny_model import make_tiny_model
+        from workers.tools.tiny_model import make_tiny_model
         model = str(make_tiny_model(str(tmp / "tiny"), seed=1))
     else:      # the workers run in the temp folder
         model = str(Path(model).resolve())

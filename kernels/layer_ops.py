@@ -6,6 +6,9 @@ Each `*_ref` is the torch definition. The dispatchers run the fused native CPU o
 the two agree to fp32 rounding (~1e-6 relative), and to the last bit of bf16/fp16 but for reduction order.
 argmax_rows agrees with torch.argmax(dim=-1) exactly (first index among equal maxima, the first NaN wins).
 """
+import logging
+import threading
+
 import torch
 
 from kernels.cpu_ops import native_op
@@ -35,8 +38,32 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_checked: bool | None = None     # the fused ops passed self_check() (None: not run yet in this process)
+
+
+def _fused_op(name: str):
+    """torch.ops.tidepool_cpu.<name> once the native library is loaded and its fused ops pass self_check(), else
+    None (the definitions above serve)."""
+    global _checked
+    op = native_op(name)
+    if op is None:
+        return None
+    if _checked is None:
+        with _lock:
+            if _checked is None:
+                try:
+                    self_check()
+                    _checked = True
+                except Exception as e:  # noqa: BLE001 - any failure means the torch definitions
+                    log.warning("native fused CPU ops unavailable, using the torch definitions: %s", e)
+                    _checked = False
+    return op if _checked else None
+
+
 def _native(x: torch.Tensor, name: str):
-    return native_op(name) if x.device.type == "cpu" and x.dim() == 2 else None
+    return _fused_op(name) if x.device.type == "cpu" and x.dim() == 2 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -60,7 +87,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Rotated (q, k); the native op rotates q and k in place and returns them."""
-    op = native_op("rotary") if q.device.type == "cpu" else None
+    op = _fused_op("rotary") if q.device.type == "cpu" else None
     if op is None or q.stride(-1) != 1 or k.stride(-1) != 1:
         return rotary_ref(q, k, cos, sin)
     op(q, k, cos, sin)

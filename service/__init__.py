@@ -4,7 +4,7 @@ Importing the package does not import Flask: the workers import its Flask-free p
 transitions, shared protocol; the list is in tests/service/test_isolation_meta.py) through it."""
 from typing import TYPE_CHECKING
 
-from .config import Config
+from .ledger.config import Config
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -14,12 +14,12 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     import redis as redis_lib
     from flask import Flask
 
-    from . import db, errors, logging, metrics_http, panel
+    from . import access_log, db, errors, metrics_http, panel
     from . import api
     from .api import admin, batches, files, health, jobs, openai_compat
-    from .dispatch import Dispatcher, make_celery
-    from .quotas import MemoryLimiter, RedisLimiter
-    from .storage import Storage
+    from .ledger.dispatch import Dispatcher, make_celery
+    from .ledger.quotas import MemoryLimiter, RedisLimiter
+    from .ledger.storage import Storage
 
     cfg = test_config if isinstance(test_config, Config) else Config.from_env(test_config)
     app = Flask(__name__, static_folder=None)
@@ -41,13 +41,13 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     app.extensions["tidepool.dispatcher"] = Dispatcher(celery, app.extensions["tidepool.engine"],
                                                        cfg.dispatch_chunk_size, mark_interval=cfg.mark_interval,
                                                        default_model=cfg.served_model_name)
-    from .registry import Registry
+    from .ledger.registry import Registry
     app.extensions["tidepool.registry"] = Registry(app.extensions["tidepool.engine"], cfg.served_model_name, cfg.model,
                                                    max_model_len=cfg.max_model_len)
     for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp):
         app.register_blueprint(bp)
     api.init_app(app)
     metrics_http.init_app(app)
-    logging.init_app(app)
+    access_log.init_app(app)
     panel.init_app(app)
     return app

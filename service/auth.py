@@ -24,10 +24,10 @@ from flask import current_app, g, request
 from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session
 
-from . import keys
+from .ledger import keys
 from .db import autocommit
-from .errors import APIError
-from .models import ApiKey, Quota, Tenant, utcnow
+from .ledger.errors import APIError
+from .ledger.models import ApiKey, Quota, Tenant, utcnow
 
 LAST_USED_RESOLUTION = timedelta(seconds=60)
 _CACHE_SIZE = 10_000

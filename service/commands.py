@@ -32,7 +32,7 @@ def register(sub) -> None:
 
 
 def register_models(models_sub) -> None:
-    """`tidepool models register|registry|set`: the model registry (service/registry.py), beside pull and list."""
+    """`tidepool models register|registry|set`: the model registry (service/ledger/registry.py), beside pull and list."""
     p = models_sub.add_parser("register", help="register a model folder under a name requests can use")
     p.add_argument("name", help="the name requests put in `model`")
     p.add_argument("dir", help="the model folder (config.json, *.safetensors, tokenizer.json)")
@@ -55,8 +55,8 @@ def register_models(models_sub) -> None:
 def _models_register(args) -> int:
     from pathlib import Path
 
-    from service import registry
-    from service.errors import APIError
+    from service.ledger import registry
+    from service.ledger.errors import APIError
     folder = Path(args.dir).expanduser()
     if not (folder / "config.json").is_file():
         return _fail(LookupError(f"{folder} is not a model folder (no config.json)"))
@@ -71,7 +71,7 @@ def _models_register(args) -> int:
 
 
 def _models_registry(args) -> int:
-    from service import registry
+    from service.ledger import registry
     cfg = _config()
     with _session() as s:
         entries = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).entries().values()
@@ -84,7 +84,8 @@ def _models_warm(args) -> int:
 
     import redis
 
-    from service import registry, tenants
+    from service.ledger import registry
+    from service.ledger.audit import audit
     cfg = _config()
     if not cfg.redis_url:
         return _fail(LookupError("tidepool models warm needs TIDEPOOL_REDIS_URL (the workers' broker)"))
@@ -94,15 +95,15 @@ def _models_warm(args) -> int:
             return _fail(LookupError(f"no enabled model named {args.name!r} is registered"))
         redis.Redis.from_url(cfg.redis_url).set(registry.WARM_KEY.format(args.name), str(time.time()),
                                                 ex=registry.WARM_TTL)
-        tenants.audit(s, "cli", "model.warm", args.name)
+        audit(s, "cli", "model.warm", args.name)
         s.commit()
     print(json.dumps({"name": args.name, "warm": True, "for_seconds": registry.WARM_TTL}))
     return 0
 
 
 def _models_set(args) -> int:
-    from service import registry
-    from service.errors import APIError
+    from service.ledger import registry
+    from service.ledger.errors import APIError
     values = {k: v for k, v in (("tier", args.tier), ("enabled", args.enabled)) if v is not None}
     cfg = _config()
     with _session() as s:
@@ -117,7 +118,7 @@ def _models_set(args) -> int:
 
 
 def _config():
-    from service.config import Config
+    from service.ledger.config import Config
     return Config.from_env()
 
 
@@ -146,7 +147,7 @@ def _db_downgrade(args) -> int:
 def _session():
     from sqlalchemy.orm import Session
 
-    from service.db import make_engine
+    from service.ledger.db import make_engine
     return Session(make_engine(_config().database_url))
 
 
@@ -158,8 +159,8 @@ def _fail(exc) -> int:
 
 
 def _tenants_create(args) -> int:
-    from service import tenants
-    from service.errors import APIError
+    from service.ledger import tenants
+    from service.ledger.errors import APIError
     with _session() as s:
         try:
             tenant, key = tenants.create_tenant(s, args.name, args.weight, actor="cli")
@@ -173,7 +174,7 @@ def _tenants_create(args) -> int:
 def _tenants_list(args) -> int:
     from sqlalchemy import select
 
-    from service.models import ApiKey, Tenant
+    from service.ledger.models import ApiKey, Tenant
     with _session() as s:
         keys: dict[str, list[str]] = {}
         for tenant_id, prefix in s.execute(select(ApiKey.tenant_id, ApiKey.prefix)
@@ -187,8 +188,8 @@ def _tenants_list(args) -> int:
 
 
 def _keys_create(args) -> int:
-    from service import tenants
-    from service.models import Tenant
+    from service.ledger import tenants
+    from service.ledger.models import Tenant
     with _session() as s:
         if s.get(Tenant, args.tenant_id) is None:
             return _fail(LookupError(f"no tenant {args.tenant_id}"))
@@ -199,7 +200,7 @@ def _keys_create(args) -> int:
 
 
 def _keys_revoke(args) -> int:
-    from service import tenants
+    from service.ledger import tenants
     with _session() as s:
         if not tenants.revoke_key(s, args.prefix, actor="cli"):
             return _fail(LookupError(f"no active key with prefix {args.prefix}"))

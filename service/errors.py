@@ -1,33 +1,17 @@
-"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right HTTP status."""
+"""The API's error responses: every APIError and HTTP error as {"error": {"message", "type", "param", "code"}}."""
+from flask import jsonify
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import InterfaceError, OperationalError
+from werkzeug.exceptions import HTTPException
 
-OUTAGE_RETRY_AFTER = 5   # seconds a client is asked to wait when the database or the broker is unreachable
+from .auth import forget
+from .ledger.errors import OUTAGE_RETRY_AFTER, TYPES, APIError
 
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
-         413: "invalid_request_error", 415: "invalid_request_error", 422: "invalid_request_error",
-         429: "rate_limit_error", 503: "service_unavailable"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 retry_after: int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.retry_after = retry_after
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
-    return APIError(400, message, code, param)
-
-
-def not_found(kind: str, obj_id: str) -> APIError:
-    return APIError(404, f"No {kind} found with id '{obj_id}'.", "not_found")
+# codes by which the ledger says the request's cached authentication no longer holds
+STALE_AUTH = ("invalid_api_key", "tenant_disabled")
 
 
 def error_response(status: int, message: str, code=None, param=None, retry_after=None):
-    from flask import jsonify
     resp = jsonify({"error": {"message": message, "type": TYPES.get(status, "api_error"),
                               "param": param, "code": code}})
     resp.status_code = status
@@ -37,10 +21,10 @@ def error_response(status: int, message: str, code=None, param=None, retry_after
 
 
 def init_app(app) -> None:
-    from werkzeug.exceptions import HTTPException
-
     @app.errorhandler(APIError)
     def _api_error(exc: APIError):
+        if exc.code in STALE_AUTH:
+            forget()
         return error_response(exc.status, exc.message, exc.code, exc.param, exc.retry_after)
 
     @app.errorhandler(HTTPException)

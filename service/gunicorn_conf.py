@@ -5,7 +5,7 @@ import os
 
 from gunicorn.glogging import Logger
 
-from service.logging import configure
+from service.ledger.logging import configure
 
 
 class JsonLogger(Logger):
@@ -22,4 +22,4 @@ class JsonLogger(Logger):
 logger_class = JsonLogger
 
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    from service.metrics import child_exit  # noqa: F401  (gunicorn hook)
+    from service.ledger.metrics import child_exit  # noqa: F401  (gunicorn hook)

@@ -1,4 +1,4 @@
-"""/metrics for the web app: the service's counters (service/metrics.py) and, read from the ledger and the broker at
+"""/metrics for the web app: the service's counters (service/ledger/metrics.py) and, read from the ledger and the broker at
 scrape time, jobs by state and queue depth by class; plus the per-request counting of HTTP requests and latency."""
 import hmac
 import time
@@ -8,8 +8,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 
-from .metrics import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
-from .models import Job
+from .ledger.metrics import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
+from .ledger.models import Job
 
 bp = Blueprint("metrics", __name__)
 

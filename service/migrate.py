@@ -1,17 +1,17 @@
 """Alembic, configured from code (no alembic.ini) so `tidepool db upgrade` finds the migrations in a checkout and in
-an installed wheel alike (service/resources.py)."""
+an installed wheel alike (service/ledger/resources.py)."""
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config as AlembicConfig
 
-from service.resources import MIGRATIONS
+from service.ledger.resources import MIGRATIONS
 
 
 def alembic_config(url: str) -> AlembicConfig:
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    from service.db import split_url
+    from service.ledger.db import split_url
     url = split_url(url)[0].render_as_string(hide_password=False)     # migrations run unprepared anyway
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
@@ -30,7 +30,7 @@ def ensure_database(url: str) -> bool:
     here with its folder). True when it was created. Raises RuntimeError with a one-line reason otherwise."""
     from sqlalchemy import create_engine, exc, text
 
-    from service.db import split_url
+    from service.ledger.db import split_url
 
     u = split_url(url)[0]
     if u.get_backend_name() == "sqlite":

@@ -1,9 +1,9 @@
 """OpenAPI 3 document for every route; tests/service/test_openapi.py keeps it equal to the URL map."""
 import json
 
-from . import bodies, structured
-from .bodies import ALLOWED, CHAT, COMPLETIONS
-from .models import ONLINE_CLASSES, SLA_CLASSES, BatchStatus, JobStatus
+from .ledger import bodies, structured
+from .ledger.bodies import ALLOWED, CHAT, COMPLETIONS
+from .ledger.models import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, BatchStatus, JobStatus
 
 # (method, path, summary, security, request schema, success status, response schema)
 ROUTES = [
@@ -203,10 +203,10 @@ SCHEMAS = {
                     "required": ["input_file_id", "endpoint", "completion_window"],
                     "properties": {"input_file_id": _STR, "endpoint": {"enum": [COMPLETIONS, CHAT]},
                                    "completion_window": {"const": "24h"}, "metadata": _METADATA,
-                                   "sla_class": {"enum": ["batch", "deferrable"], "default": "batch"}}},
+                                   "sla_class": {"enum": list(OFFLINE_CLASSES), "default": "batch"}}},
     "Batch": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "batch"}, "endpoint": _STR, "input_file_id": _STR,
-        "completion_window": _STR, "sla_class": {"enum": ["batch", "deferrable"]},
+        "completion_window": _STR, "sla_class": {"enum": list(OFFLINE_CLASSES)},
         "status": {"enum": [s.value for s in BatchStatus]}, "errors": {"type": ["object", "null"]},
         "output_file_id": _NULL_STR, "error_file_id": _NULL_STR, "request_counts": {"type": "object", "properties": {
             "total": _INT, "completed": _INT, "failed": _INT}}, "metadata": {"type": ["object", "null"]},

@@ -1,6 +1,6 @@
 """gunicorn entry point: `gunicorn 'service.wsgi:app'`."""
 from service import create_app
-from service.logging import configure
+from service.ledger.logging import configure
 
 configure()
 app = create_app()

@@ -1,10 +1,10 @@
-"""A worker's side of prefix-affinity routing (service/affinity.py): the queues it consumes (its private queue
+"""A worker's side of prefix-affinity routing (service/ledger/affinity.py): the queues it consumes (its private queue
 of each class before the shared one), the prefix keys of the jobs it claimed, what its heartbeat advertises,
 and, when it stops, its private queues handed back to the shared ones. The worker translates ledger jobs into
 keys here; the engine knows nothing of it."""
 import logging
 
-from service import affinity
+from service.ledger import affinity
 
 log = logging.getLogger(__name__)
 

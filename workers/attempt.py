@@ -1,10 +1,11 @@
-"""One attempt of a job in a worker: its lease, its engine request, what it streamed; and the ledger job's
-request mapped to an engine request."""
+"""One attempt of a job in a worker (its lease, its engine request, what it streamed), the worker's table of
+attempts in flight, and the ledger job's request mapped to an engine request."""
+import queue
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from service.openai_shapes import CHAT
+from service.ledger.openai_shapes import CHAT
 from workers.openai_bodies import prompt_ids, sampling_params
 
 @dataclass
@@ -35,6 +36,51 @@ class Inflight:
         """This attempt's engine request. Never the job id alone: an abort or an output meant for an
         earlier attempt of the job (the engine applies aborts by id, at its next step) must not reach this one."""
         return f"{self.job_id}@{self.lease_token[:8]}"
+
+
+class Attempts:
+    """The worker's attempts in flight, by job id, and what passes between its threads about them: messages held
+    for an earlier attempt of their job to leave the engine, finished engine outputs and first tokens (the engine
+    thread puts them, the intake thread writes them to the ledger)."""
+
+    def __init__(self):
+        self.by_job: dict[str, Inflight] = {}
+        self.held: list[tuple[str, object]] = []      # (queue, message) waiting for an earlier attempt to leave
+        self.done: queue.SimpleQueue = queue.SimpleQueue()      # finished RequestOutputs
+        self.firsts: queue.SimpleQueue = queue.SimpleQueue()    # online attempts whose first token came
+
+    def __len__(self) -> int:
+        return len(self.by_job)
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self.by_job
+
+    def add(self, inf: Inflight) -> None:
+        self.by_job[inf.job_id] = inf
+
+    def forget(self, inf: Inflight) -> None:
+        if self.by_job.get(inf.job_id) is inf:
+            del self.by_job[inf.job_id]
+
+    def current(self, inf: Inflight) -> bool:
+        """inf is its job's attempt in flight (not an earlier one's leftovers)."""
+        return self.by_job.get(inf.job_id) is inf
+
+    def of_request(self, request_id: str) -> Inflight | None:
+        """The attempt an engine request belongs to; None for an earlier attempt's leftovers."""
+        inf = self.by_job.get(request_id.rpartition("@")[0])
+        return inf if inf is not None and inf.request_id == request_id else None
+
+    def values(self) -> list[Inflight]:
+        return list(self.by_job.values())
+
+    def drain(self, q: queue.SimpleQueue) -> list:
+        out = []
+        while True:
+            try:
+                out.append(q.get_nowait())
+            except queue.Empty:
+                return out
 
 
 def ledger_text(text: str) -> str:

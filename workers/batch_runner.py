@@ -9,8 +9,8 @@ import time
 import uuid
 from pathlib import Path
 
-from service.bodies import ENDPOINTS, check
-from service.errors import APIError
+from service.ledger.bodies import ENDPOINTS, check
+from service.ledger.errors import APIError
 from workers.engine import LLMEngine, RequestOutput
 from workers.openai_bodies import prompt_ids, response_body, sampling_params
 

@@ -10,8 +10,8 @@ from kombu import Connection
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import batches, jobs
-from service.models import Batch, BatchStatus, utcnow
+from service.ledger import batches, jobs
+from service.ledger.models import Batch, BatchStatus, utcnow
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"
@@ -50,7 +50,7 @@ def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_
 
 
 def _restore_visible(app, visibility_timeout: float) -> None:
-    from service.wire import transport_options
+    from service.ledger.wire import transport_options
     url = app.config["TIDEPOOL"].broker_url
     if not url.startswith("redis"):
         return
@@ -64,8 +64,8 @@ def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
     between taking a message and claiming its job would otherwise strand the job until the visibility
     timeout (6 h). A message of a live worker restored by mistake costs a duplicate, dropped at claim."""
     from workers.broker import OWNERS_KEY
-    from service.snapshots import Heartbeats
-    from service.wire import transport_options
+    from service.ledger.snapshots import Heartbeats
+    from service.ledger.wire import transport_options
     client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
     if client is None or not url.startswith("redis"):
         return 0
@@ -101,9 +101,9 @@ def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
 
 def drain_private_queues(app) -> int:
     """Messages waiting in the private queue of a worker whose heartbeat is gone (prefix affinity,
-    service/affinity.py) go to the shared queue, where any worker takes them. Runs after restore_orphans, which
+    service/ledger/affinity.py) go to the shared queue, where any worker takes them. Runs after restore_orphans, which
     returns a dead worker's unacked messages to the queue they came from, its private one among them."""
-    from service import affinity
+    from service.ledger import affinity
     client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
     if client is None or not url.startswith("redis"):
         return 0

@@ -1,4 +1,4 @@
-"""Beat's Celery app: service/wire.py's, with reliability settings shared with the workers' consumers, and
+"""Beat's Celery app: service/ledger/wire.py's, with reliability settings shared with the workers' consumers, and
 the beat schedule
 (sweeper, batch finaliser) whose tasks run on the `maintenance` queue of `tidepool beat`.
 
@@ -8,7 +8,7 @@ when their engine has room, which a prefetching Celery consumer cannot express."
 from celery import Celery
 from kombu import Queue
 
-from service.config import Config
+from service.ledger.config import Config
 
 _flask_app = None
 
@@ -22,7 +22,7 @@ def _app():
 
 
 def make_celery(cfg: Config | None = None) -> Celery:
-    from service.wire import make_celery as celery_app, transport_options
+    from service.ledger.wire import make_celery as celery_app, transport_options
     cfg = cfg or Config.from_env()
     every = cfg.sweep_interval
     app = celery_app(cfg.broker_url, name="tidepool", publisher=False)

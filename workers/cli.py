@@ -15,8 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from service.config import Config, SettingsError
-    from service.logging import configure
+    from service.ledger.config import Config, SettingsError
+    from service.ledger.logging import configure
 
     args = build_parser().parse_args(argv)
     try:

@@ -1,6 +1,8 @@
 """Engine-side subcommands of the `tidepool` CLI. Imports of torch and the engine stay inside the handlers."""
 import sys
 
+from service.ledger.config import engine_flags
+
 
 def register(sub) -> None:
     p = sub.add_parser("make-tiny-model", help="write a seeded random-weight model (HF layout) for tests")
@@ -59,24 +61,15 @@ def register_processes(sub) -> None:
 
 
 # Engine knobs shared by worker, serve and run-batch: flag, else its setting (variable), else the engine's default.
-ENGINE_FLAGS = (("--kv-blocks", "num_kv_blocks", "TIDEPOOL_KV_BLOCKS", "KV pool size in blocks (default: sized "
-                 "from max_num_seqs x max_model_len, capped by memory)"),
-                ("--max-num-seqs", "max_num_seqs", "TIDEPOOL_MAX_NUM_SEQS", "sequences in one batch (256)"),
-                ("--max-num-batched-tokens", "max_num_batched_tokens", "TIDEPOOL_MAX_BATCHED_TOKENS",
-                 "tokens in one step (2048)"),
-                ("--max-model-len", "max_model_len", "TIDEPOOL_MAX_MODEL_LEN",
-                 "longest prompt + output (the model's context)"))
-
-
 def add_engine_flags(p) -> None:
-    for flag, _, env, help_text in ENGINE_FLAGS:
-        p.add_argument(flag, type=int, default=None, help=f"{help_text}; default ${env}")
+    for flag, _, env, meaning in engine_flags():
+        p.add_argument(flag, type=int, default=None, help=f"{meaning}; default ${env}")
 
 
 def engine_overrides(args) -> dict:
     """EngineConfig fields the flags set (laid over the settings' engine fields); unset ones are left out."""
     out = {}
-    for flag, field, _, _ in ENGINE_FLAGS:
+    for flag, field, _, _ in engine_flags():
         value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
         if value is not None:
             out[field] = value
@@ -90,7 +83,7 @@ def _run(module: str, func: str, args) -> int:
 
 
 def make_tiny_model(args) -> int:
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
 
     out = make_tiny_model(args.dir, arch=args.arch, seed=args.seed)
     print(out)
@@ -98,7 +91,7 @@ def make_tiny_model(args) -> int:
 
 
 def models_pull(args) -> int:
-    from workers.engine.model_pull import MODELS, pull_model
+    from workers.tools.model_pull import MODELS, pull_model
 
     if args.name not in MODELS:
         print(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))}", file=sys.stderr)
@@ -108,7 +101,7 @@ def models_pull(args) -> int:
 
 
 def models_list(args) -> int:
-    from workers.engine.model_pull import list_models
+    from workers.tools.model_pull import list_models
 
     root = _models_dir()
     for name in list_models(root):
@@ -119,7 +112,7 @@ def models_list(args) -> int:
 def _models_dir():
     from pathlib import Path
 
-    from service.config import Config
+    from service.ledger.config import Config
     return Path(Config.setting("models_dir"))
 
 
@@ -132,7 +125,7 @@ def run_batch(args) -> int:
     log.info("run-batch: starting (torch, the model, the KV pool and the native kernel load first)")
     import torch
 
-    from service.config import Config
+    from service.ledger.config import Config
     from workers.batch_runner import run_batch
     from workers.engine import EngineConfig, LLMEngine
     from workers.settings import engine_fields

@@ -18,7 +18,7 @@ DEFAULT_MODEL = "smollm2-135m"
 def _ensure_model(settings) -> str:
     if settings.model:
         return settings.model
-    from workers.engine.model_pull import pull_model
+    from workers.tools.model_pull import pull_model
     path = Path(settings.models_dir) / DEFAULT_MODEL
     if not (path / "config.json").is_file():
         print(f"No TIDEPOOL_MODEL set: fetching {DEFAULT_MODEL} once into {settings.models_dir}/ ...", flush=True)
@@ -41,8 +41,8 @@ def _default_key(app, var: Path) -> str:
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
-    from service import tenants
-    from service.models import Tenant
+    from service.ledger import tenants
+    from service.ledger.models import Tenant
     key_file = var / "default_api_key"
     with Session(app.extensions["tidepool.engine"]) as s:
         tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "default"))
@@ -68,7 +68,7 @@ def http_server(app, host: str, port: int, threads: int):
 
 def main(args) -> int:
     from service import create_app, migrate
-    from service.config import Config
+    from service.ledger.config import Config
     from workers import beat
     from workers.worker import Worker, WorkerConfig, default_device
 

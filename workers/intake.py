@@ -1,8 +1,7 @@
 """The worker's intake (intake thread): the broker channel, the pull loop's one pass, and the claim of each message's
 job (queued -> running under a fresh lease) that puts the job into the engine. Online queues are pulled eagerly;
 offline ones one message at a time while the engine has room. An online job enters the engine before its claim
-commits (prefill and claim overlap); a refused claim drops that attempt unseen. Reads and writes on the Worker: cfg,
-db, engine, affinity, inflight, counters, started_at, _conn, _channel, _broker_errors, _queues, _held."""
+commits (prefill and claim overlap); a refused claim drops that attempt unseen."""
 import json
 import logging
 import secrets
@@ -10,35 +9,55 @@ import time
 from functools import partial
 
 from kombu import Connection, Queue
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import jobs
-from service.models import ONLINE_CLASSES, Job, JobStatus, Tenant, cache_namespace
-from service.wire import job_id as message_job_id, transport_options
-from workers.attempt import Inflight, build_request, utc
+from service.ledger import jobs
+from service.ledger.models import ONLINE_CLASSES, cache_namespace
+from service.ledger.wire import job_id as message_job_id, transport_options
+from workers.attempt import Attempts, Inflight, build_request, utc
 from workers.broker import take
 from workers.engine import PromptTooLong
 from workers.openai_bodies import echo_text
+from workers.results import Results, requeue
+from workers.streaming import Streaming
 
 log = logging.getLogger("workers.worker")
 
 
 class Intake:
+    def __init__(self, cfg, db, engine, affinity, attempts: Attempts, streaming: Streaming, results: Results,
+                 counters: dict, started_at: float):
+        self.cfg = cfg
+        self.db = db
+        self.engine = engine
+        self.affinity = affinity
+        self.attempts = attempts
+        self.streaming = streaming
+        self.results = results      # a job that cannot start fails there
+        self.counters = counters
+        self.owner = json.dumps([cfg.name, started_at])     # who holds a taken message (workers/broker.py)
+        self.conn = self.channel = None
+        self.broker_errors: tuple = (OSError,)
+        self.queues: dict = {}      # lane -> its kombu Queue, bound to the channel
+
     def connect(self) -> None:
-        self._queues, self._held = {}, []     # held messages belong to the old channel
-        if self._conn is not None:
+        self.queues, self.attempts.held = {}, []     # held messages belong to the old channel
+        if self.conn is not None:
             try:
-                self._conn.release()
+                self.conn.release()
             except Exception:
                 pass
-        self._conn = Connection(self.cfg.broker_url,
-                                transport_options=transport_options(self.cfg.visibility_timeout))
-        self._broker_errors = (OSError, *self._conn.connection_errors, *self._conn.channel_errors)
-        self._conn.ensure_connection(max_retries=3)
-        self._channel = self._conn.channel()
-        self._queues = {lane: Queue(lane, routing_key=lane).bind(self._channel)
-                        for name in self.cfg.queues for lane in self.affinity.lanes(name)}
+        self.conn = Connection(self.cfg.broker_url, transport_options=transport_options(self.cfg.visibility_timeout))
+        self.broker_errors = (OSError, *self.conn.connection_errors, *self.conn.channel_errors)
+        self.conn.ensure_connection(max_retries=3)
+        self.channel = self.conn.channel()
+        self.queues = {lane: Queue(lane, routing_key=lane).bind(self.channel)
+                       for name in self.cfg.queues for lane in self.affinity.lanes(name)}
+
+    def release(self) -> None:
+        """Give back the broker connection: closing the channel restores its unacked messages to their queues."""
+        if self.conn is not None:
+            self.conn.release()
 
     def _has_room(self) -> bool:
         """Spare capacity for offline work: free sequence slots outside the engine's online reserve, plus a
@@ -53,11 +72,11 @@ class Intake:
     def pull(self, online_only: bool = False) -> bool:
         """One pass over the queues: take and claim what there is room for; True if anything was taken.
         online_only: the online queues alone (between two chunks of result writes, see workers/results.py)."""
-        if not self._queues:
+        if not self.queues:
             raise ConnectionError("not connected to the broker")
         got = False
-        if self._held:
-            held, self._held = self._held, []
+        if self.attempts.held:
+            held, self.attempts.held = self.attempts.held, []
             for name, message in held:
                 self._accept(name, message)
         for name in self.cfg.queues:
@@ -66,11 +85,10 @@ class Intake:
                 continue
             for lane in self.affinity.lanes(name):   # its private queue (prefix affinity), then the shared one
                 message = None
-                while len(self.inflight) < self.cfg.max_inflight:
+                while len(self.attempts) < self.cfg.max_inflight:
                     if not online and not self._has_room():
                         return got       # no spare capacity: leave offline work in the broker
-                    message = take(self._queues[lane], accept=["json"],
-                                   owner=json.dumps([self.cfg.name, self.started_at]))
+                    message = take(self.queues[lane], accept=["json"], owner=self.owner)
                     if message is None:
                         break
                     got = True
@@ -82,16 +100,17 @@ class Intake:
         return got
 
     def _accept(self, queue_name: str, message, taken_at: float | None = None) -> None:
+        """Claim the message's job and run it: take -> (online: into the engine at once) -> claim -> engine."""
         try:
             job_id = message_job_id(message)
         except Exception:
             log.warning("worker %s: dropping malformed message on %s", self.cfg.name, queue_name)
             message.ack()
             return
-        if job_id in self.inflight:
+        if job_id in self.attempts:
             # An earlier attempt of this job (its lease lapsed) is still leaving the engine: hold the
             # message (unacked) and claim it once that attempt is gone.
-            self._held.append((queue_name, message))
+            self.attempts.held.append((queue_name, message))
             return
         token, early = secrets.token_hex(16), None
         try:
@@ -100,11 +119,9 @@ class Intake:
             with Session(self.db, expire_on_commit=False) as s:
                 started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds, token=token,
                                      at=utc(early.entered_at) if early is not None else None)
-                job = weight = group = None
+                job = None
                 if started.lease_token is not None:
-                    job = s.get(Job, job_id)
-                    weight, group = s.execute(select(Tenant.weight, Tenant.prefix_cache_group)
-                                              .where(Tenant.id == job.tenant_id)).one()
+                    job = jobs.runnable(s, job_id)
                 elif started.reason == "throttled":
                     # Over the tenant's max_running: hand the job back to the sweeper, which republishes it.
                     jobs.undispatch(s, job_id)
@@ -112,7 +129,7 @@ class Intake:
         except Exception:  # ledger unreachable: the message goes back to the queue, not into limbo here
             if early is not None:
                 self._drop_early(early)
-            self._requeue(job_id, message)
+            requeue(self.cfg.name, job_id, message)
             raise
         claimed_at = time.time()
         if started.lease_token is None:
@@ -122,70 +139,57 @@ class Intake:
             message.ack()        # duplicate, cancelled, expired or throttled: nothing to run
             return
         self.counters["claimed"] += 1
-        self.affinity.claimed(job.tenant_id, group, job.endpoint, job.request)
-        sla = job.sla_class.value
-        queue_time = ((job.started_at - job.queued_at).total_seconds()
-                      if job.started_at is not None and job.queued_at is not None else None)
+        self.affinity.claimed(job.tenant_id, job.cache_group, job.endpoint, job.request)
         if early is not None:
-            early.queue_time = queue_time
+            early.queue_time = job.queue_time
             if early.marks:
                 early.marks["claim"] = claimed_at
-            with early.lock:
-                early.claimed = True
-                for event in early.held:
-                    self._publish(early, event)
-                early.held = []
+            self.streaming.release_held(early)
             return
-        inf = Inflight(job_id, started.lease_token, sla, message, online=sla in ONLINE_CLASSES, tenant=job.tenant_id,
-                       queue_time=queue_time)
+        inf = Inflight(job_id, started.lease_token, job.sla_class, message, online=job.sla_class in ONLINE_CLASSES,
+                       tenant=job.tenant_id, queue_time=job.queue_time)
         if inf.online and taken_at is not None:
             inf.marks = {"take": taken_at, "claim": claimed_at}
         try:
-            prompt, params = build_request(self.engine.tokenizer, job.endpoint, job.request)
-            inf.echo = echo_text(job.endpoint, job.request, self.engine.tokenizer, prompt)
-            self.inflight[job_id] = inf
-            self.engine.add_request(inf.request_id, prompt, params, sla_class=sla, tenant=job.tenant_id,
-                                    weight=weight or 1.0, on_token=partial(self._on_token, inf),
-                                    cache_namespace=cache_namespace(job.tenant_id, group))
-            if inf.marks:
-                inf.marks["add"] = time.time()
+            self._enter(inf, job)
         except ValueError as exc:
-            self.inflight.pop(job_id, None)
             code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_prompt"
-            self._finish_failed(inf, {"code": code, "message": f"This request cannot run: {exc}."})
-            return
+            self.results.finish_failed(inf, {"code": code, "message": f"This request cannot run: {exc}."})
         except Exception:  # a bug, not the caller's input: the claimed job must not wait for its lease to lapse
             log.exception("worker %s: could not start %s", self.cfg.name, job_id)
-            self.inflight.pop(job_id, None)
-            self._finish_failed(inf, {"code": "internal_error", "message": "The worker could not start this request."})
-            return
+            self.results.finish_failed(inf, {"code": "internal_error",
+                                             "message": "The worker could not start this request."})
+
+    def _enter(self, inf: Inflight, job: jobs.Runnable) -> None:
+        """Put an attempt into the engine (and the attempts table); on any error it is in neither."""
+        try:
+            prompt, params = build_request(self.engine.tokenizer, job.endpoint, job.request)
+            inf.echo = echo_text(job.endpoint, job.request, self.engine.tokenizer, prompt)
+            self.attempts.add(inf)
+            inf.entered_at = time.time()
+            self.engine.add_request(inf.request_id, prompt, params, sla_class=job.sla_class, tenant=job.tenant_id,
+                                    weight=job.weight, on_token=partial(self.streaming.on_token, inf),
+                                    cache_namespace=cache_namespace(job.tenant_id, job.cache_group))
+        except Exception:
+            self.attempts.forget(inf)
+            raise
+        if inf.marks:
+            inf.marks["add"] = time.time()
 
     def _start_early(self, job_id: str, token: str, message, taken_at: float | None) -> Inflight | None:
         """Put a queued job into the engine under the lease token its claim is about to get, unclaimed;
         None when it is not queued or cannot start (the claim then proceeds as usual). The job is read outside
         any transaction: one round trip, and on SQLite no wait for the write lock."""
-        read = (select(Job.status, Job.endpoint, Job.request, Job.sla_class, Job.tenant_id, Tenant.weight,
-                       Tenant.prefix_cache_group).join(Tenant, Tenant.id == Job.tenant_id).where(Job.id == job_id))
         with self.db.connect() as conn:
-            row = conn.execution_options(isolation_level="AUTOCOMMIT").execute(read).first()
-        if row is None or row.status != JobStatus.queued:
+            job = jobs.runnable(conn.execution_options(isolation_level="AUTOCOMMIT"), job_id)
+        if job is None or job.status != jobs.Q:
             return None
-        sla = row.sla_class.value
-        inf = Inflight(job_id, token, sla, message, online=sla in ONLINE_CLASSES, tenant=row.tenant_id, claimed=False,
-                       marks={"take": taken_at} if taken_at is not None else {})
+        inf = Inflight(job_id, token, job.sla_class, message, online=job.sla_class in ONLINE_CLASSES,
+                       tenant=job.tenant_id, claimed=False, marks={"take": taken_at} if taken_at is not None else {})
         try:
-            prompt, params = build_request(self.engine.tokenizer, row.endpoint, row.request)
-            inf.echo = echo_text(row.endpoint, row.request, self.engine.tokenizer, prompt)
-            self.inflight[job_id] = inf
-            inf.entered_at = time.time()
-            self.engine.add_request(inf.request_id, prompt, params, sla_class=sla, tenant=row.tenant_id,
-                                    weight=row.weight or 1.0, on_token=partial(self._on_token, inf),
-                                    cache_namespace=cache_namespace(row.tenant_id, row.prefix_cache_group))
+            self._enter(inf, job)
         except Exception:  # a bad request fails at claim, as it would have without the head start
-            self.inflight.pop(job_id, None)
             return None
-        if inf.marks:
-            inf.marks["add"] = time.time()
         return inf
 
     def _drop_early(self, inf: Inflight) -> None:

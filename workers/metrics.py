@@ -12,16 +12,16 @@ A worker process does, around its engine loop:
         if out.finished:
             metrics.observe_request(out, sla_class, tenant, queue_time=started - queued)
 
-The snapshot contract (SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore) lives in service/snapshots.py, which the
+The snapshot contract (SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore) lives in service/ledger/snapshots.py, which the
 API and panel read without importing the workers; snapshot() lists the keys.
 """
 import threading
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from service.models import SLA_CLASSES
-from service.snapshots import SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore  # noqa: F401 (the workers' import point)
+from service.ledger.models import SLA_CLASSES
+from service.ledger.snapshots import SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore  # noqa: F401 (the workers' import point)
 
 PUBLISH_INTERVAL = 1.0
 MAX_TENANT_LABELS = 100  # beyond this many distinct tenants, the rest share the label "other"
@@ -177,6 +177,3 @@ def bind_metrics_server(port: int, registry: CollectorRegistry, tries: int = 32,
             error = exc
     raise OSError(f"no free port in {port}..{port + tries - 1}: {error}")
 
-
-def metrics_wsgi_app(registry: CollectorRegistry):
-    return make_wsgi_app(registry)

@@ -1,9 +1,9 @@
-"""Workers for registered models (service/registry.py): `tidepool worker [--models a,b]` and `tidepool serve`.
+"""Workers for registered models (service/ledger/registry.py): `tidepool worker [--models a,b]` and `tidepool serve`.
 
 Without --models a worker serves every enabled registered model whose weights fit its memory budget
 (fitting_models), or, when no other model is registered, the deployment's default model alone as ever.
 Each model gets its own Worker (its own engine, on a thread of this process) consuming that model's queues
-(service/dispatch.py queue_name: the bare class queues for the deployment's default model, `<class>@<model>`
+(service/ledger/dispatch.py queue_name: the bare class queues for the deployment's default model, `<class>@<model>`
 for any other); their engines share the device through one DeviceStepper, the most urgent SLA class first
 (workers/device_stepper.py). Hot models are loaded at start and kept; warm ones load when their queues hold work
 and cold ones after `tidepool models warm NAME`, unloaded least recently busy first to fit --memory-budget-mb
@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 
-from service.registry import WARM_KEY   # set by `tidepool models warm NAME`
+from service.ledger.registry import WARM_KEY   # set by `tidepool models warm NAME`
 
 log = logging.getLogger(__name__)
 
@@ -25,9 +25,9 @@ MB = 1 << 20
 
 
 def registry_entries(settings) -> dict:
-    """Every registered model by name (service/registry.py Registry.entries), read once."""
-    from service.db import make_engine
-    from service.registry import Registry
+    """Every registered model by name (service/ledger/registry.py Registry.entries), read once."""
+    from service.ledger.db import make_engine
+    from service.ledger.registry import Registry
 
     db = make_engine(settings.database_url)
     try:
@@ -114,7 +114,7 @@ def main(args) -> int:
     is the plain one-model worker (workers/worker.py main): same name, queues and metrics ports as ever."""
     import redis as redis_lib
 
-    from service.config import Config
+    from service.ledger.config import Config
     from workers import worker as one_model
     from workers.metrics import DEFAULT_PORTS, bind_metrics_server
 
@@ -184,7 +184,7 @@ def main(args) -> int:
             host.advertise(host_name)
     host.stop()
     if client is not None:
-        from service.registry import HOSTS_KEY
+        from service.ledger.registry import HOSTS_KEY
         client.hdel(HOSTS_KEY, host_name)
     return 0
 
@@ -198,8 +198,8 @@ def register_first_start(engine, settings, actor: str = "serve") -> list[str]:
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
-    from service import registry
-    from service.models import Model
+    from service.ledger import registry
+    from service.ledger.models import Model
     with Session(engine) as s:
         if s.scalar(select(Model.name).limit(1)) is not None:
             return []
@@ -223,7 +223,7 @@ def other_model_configs(engine, settings, device: str, engine_overrides: dict | 
     (which the embedded gpu worker serves) whose weights fit the device's memory, as a worker's default
     (fitting_models; every one of them is loaded, so all count together), named `<base_name>.<model>`; cold
     models wait for an operator."""
-    from service.registry import Registry
+    from service.ledger.registry import Registry
     entries = Registry(engine, settings.served_model_name, settings.model).entries()
     if not any(e.enabled and e.tier != "cold" and e.name != settings.served_model_name for e in entries.values()):
         return []
@@ -250,21 +250,6 @@ def engine_config(folder: str, device: str, engine_overrides: dict | None = None
     """The EngineConfig an engine of this model would run with (reads config.json only, loads no weights)."""
     from workers.engine import EngineConfig
     return EngineConfig(model=folder, device=device, **(engine_overrides or {}))
-
-
-def default_kv_blocks(ecfg) -> int:
-    """The pool the engine sizes for itself when given no num_kv_blocks (workers/engine/model_runner.py
-    _blocks_from_budget): kv_cache_memory_bytes, else a share of the GPU's free / the host's available memory,
-    never beyond max_num_seqs sequences of max_model_len."""
-    from workers.engine.model_runner import CPU_KV_SHARE, available_memory
-    budget = ecfg.kv_cache_memory_bytes
-    if budget is None:
-        if ecfg.device.startswith("cuda"):
-            import torch
-            budget = int(torch.cuda.mem_get_info(torch.device(ecfg.device))[0] * ecfg.gpu_memory_utilization)
-        else:
-            budget = int(available_memory() * CPU_KV_SHARE)
-    return max(1, min(ecfg.max_num_seqs * ecfg.blocks_per_sequence, budget // ecfg.kv_block_bytes))
 
 
 def min_footprint(folder: str, device: str, engine_overrides: dict | None = None) -> int:
@@ -358,8 +343,9 @@ class ModelHost:
         split in proportion to demand(); this model gets its part, never more than the budget has left once the
         loaded models' weights and pools, its own weights and the pending models' weights and floor pools are
         counted, clamped between its floor (one sequence of its full context: what a loaded model needs to run at
-        all) and its ceiling (the pool its engine would size for itself, default_kv_blocks). A num_kv_blocks the
-        operator set is used as is; without a budget the engine sizes its own pool (None)."""
+        all) and its ceiling (the pool its engine would size for itself: model_runner.default_kv_blocks). A
+        num_kv_blocks the operator set is used as is; without a budget the engine sizes its own pool (None)."""
+        from workers.engine.model_runner import default_kv_blocks
         m = self.models[name]
         if m["engine"].num_kv_blocks:
             return m["engine"].num_kv_blocks
@@ -372,7 +358,7 @@ class ModelHost:
         left = (self.budget - self.used_bytes() - m["bytes"]
                 - sum(self._least(n) for n in pending if n not in self.loaded))
         floor = m["min_blocks"]
-        ceiling = max(floor, default_kv_blocks(m["engine"]))
+        ceiling = max(floor, default_kv_blocks(m["engine"])[0])
         return max(floor, min(ceiling, min(fair, left) // m["block_bytes"]))
 
     def load(self, name: str, kv_blocks: int | None = None) -> None:
@@ -417,7 +403,7 @@ class ModelHost:
         cold model's while it may be warmed)."""
         if self.redis is None:
             return
-        from service.registry import HOSTS_KEY
+        from service.ledger.registry import HOSTS_KEY
         queues = [q for n, m in self.models.items() if n in self.loaded or m["tier"] != "cold"
                   or self.redis.exists(WARM_KEY.format(n)) for q in m["cfg"].queues]
         try:

@@ -1,13 +1,13 @@
 """OpenAI request bodies -> engine requests, and engine outputs -> OpenAI response bodies.
 
-Bodies arrive already validated and normalised by `service.bodies.check`.
+Bodies arrive already validated and normalised by `service.ledger.bodies.check`.
 """
 import time
 from types import SimpleNamespace
 
-from service import choices, logprobs, structured
-from service import openai_shapes
-from service.openai_shapes import CHAT, COMPLETIONS  # noqa: F401 (the workers' import point)
+from service.ledger import choices, logprobs, structured
+from service.ledger import openai_shapes
+from service.ledger.openai_shapes import CHAT, COMPLETIONS  # noqa: F401 (the workers' import point)
 from workers.engine import RequestOutput, SamplingParams
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
@@ -76,8 +76,8 @@ def prompt_entries(tokenizer, out: RequestOutput) -> list[dict]:
 
 
 def ledger_result(out: RequestOutput, tokenizer, text=lambda t: t, echo: str | None = None) -> dict:
-    """A finished request as service.jobs.complete's keyword arguments: the first choice in output & co., the
-    others in `choices` (service/choices.py reads them back). `text` makes a text storable (ledger_text);
+    """A finished request as service.ledger.jobs.complete's keyword arguments: the first choice in output & co., the
+    others in `choices` (service/ledger/choices.py reads them back). `text` makes a text storable (ledger_text);
     `echo` (echo_text) goes before each choice's text, and its prompt logprobs before the choice's."""
     first, more = (out.outputs[0], out.outputs[1:]) if out.outputs else (out, [])
     head = prompt_entries(tokenizer, out) if echo is not None and out.prompt_logprobs else []
@@ -130,7 +130,7 @@ def _token(tokenizer, token_id: int, cache: dict) -> dict:
 
 def logprob_entries(tokenizer, raw: list[dict] | None) -> list[dict] | None:
     """Engine logprobs ({"token_id", "logprob", "top": [(id, logprob)]} per generated token) -> the
-    entries the ledger stores and the token stream carries (see service.logprobs)."""
+    entries the ledger stores and the token stream carries (see service.ledger.logprobs)."""
     if raw is None:
         return None
     cache: dict = {}

@@ -1,22 +1,20 @@
 """The worker's ledger side (intake thread): finished attempts written through the guarded transitions of
-service/jobs.py, then acked (or requeued) on the broker and announced on the token stream; first tokens; lease
+service/ledger/jobs.py, then acked (or requeued) on the broker and announced on the token stream; first tokens; lease
 checks and renewal; the hand-back at shutdown. A result the ledger refused (e.g. during a database restart) is
 written again in place, the pause doubling from WRITE_RETRY_FIRST to WRITE_RETRY_MAX seconds, for up to
 WRITE_PATIENCE seconds: the write is guarded by the lease, so it lands exactly once, or not at all if the sweeper
 has requeued the job meanwhile. A wave of finished attempts (a batch's sequences end in the same step) is written
-RESULT_CHUNK per transaction, online ones first, and the online queues are pulled (workers/intake.py) between two
-transactions: an arriving realtime job waits for one chunk, not for the wave. Reads and writes on the Worker: cfg,
-db, engine, inflight, counters, preempted, _done, _firsts, _unwritten, _retry_at, _retry_pause, _stop; each
-attempt's end goes out through _publish_end (workers/streaming.py)."""
+RESULT_CHUNK per transaction, online ones first, and `between_chunks` (the worker's online pull) runs between two
+transactions: an arriving realtime job waits for one chunk, not for the wave."""
 import logging
-import queue
 import time
 
 from sqlalchemy.orm import Session
 
-from service import jobs
-from workers.attempt import Inflight, ledger_text, utc
+from service.ledger import jobs
+from workers.attempt import Attempts, Inflight, ledger_text, utc
 from workers.openai_bodies import ledger_result
+from workers.streaming import Streaming
 
 log = logging.getLogger("workers.worker")
 WRITE_RETRY_FIRST, WRITE_RETRY_MAX, WRITE_PATIENCE = 0.25, 4.0, 300.0
@@ -24,90 +22,84 @@ RESULT_CHUNK = 8      # finished attempts written per ledger transaction (the on
 
 
 class Results:
-    def _finish_failed(self, inf: Inflight, error: dict) -> None:
+    def __init__(self, name: str, db, engine, attempts: Attempts, streaming: Streaming, counters: dict,
+                 preempted: dict, between_chunks=lambda: None):
+        self.name = name
+        self.db = db
+        self.engine = engine
+        self.attempts = attempts
+        self.streaming = streaming
+        self.counters = counters
+        self.preempted = preempted      # engine preemptions suffered, by SLA class
+        self.between_chunks = between_chunks
+        self.unwritten: list[tuple[Inflight, object, float]] = []   # results the ledger refused: (inf, out, since)
+        self.retry_at, self.retry_pause = 0.0, WRITE_RETRY_FIRST
+
+    def finish_failed(self, inf: Inflight, error: dict) -> None:
         with Session(self.db) as s:
             jobs.fail(s, inf.job_id, inf.lease_token, error)
             s.commit()
         self.counters["failed"] += 1
-        self._ack(inf)
-        self._publish_end(inf, "failed")
-
+        self.ack(inf)
+        self.streaming.publish_end(inf, "failed")
 
     def finish_done(self) -> bool:
         """Write every finished request to the ledger, then ack: online results first, RESULT_CHUNK per
         transaction, with a look at the online queues between two transactions, so an online job that arrives
         while a wave of offline results is written is claimed after one chunk, not after the whole wave."""
         done = []
-        while True:
-            try:
-                out = self._done.get_nowait()
-            except queue.Empty:
-                break
-            inf = self._attempt(out.request_id)
+        for out in self.attempts.drain(self.attempts.done):
+            inf = self.attempts.of_request(out.request_id)
             if inf is not None:
-                del self.inflight[inf.job_id]
+                self.attempts.forget(inf)
                 if inf.dropped:
                     continue
                 self.preempted[inf.sla_class] += out.num_preemptions
                 done.append((inf, out))
-        if self._unwritten and (done or time.monotonic() >= self._retry_at):
-            done = [(inf, out) for inf, out, _ in self._unwritten] + done
+        if self.unwritten and (done or time.monotonic() >= self.retry_at):
+            done = [(inf, out) for inf, out, _ in self.unwritten] + done
         if not done:
             return False
         done.sort(key=lambda item: not item[0].online)     # their callers are waiting on them
-        since = {inf.job_id: at for inf, _, at in self._unwritten}
-        self._unwritten, now = [], time.monotonic()
+        since = {inf.job_id: at for inf, _, at in self.unwritten}
+        self.unwritten, now = [], time.monotonic()
         landed = True
         for start in range(0, len(done), RESULT_CHUNK):
             if start and landed:      # (a ledger that refused the last chunk would refuse the claims too)
-                self._pull_between_writes()
+                self.between_chunks()
             landed = self._settle(done[start:start + RESULT_CHUNK], since, now)
-        if self._unwritten:
-            self._retry_at = now + self._retry_pause
-            self._retry_pause = min(self._retry_pause * 2, WRITE_RETRY_MAX)
+        if self.unwritten:
+            self.retry_at = now + self.retry_pause
+            self.retry_pause = min(self.retry_pause * 2, WRITE_RETRY_MAX)
         else:
-            self._retry_pause = WRITE_RETRY_FIRST
+            self.retry_pause = WRITE_RETRY_FIRST
         return True
-
 
     def _settle(self, chunk: list, since: dict, now: float) -> bool:
         """One transaction for a chunk of (attempt, output); then each is acked (or requeued) and announced, or
         kept for a retry in place when the ledger did not take it. False if the ledger refused any."""
         try:
-            statuses = self._write_results(chunk)
+            statuses = self.write_results(chunk)
         except Exception:  # one bad row must not sink the others: retry one transaction each
-            log.exception("worker %s: writing %d results failed; retrying one by one", self.cfg.name, len(chunk))
+            log.exception("worker %s: writing %d results failed; retrying one by one", self.name, len(chunk))
             statuses = [self._write_one(item) for item in chunk]
         for (inf, out), status in zip(chunk, statuses):
             if status is None:    # not in the ledger (database down?): retried in place, with backoff
                 first = since.get(inf.job_id, now)
                 if now - first < WRITE_PATIENCE:
-                    self._unwritten.append((inf, out, first))
+                    self.unwritten.append((inf, out, first))
                 else:             # given up: no ack; the lease lapses and the sweeper requeues the job
-                    log.error("worker %s: gave up writing the result of %s", self.cfg.name, inf.job_id)
+                    log.error("worker %s: gave up writing the result of %s", self.name, inf.job_id)
                 continue
             self.counters[{"completed": "completed", "lost": "dropped"}.get(status, "aborted")] += 1
             if status == "released":
-                self._requeue(inf.job_id, inf.message)    # back to the broker: the job is queued again
+                requeue(self.name, inf.job_id, inf.message)    # back to the broker: the job is queued again
             else:
-                self._ack(inf)        # only now: the result (or the cancellation) is in the ledger
-            self._publish_end(inf, "queued" if status == "released" else status)
+                self.ack(inf)        # only now: the result (or the cancellation) is in the ledger
+            self.streaming.publish_end(inf, "queued" if status == "released" else status)
         return None not in statuses
 
-
-    def _pull_between_writes(self) -> None:
-        """Claim what arrived on the online queues (not while stopping: _release_all would hand it straight
-        back). A broker or ledger error here must not strand the results still to write: the intake loop's next
-        pull meets it again and reconnects."""
-        if self._stop.is_set():
-            return
-        try:
-            self.pull(online_only=True)
-        except Exception as exc:
-            log.warning("worker %s: online pull between result writes failed: %s", self.cfg.name, exc)
-
-
-    def _write_results(self, done: list) -> list[str]:
+    def write_results(self, done: list) -> list[str]:
         """One transaction for a list of (attempt, output): each result written through the guarded transitions;
         per item "completed", "lost" (the lease is gone), "released" or "cancelled" (an abort)."""
         statuses = []
@@ -127,23 +119,16 @@ class Results:
             s.commit()
         return statuses
 
-
     def _write_one(self, item) -> str | None:
         try:
-            return self._write_results([item])[0]
+            return self.write_results([item])[0]
         except Exception:
-            log.exception("worker %s: writing the result of %s failed", self.cfg.name, item[0].job_id)
+            log.exception("worker %s: writing the result of %s failed", self.name, item[0].job_id)
             return None
 
-
-    def _record_first_tokens(self) -> None:
-        firsts = []
-        while True:
-            try:
-                firsts.append(self._firsts.get_nowait())
-            except queue.Empty:
-                break
-        pending = [inf for inf in firsts if self.inflight.get(inf.job_id) is inf and inf.claimed and not inf.dropped]
+    def record_first_tokens(self) -> None:
+        pending = [inf for inf in self.attempts.drain(self.attempts.firsts)
+                   if self.attempts.current(inf) and inf.claimed and not inf.dropped]
         if not pending:
             return
         with Session(self.db) as s:
@@ -152,42 +137,39 @@ class Results:
                 inf.first_recorded = True
             s.commit()
 
-
-    def check_leases(self, renew: bool) -> None:
-        """Abort what was cancelled (or lost its lease) in the ledger; renew the other leases."""
-        current = list(self.inflight.values())
+    def check_leases(self, lease_seconds: float | None) -> None:
+        """Abort what was cancelled (or lost its lease) in the ledger; renew the other leases by lease_seconds
+        (None: no renewal this time)."""
+        current = self.attempts.values()
         with Session(self.db) as s:
-            live = jobs.current_leases(s, {i.job_id: i.lease_token for i in current},
-                                       renew_seconds=self.cfg.lease_seconds if renew else None)
+            live = jobs.current_leases(s, {i.job_id: i.lease_token for i in current}, renew_seconds=lease_seconds)
             s.commit()
         for inf in current:
             if inf.job_id not in live and not inf.aborted:
                 inf.aborted = True
                 self.engine.abort(inf.request_id)
 
-
-    def _release_all(self) -> None:
+    def release_all(self) -> None:
         """Shutdown: what is still running goes back to queued (its message back to the broker)."""
         self.finish_done()
-        if not self.inflight:
+        if not len(self.attempts):
             return
         with Session(self.db) as s:
-            for inf in self.inflight.values():
+            for inf in self.attempts.values():
                 jobs.release(s, inf.job_id, inf.lease_token)
             s.commit()
-        self.inflight.clear()
+        self.attempts.by_job.clear()
 
-
-    def _ack(self, inf: Inflight) -> None:
+    def ack(self, inf: Inflight) -> None:
         try:
             inf.message.ack()
         except Exception as exc:  # the broker restarted: the message is gone, the ledger holds the result
-            log.warning("worker %s: ack of %s failed: %s", self.cfg.name, inf.job_id, exc)
+            log.warning("worker %s: ack of %s failed: %s", self.name, inf.job_id, exc)
 
 
-    def _requeue(self, job_id: str, message) -> None:
-        try:
-            message.requeue()
-        except Exception as exc:  # broker gone: the message is restored with its channel, or republished
-            log.warning("worker %s: requeue of %s failed: %s", self.cfg.name, job_id, exc)
-
+def requeue(worker: str, job_id: str, message) -> None:
+    """The message back to its queue (unacked, its job not run here)."""
+    try:
+        message.requeue()
+    except Exception as exc:  # broker gone: the message is restored with its channel, or republished
+        log.warning("worker %s: requeue of %s failed: %s", worker, job_id, exc)

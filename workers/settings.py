@@ -1,4 +1,4 @@
-"""The worker's and the engine's configs, built from the one settings object (service/config.py's Config). Neither
+"""The worker's and the engine's configs, built from the one settings object (service/ledger/config.py's Config). Neither
 the engine nor the kernels read the environment: what the TIDEPOOL_* engine variables say reaches EngineConfig
 from here, and the worker, serve and run-batch flags are laid over it."""
 

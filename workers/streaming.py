@@ -1,23 +1,30 @@
 """The worker's token events (engine thread): each step's new text, logprobs and, with `echo`, the prompt go out on
-the token stream (service/token_stream.py) as "tok" events for online attempts; an attempt that entered the engine
-before its claim committed holds its events until the claim succeeded. The intake thread announces each online
-attempt's end ("end" event). A waiter that misses an event falls back to the ledger. Reads and writes on the Worker:
-engine, stream, inflight, _firsts, _wake, _step_at."""
+the token stream (service/ledger/token_stream.py) as "tok" events for online attempts; an attempt that entered the
+engine before its claim committed holds its events until the claim succeeded. The intake thread announces each
+online attempt's end ("end" event). A waiter that misses an event falls back to the ledger."""
+import threading
 import time
 
-from workers.attempt import Inflight, ledger_text
+from workers.attempt import Attempts, Inflight, ledger_text
 from workers.openai_bodies import logprob_entries, prompt_entries
 
 
 class Streaming:
-    def _on_token(self, inf: Inflight, out) -> None:
-        if self.inflight.get(inf.job_id) is not inf:
+    def __init__(self, tokenizer, stream, attempts: Attempts, wake: threading.Event, step_began):
+        self.tokenizer = tokenizer
+        self.stream = stream
+        self.attempts = attempts
+        self.wake = wake                # first tokens are written by the intake thread
+        self.step_began = step_began    # () -> when the engine's current step began (stage marks)
+
+    def on_token(self, inf: Inflight, out) -> None:
+        if not self.attempts.current(inf):
             return
         if inf.first_token_at is None and out.token_ids:
             inf.first_token_at = out.first_token_time or time.time()
             if inf.online:    # offline first tokens go into the completion transaction instead
-                self._firsts.put(inf)
-                self._wake.set()
+                self.attempts.firsts.put(inf)
+                self.wake.set()
         # Logprobs of this step's tokens ride along; "i" is the first one's index in the output.
         new_lps = out.logprobs[-len(out.new_token_ids):] if out.logprobs and out.new_token_ids else None
         echo = inf.echo is not None and out.index not in inf.pos     # a choice's first piece starts with the prompt
@@ -27,27 +34,35 @@ class Streaming:
             if out.index:
                 event["c"] = out.index        # the choice (n > 1) this piece belongs to
             if inf.marks:
-                event["ts"] = {**inf.marks, "step": self._step_at, "tok": inf.first_token_at, "pub": time.time()}
+                event["ts"] = {**inf.marks, "step": self.step_began(), "tok": inf.first_token_at, "pub": time.time()}
                 inf.marks = {}
             if new_lps:
-                entries = logprob_entries(self.engine.tokenizer, new_lps)
+                entries = logprob_entries(self.tokenizer, new_lps)
                 head = len(out.prompt_token_ids) if inf.echo is not None and out.prompt_logprobs else 0
                 if echo and head:
-                    entries = prompt_entries(self.engine.tokenizer, out) + entries
+                    entries = prompt_entries(self.tokenizer, out) + entries
                 event.update(l=entries, i=0 if echo else head + len(out.token_ids) - len(new_lps))
             inf.pos[out.index] = inf.pos.get(out.index, 0) + len(delta)
             with inf.lock:
                 if inf.claimed:
-                    self._publish(inf, event)
+                    self.publish(inf, event)
                 elif not inf.dropped:
                     inf.held.append(event)
 
-    def _publish(self, inf: Inflight, event: dict) -> None:
+    def publish(self, inf: Inflight, event: dict) -> None:
         try:
             self.stream.publish(inf.job_id, event)
         except Exception:  # the waiter falls back to the ledger
             pass
 
-    def _publish_end(self, inf: Inflight, status: str) -> None:
+    def release_held(self, inf: Inflight) -> None:
+        """An early attempt's claim committed: what it streamed meanwhile goes out, and from now on at once."""
+        with inf.lock:
+            inf.claimed = True
+            for event in inf.held:
+                self.publish(inf, event)
+            inf.held = []
+
+    def publish_end(self, inf: Inflight, status: str) -> None:
         if inf.online:
-            self._publish(inf, {"t": "end", "status": status})
+            self.publish(inf, {"t": "end", "status": status})

@@ -9,39 +9,40 @@ thread owns the broker channel and the ledger writes:
 Online queues are pulled eagerly; offline queues (batch, then deferrable) only while the engine's
 waiting queue is below a low-water mark, one message at a time, so unstarted offline work stays in
 the broker where any worker can take it. Messages are the Celery protocol-2 `tidepool.run_job(job_id)`
-messages that service/dispatch.py publishes; they are taken one at a time (workers/broker.py: off the
+messages that service/ledger/dispatch.py publishes; they are taken one at a time (workers/broker.py: off the
 queue and into the unacked set in one step) and acked late, so an unacked message of a dead worker
 returns to its queue after the visibility timeout. Each attempt of a job is its own engine request
 (`Inflight.request_id`), so nothing meant for an earlier attempt reaches a later one.
 
-By concern: this module holds the configuration, the state, the intake loop and the heartbeat; workers/intake.py
-the broker channel and the claims, workers/engine_thread.py the engine thread, workers/streaming.py the token
-events, workers/results.py the ledger writes of finished attempts and lease checks, workers/attempt.py one
-attempt's state and the job-to-engine-request mapping. Tests drive a worker without threads through connect(),
-pull(), engine_step(), finish_done(), check_leases() and close().
+The Worker is composed of parts, each with its own state, around one table of attempts in flight
+(workers/attempt.py: each attempt's lease, engine request and stream position): Intake (workers/intake.py: the
+broker channel, take and claim, into the engine), EngineThread (workers/engine_thread.py: steps the engine),
+Streaming (workers/streaming.py: token events) and Results (workers/results.py: the ledger writes of finished
+attempts, acks, lease checks). A job's way, take -> claim -> engine -> result -> ack, is run() below: pull()
+then finish_done(). Tests drive a worker without threads through connect(), pull(), engine_step(), finish_done(),
+check_leases() and close().
 """
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 
-from service import doorbell, token_stream
-from service.config import Config
-from service.db import make_engine
-from service.dispatch import queue_name
-from service.models import ONLINE_CLASSES, SLA_CLASSES, SlaClass
-from service.snapshots import Heartbeats
+from service.ledger import doorbell, token_stream
+from service.ledger.config import Config
+from service.ledger.db import make_engine
+from service.ledger.dispatch import queue_name
+from service.ledger.models import ONLINE_CLASSES, SLA_CLASSES, SlaClass
+from service.ledger.snapshots import Heartbeats
 from workers.affinity import WorkerAffinity
-from workers.attempt import Inflight
+from workers.attempt import Attempts, Inflight
 from workers.engine_thread import EngineThread
 from workers.intake import Intake
 from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
-from workers.results import WRITE_RETRY_FIRST, Results
+from workers.results import Results
 from workers.streaming import Streaming
 
 log = logging.getLogger(__name__)
@@ -93,24 +94,23 @@ class WorkerConfig:
     @classmethod
     def from_env(cls, kind: str = "gpu", device: str | None = None, settings: Config | None = None,
                  **overrides) -> "WorkerConfig":
-        """From the settings (service/config.py; read from the environment when not given)."""
+        """From the settings (service/ledger/config.py; read from the environment when not given)."""
         from workers.settings import worker_fields
         values = dict(worker_fields(settings or Config.from_env(), device or default_device()), kind=kind)
         values.update(overrides)
         return cls(**values)
 
 
-class Worker(Intake, EngineThread, Streaming, Results):
+class Worker:
     def __init__(self, cfg: WorkerConfig, engine=None, redis_client=None):
         from workers.engine import EngineConfig, LLMEngine
         self.cfg = cfg
         self.engine = engine or LLMEngine(EngineConfig(model=cfg.model, device=cfg.device, **cfg.engine))
-        self.db = make_engine(cfg.database_url)
+        self._db = make_engine(cfg.database_url)
         if redis_client is None and cfg.redis_url:
             import redis
             redis_client = redis.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.redis = redis_client
-        self.stream = token_stream.for_redis(redis_client)
         # Gauges and counters move in the engine thread; the dashboard snapshot goes out with the heartbeat.
         self.metrics = EngineMetrics(worker=cfg.name, device=cfg.device, model=cfg.model)
         self.snapshots = SnapshotStore(redis_client)
@@ -118,24 +118,42 @@ class Worker(Intake, EngineThread, Streaming, Results):
         # Prefix affinity: its private queues, the prefix keys of what it claimed (heartbeat), their hand-back.
         self.affinity = WorkerAffinity(cfg.name, cfg.queues, redis_client, cfg.broker_url,
                                        seats=getattr(getattr(self.engine, "config", None), "max_num_seqs", 1))
-        self.inflight: dict[str, Inflight] = {}
+        self.started_at = time.time()
         self.counters = {"claimed": 0, "completed": 0, "failed": 0, "aborted": 0, "dropped": 0, "throttled": 0}
         self.preempted = {c: 0 for c in QUEUES["gpu"]}   # engine preemptions suffered, by SLA class
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._firsts: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._wake = threading.Event()      # wakes the intake loop: doorbell, finished requests, first tokens, stop
-        self._step_at = 0.0      # when the engine's current step began (engine thread)
-        self._error: BaseException | None = None
-        self._conn = self._channel = None
-        self._broker_errors: tuple = (OSError,)
-        self._queues: dict = {}     # lane -> its kombu Queue, bound to the channel
-        self._held: list[tuple[str, object]] = []      # messages waiting for an earlier attempt to leave
-        self._unwritten: list[tuple[Inflight, object, float]] = []   # results the ledger refused: (inf, out, since)
-        self._retry_at, self._retry_pause = 0.0, WRITE_RETRY_FIRST
+        self.attempts = Attempts()
+        self.engine_thread = EngineThread(cfg.name, self.engine, self.metrics, self.attempts, self._wake, self._stop)
+        self.streaming = Streaming(self.engine.tokenizer, token_stream.for_redis(redis_client), self.attempts,
+                                   self._wake, lambda: self.engine_thread.step_at)
+        self.results = Results(cfg.name, self._db, self.engine, self.attempts, self.streaming, self.counters,
+                               self.preempted, between_chunks=self._pull_between_writes)
+        self.intake = Intake(cfg, self._db, self.engine, self.affinity, self.attempts, self.streaming, self.results,
+                             self.counters, self.started_at)
         self._next_check = self._next_renew = self._next_beat = 0.0
-        self.started_at = time.time()
         self.metrics_port: int | None = None     # its own /metrics (process mode), shown in the heartbeat
+
+    @property
+    def db(self):
+        """The ledger's database engine, which the intake and the results share."""
+        return self._db
+
+    @db.setter
+    def db(self, engine) -> None:
+        self._db = self.intake.db = self.results.db = engine
+
+    @property
+    def inflight(self) -> dict[str, Inflight]:
+        return self.attempts.by_job
+
+    @property
+    def stepper(self):
+        return self.engine_thread.stepper
+
+    @stepper.setter
+    def stepper(self, stepper) -> None:
+        self.engine_thread.stepper = stepper
 
     # -- public -----------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -153,17 +171,42 @@ class Worker(Intake, EngineThread, Streaming, Results):
         self._stop.set()
         self._wake.set()
 
+    # -- the flow: take -> claim -> engine (pull); finished -> ledger -> ack (finish_done) ------------------
+    def connect(self) -> None:
+        self.intake.connect()
+
+    def pull(self, online_only: bool = False) -> bool:
+        return self.intake.pull(online_only)
+
+    def engine_step(self) -> None:
+        self.engine_thread.step()
+
+    def finish_done(self) -> bool:
+        return self.results.finish_done()
+
+    def check_leases(self, renew: bool) -> None:
+        self.results.check_leases(self.cfg.lease_seconds if renew else None)
+
+    def _pull_between_writes(self) -> None:
+        """Claim what arrived on the online queues between two chunks of result writes (not while stopping:
+        release_all would hand it straight back). A broker or ledger error here must not strand the results still
+        to write: the intake loop's next pull meets it again and reconnects."""
+        if self._stop.is_set():
+            return
+        try:
+            self.intake.pull(online_only=True)
+        except Exception as exc:
+            log.warning("worker %s: online pull between result writes failed: %s", self.cfg.name, exc)
+
     def close(self) -> None:
         """Without run() (tests drive connect, pull, engine_step, finish_done): give back the broker connection
         (its unacked messages return to their queues) and the ledger's connections."""
-        if self._conn is not None:
-            self._conn.release()
+        self.intake.release()
         self.db.dispose()
 
     def run(self) -> None:
         """Serve until stop(); in-flight jobs are then released back to the queue."""
-        engine_thread = threading.Thread(target=self._engine_loop, name=f"{self.cfg.name}-engine", daemon=True)
-        engine_thread.start()
+        engine_thread = self.engine_thread.start()
         doorbell.register(self._wake)
         if self.cfg.broker_url.startswith(("redis://", "rediss://", "unix://")):
             doorbell.listen(self.cfg.broker_url, self._wake, self._stop)
@@ -175,7 +218,7 @@ class Worker(Intake, EngineThread, Streaming, Results):
                 self._wake.clear()            # a ring from here on makes the wait below return at once
                 try:
                     busy = self.pull()       # online first: bookkeeping of offline work can wait
-                except self._broker_errors as exc:  # broker gone (restart, network): reconnect, carry on
+                except self.intake.broker_errors as exc:  # broker gone (restart, network): reconnect, carry on
                     log.warning("worker %s: broker error %s; reconnecting", self.cfg.name, exc)
                     time.sleep(1.0)
                     try:
@@ -187,7 +230,7 @@ class Worker(Intake, EngineThread, Streaming, Results):
                     time.sleep(self.cfg.poll_interval)
                 try:
                     busy = self.finish_done() or busy
-                    self._record_first_tokens()
+                    self.results.record_first_tokens()
                     self._housekeeping()
                 except Exception:  # ledger unreachable: unacked messages and lapsing leases cover it
                     log.exception("worker %s: ledger update failed", self.cfg.name)
@@ -198,17 +241,17 @@ class Worker(Intake, EngineThread, Streaming, Results):
             self._stop.set()
             doorbell.unregister(self._wake)
             engine_thread.join(10)
-            self._release_all()
+            self.results.release_all()
             try:
                 self.heartbeats.delete(self.cfg.name)
             except Exception:
                 pass
-            if self._conn is not None:
-                self._conn.release()    # closing the channel restores its unacked messages to their queues
+            if self.intake.conn is not None:
+                self.intake.release()       # its unacked messages return to their queues
                 self.affinity.hand_back()    # then its private queues go to the shared ones
             self.db.dispose()
-        if self._error is not None:
-            raise RuntimeError(f"engine loop failed: {self._error!r}") from self._error
+        if self.engine_thread.error is not None:
+            raise RuntimeError(f"engine loop failed: {self.engine_thread.error!r}") from self.engine_thread.error
 
     def _housekeeping(self) -> None:
         now = time.monotonic()

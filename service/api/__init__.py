@@ -3,9 +3,9 @@ from datetime import datetime
 
 from flask import current_app, request
 
-from ..config import Config
-from ..bodies import bad_text, check_text, integral
-from ..errors import APIError, bad_request
+from ..ledger.config import Config
+from ..ledger.bodies import bad_text, check_text, integral
+from ..ledger.errors import APIError, bad_request
 
 
 def cfg() -> Config:

@@ -3,11 +3,11 @@ depths."""
 from flask import Blueprint, request
 from sqlalchemy import select
 
-from .. import affinity, registry, tenants
+from ..ledger import affinity, registry, tenants
 from ..auth import admin_required
 from ..db import session
-from ..errors import bad_request, not_found
-from ..models import SLA_CLASSES, ApiKey, AuditLog, Batch, Job, JobStatus, Quota, Tenant
+from ..ledger.errors import bad_request, not_found
+from ..ledger.models import SLA_CLASSES, ApiKey, AuditLog, Batch, Job, JobStatus, Quota, Tenant
 from . import cfg, ext, json_body, limit_arg, page, ts
 from .batches import batch_json
 from .jobs import job_json
@@ -183,7 +183,7 @@ def model_queues() -> list[dict]:
     names it) or a live model host would load the model for it (registry.hosted_queues)."""
     import time
 
-    from ..snapshots import SNAPSHOT_TTL, Heartbeats
+    from ..ledger.snapshots import SNAPSHOT_TTL, Heartbeats
     names = list(ext("registry").entries())
     now = time.time()
     served = {q for hb in Heartbeats(ext("redis")).read() if now - hb.get("at", 0) <= SNAPSHOT_TTL

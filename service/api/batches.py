@@ -2,16 +2,15 @@
 from flask import Blueprint, g, request
 from sqlalchemy import select
 
-from .. import batches as ledger, bodies, quotas
+from ..ledger import batches as ledger, bodies, quotas
 from ..auth import tenant_required
 from ..db import session
-from ..errors import APIError, bad_request, not_found
-from ..models import Batch, BatchStatus, File, SlaClass, utcnow
+from ..ledger.errors import APIError, bad_request, not_found
+from ..ledger.models import OFFLINE_CLASSES, Batch, BatchStatus, File, SlaClass, utcnow
 from . import cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("batches", __name__)
 FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "sla_class"}
-BATCH_CLASSES = ("batch", "deferrable")
 
 
 def batch_json(b: Batch) -> dict:
@@ -46,8 +45,8 @@ def create_batch():
     if body.get("completion_window") != "24h":
         raise bad_request("'completion_window' must be '24h'.", "completion_window")
     sla = body.get("sla_class", "batch")
-    if sla not in BATCH_CLASSES:
-        raise bad_request(f"'sla_class' must be one of {list(BATCH_CLASSES)}.", "sla_class")
+    if sla not in OFFLINE_CLASSES:
+        raise bad_request(f"'sla_class' must be one of {list(OFFLINE_CLASSES)}.", "sla_class")
     quotas.check_class(quota, sla)
     metadata = bodies.check_metadata(body.get("metadata"))
     file_id = body.get("input_file_id")
@@ -69,7 +68,7 @@ def create_batch():
         errors, created = ledger.load_jobs(s, ext("storage"), batch, quota, served_model=conf.served_model_name,
                                            max_lines=conf.max_batch_lines, chunk_size=conf.batch_chunk_size,
                                            cache_group=g.tenant.prefix_cache_group, models=ext("registry"),
-                                           route=ext("dispatcher").queue)
+                                           route=ext("dispatcher").queue, key_id=g.get("api_key_id"))
     except APIError as exc:  # budget or max_queued: the batch fails as a whole
         errors, created = [{"code": exc.code, "message": exc.message, "param": None, "line": None}], []
     if errors:

@@ -6,10 +6,10 @@ from flask import Blueprint, g, request, send_file
 from sqlalchemy import select
 
 from ..auth import tenant_required
-from ..bodies import bad_text
+from ..ledger.bodies import bad_text
 from ..db import session
-from ..errors import APIError, bad_request, not_found
-from ..models import File, new_id, utcnow
+from ..ledger.errors import APIError, bad_request, not_found
+from ..ledger.models import File, new_id, utcnow
 from . import cfg, ext, limit_arg, page, ts
 
 bp = Blueprint("files", __name__)

@@ -7,7 +7,7 @@ from sqlalchemy import text
 from ..db import get_engine
 from ..errors import error_response
 from ..openapi import spec
-from ..snapshots import SnapshotStore
+from ..ledger.snapshots import SnapshotStore
 from . import cfg, ext
 
 bp = Blueprint("health", __name__)

@@ -6,13 +6,14 @@ from flask import Blueprint, g, request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from .. import affinity, bodies, choices, jobs as transitions, logprobs, quotas, structured
-from .. import openai_shapes
+from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, structured
+from ..ledger import openai_shapes
+from .. import admission
 from ..auth import tenant_required
 from ..db import session
-from ..errors import APIError, bad_request, not_found
-from ..logging import log_job
-from ..models import SLA_CLASSES, Job, JobStatus, SlaClass, new_id, utcnow
+from ..ledger.errors import APIError, bad_request, not_found
+from ..ledger.logging import log_job
+from ..ledger.models import SLA_CLASSES, Job, JobStatus, SlaClass, new_id, utcnow
 from . import cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("jobs", __name__)
@@ -110,7 +111,7 @@ def create_job():
         # Counts the job against max_queued and reserves its tokens against the monthly budget (checking, in
         # the database, that the key is live and the tenant enabled) and inserts it; committed before this returns. On Postgres one statement, shared with
         # the same key's concurrent submissions (quotas.GroupAdmission).
-        xmin = quotas.admit(job)
+        xmin = admission.admit(job)
     except IntegrityError:  # a concurrent retry with the same Idempotency-Key won the insert
         if key is None:
             raise

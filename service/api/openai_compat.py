@@ -9,13 +9,14 @@ from flask import Blueprint, Response, g
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import undefer
 
-from service import token_stream
+from service.ledger import token_stream
 
-from .. import affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured
-from .. import openai_shapes
+from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured
+from ..ledger import openai_shapes
+from .. import admission
 from ..auth import tenant_required
-from ..errors import APIError, bad_request
-from ..models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
+from ..ledger.errors import APIError, bad_request
+from ..ledger.models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
 from . import cfg, ext, json_body
 
 bp = Blueprint("openai", __name__)
@@ -80,7 +81,7 @@ def _serve(endpoint: str):
     job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), model=model.name,
               status=JobStatus.queued, endpoint=endpoint, request=checked.body, metadata_=None, idempotency_key=None, request_hash=None,
               estimated_tokens=checked.estimated_tokens, deadline=None, attempts=0, created_at=now, queued_at=now)
-    xmin = quotas.admit(job)    # counted against max_queued and the budget, inserted and committed: one statement
+    xmin = admission.admit(job)    # counted against max_queued and the budget, inserted and committed: one statement
     marks["insert"] = time.time()
     sub = _hub().subscribe(job.id)       # before dispatch, so no event can be missed
     ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin,   # a chat's history

@@ -1,16 +1,16 @@
 """Dashboard: one JSON document computed from the ledger, the broker and the worker snapshots
-(service.snapshots.SnapshotStore); the page polls it and draws the charts."""
+(service.ledger.snapshots.SnapshotStore); the page polls it and draws the charts."""
 from datetime import timedelta
 
 from flask import current_app, render_template, request
 from sqlalchemy import func, select
 
-from service.snapshots import SNAPSHOT_TTL, Heartbeats, SnapshotStore
+from service.ledger.snapshots import SNAPSHOT_TTL, Heartbeats, SnapshotStore
 
 from ..api import ext
 from ..db import session as db
-from ..models import SLA_CLASSES, Job, JobStatus, utcnow
-from . import bp
+from ..ledger.models import SLA_CLASSES, Job, JobStatus, utcnow
+from .blueprint import bp
 
 LATENCY_WINDOW = timedelta(minutes=15)
 RATE_WINDOW = timedelta(seconds=60)

@@ -3,13 +3,13 @@ revoke it, and see each model's queues (depth per SLA class, and whether a live 
 from flask import flash, redirect, render_template, request, url_for
 from sqlalchemy import select
 
-from .. import registry
+from ..ledger import registry
 from ..api import ext
 from ..api.admin import model_queues
 from ..db import session as db
-from ..errors import APIError
-from ..models import Quota, Tenant
-from . import bp
+from ..ledger.errors import APIError
+from ..ledger.models import Quota, Tenant
+from .blueprint import bp
 
 ACTOR = "panel"
 

@@ -7,14 +7,14 @@ from flask import abort, flash, redirect, render_template, request, send_file, s
 from sqlalchemy import func, select
 from werkzeug.exceptions import HTTPException
 
-from .. import batches as ledger, jobs as transitions, tenants
+from ..ledger import batches as ledger, jobs as transitions, tenants
 from ..api import cfg, ext
 from ..db import session as db
-from ..errors import APIError
-from ..logging import log_job
-from ..models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, Usage
-from ..quotas import period
-from . import bp, check_token, sign_in, signed_in
+from ..ledger.errors import APIError
+from ..ledger.logging import log_job
+from ..ledger.models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, Usage
+from ..ledger.quotas import period
+from .blueprint import bp, check_token, sign_in, signed_in
 
 log = logging.getLogger("tidepool.panel")
 ACTOR = "panel"
@@ -232,16 +232,18 @@ def set_quota(tenant_id):
         raw = form[f].replace("_", "").replace(",", "")
         if raw == "":
             values[f] = None
-        elif raw.isdigit() and int(raw) < 2**63:
+        elif raw.isdigit():
             values[f] = int(raw)
         else:
             errors[f] = "Enter a whole number of 0 or more, or leave empty for no limit."
-    bad = [c for c in form["allowed_sla_classes"] if c not in SLA_CLASSES]
-    if bad:
-        errors["allowed_sla_classes"] = f"Unknown class {bad[0]!r}."
-    elif not form["allowed_sla_classes"]:
-        errors["allowed_sla_classes"] = "Allow at least one class (disable the tenant to stop all work)."
     values["allowed_sla_classes"] = form["allowed_sla_classes"]
+    for f in [f for f in values if f not in errors]:     # the admin API's validator, field by field
+        try:
+            tenants.check_quota_fields({f: values[f]})
+        except APIError as exc:
+            errors[f] = exc.message
+    if not form["allowed_sla_classes"] and "allowed_sla_classes" not in errors:
+        errors["allowed_sla_classes"] = "Allow at least one class (disable the tenant to stop all work)."
     if errors:
         flash("The quota was not saved: fix the fields marked below.", "error")
         return _tenant_page(tenant_id, quota_form=form, errors=errors, status=400)

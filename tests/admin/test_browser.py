@@ -8,8 +8,8 @@ import redis
 from playwright.sync_api import expect
 from sqlalchemy import select
 
-from service import jobs as transitions
-from service.models import ApiKey, Job, JobStatus, Quota
+from service.ledger import jobs as transitions
+from service.ledger.models import ApiKey, Job, JobStatus, Quota
 from workers.metrics import EngineMetrics, SnapshotStore
 
 from .conftest import ADMIN, REDIS, shot

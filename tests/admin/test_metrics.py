@@ -6,8 +6,8 @@ import urllib.request
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service import jobs as transitions
-from service.logging import JsonFormatter, configure, log_job, scrub
+from service.ledger import jobs as transitions
+from service.ledger.logging import JsonFormatter, configure, log_job, scrub
 from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
 
 from .conftest import ADMIN, make_app
@@ -79,7 +79,7 @@ def test_multiprocess_mode_sums_counters_across_processes(client, tmp_path, monk
 
 def test_engine_metrics_from_a_real_tiny_engine(tmp_path):
     from workers.engine import EngineConfig, LLMEngine, SamplingParams
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
 
     # Targets no step can miss: all four prefill together however slow this machine's calibration was.
     loose = {cls: {"ttft_ms": 1e9, "itl_ms": 1e9} for cls in ("realtime", "interactive")}

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from workers.cli import main
-from workers.engine.tiny_model import CHAT_TEMPLATE, make_tiny_model
+from workers.tools.tiny_model import CHAT_TEMPLATE, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

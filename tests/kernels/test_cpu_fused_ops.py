@@ -13,7 +13,7 @@ from kernels.paged_attention import store_kv_ref
 from workers.engine import LLMEngine, SamplingParams
 from workers.engine.config import EngineConfig
 from workers.engine.models.llama import AttentionContext
-from workers.engine.tiny_model import make_tiny_model
+from workers.tools.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_ops.compiler() is None, reason="no C++ compiler")
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}     # relative to the largest value: fp32 rounding; one bf16 ulp

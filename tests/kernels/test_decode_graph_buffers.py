@@ -5,7 +5,7 @@ import torch
 
 from workers.engine import LLMEngine
 from workers.engine.config import EngineConfig
-from workers.engine.tiny_model import make_tiny_model
+from workers.tools.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

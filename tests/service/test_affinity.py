@@ -1,4 +1,4 @@
-"""Prefix-affinity routing (service/affinity.py) against a real Redis: stable keys, the router's choice between
+"""Prefix-affinity routing (service/ledger/affinity.py) against a real Redis: stable keys, the router's choice between
 a worker's private queue and the shared one, and moving a dead worker's private queue back. The heartbeats are
 written in the contract's shape (what Worker.stats() sends); tests/workers/test_affinity.py runs real workers."""
 import json
@@ -6,8 +6,8 @@ import subprocess
 import sys
 import time
 
-from service import affinity
-from service.affinity import HEARTBEAT_KEY, Router, job_prefix_key, prefix_key, private_queue
+from service.ledger import affinity
+from service.ledger.affinity import HEARTBEAT_KEY, Router, job_prefix_key, prefix_key, private_queue
 
 from .conftest import ADMIN
 
@@ -25,7 +25,7 @@ def test_prefix_key_is_stable_across_processes_and_namespaced():
     body = {"prompt": SYSTEM + "question 1"}
     key = prefix_key("tenant:a", "/v1/completions", body)
     # Python's hash() of a str differs per process; the key must not
-    code = ("from service.affinity import prefix_key; "
+    code = ("from service.ledger.affinity import prefix_key; "
             f"print(prefix_key('tenant:a', '/v1/completions', {{'prompt': {body['prompt']!r}}}))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=".").stdout.strip()
@@ -102,7 +102,8 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
 
     from sqlalchemy.orm import Session
 
-    from service import create_app, tenants
+    from service import create_app
+    from service.ledger import tenants
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
                       "model": str(tmp_path / "served"), "admin_token": ADMIN})
     with Session(app.extensions["tidepool.engine"]) as s:

@@ -7,8 +7,8 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service import batches as ledger, jobs
-from service.models import Batch, Job
+from service.ledger import batches as ledger, jobs
+from service.ledger.models import Batch, Job
 
 from .conftest import Admin
 

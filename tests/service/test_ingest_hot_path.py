@@ -15,12 +15,13 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import create_app, jobs, tenants
-from service.dispatch import _lpush
-from service.wire import make_celery, publish_task as _publish_task, task_message
-from service.errors import APIError
-from service.models import ApiKey, Job, JobStatus, SlaClass, Tenant, Usage, new_id, utcnow
-from service.quotas import GroupAdmission
+from service import create_app
+from service.ledger import jobs, tenants
+from service.ledger.dispatch import _lpush
+from service.ledger.wire import make_celery, publish_task as _publish_task, task_message
+from service.ledger.errors import APIError
+from service.ledger.models import ApiKey, Job, JobStatus, SlaClass, Tenant, Usage, new_id, utcnow
+from service.ledger.quotas import GroupAdmission
 from workers import beat
 
 from .conftest import ADMIN, Admin

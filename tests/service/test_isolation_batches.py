@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from service import bodies
-from service.models import Batch, BatchStatus, Job, utcnow
+from service.ledger import bodies
+from service.ledger.models import Batch, BatchStatus, Job, utcnow
 from workers import beat
 
 from .conftest import Admin

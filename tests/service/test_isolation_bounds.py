@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from service import bodies
+from service.ledger import bodies
 from service.api import MAX_JSON_BYTES
 
 from .conftest import ADMIN, Admin

@@ -7,8 +7,8 @@ from datetime import timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from service import jobs
-from service.models import Job, JobStatus, Tenant, Usage, utcnow
+from service.ledger import jobs
+from service.ledger.models import Job, JobStatus, Tenant, Usage, utcnow
 
 from .conftest import Admin
 

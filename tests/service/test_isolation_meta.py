@@ -111,27 +111,21 @@ def test_cli_db_tenants_keys(tmp_path, monkeypatch, capsys):
 def test_service_never_imports_torch(tmp_path):
     import subprocess
     import sys
-    code = ("import sys; from service import create_app, commands, migrate, batches, jobs, dispatch; "
+    code = ("import sys; from service import create_app, commands, migrate; "
+            "from service.ledger import batches, jobs, dispatch; "
             f"create_app({{'database_url': 'sqlite:///{tmp_path}/t.db', 'storage_dir': '{tmp_path}'}}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ---- import direction ---------------------------------------------------------------------------------------------
-# workers may import the Flask-free part of service; service never imports workers; the engine (workers/engine) and
-# the kernels import neither. Every `import` statement of every module counts, the ones inside functions too.
+# By folder: service/ledger/ is the Flask-free core (models, transitions, admission and quotas, batches, files, the
+# model registry, snapshots, wire format, token stream, settings); the rest of service/ is the Flask shell over it.
+# Workers import service.ledger and nothing else of service; service never imports workers; the engine
+# (workers/engine) and the kernels import neither; no module takes part in an import circle. Every `import`
+# statement of every module counts, the ones inside functions too.
+LEDGER = "service.ledger"
 
-# The Flask-free part of service: ledger models and operations (guarded job transitions, tenants, keys, admission,
-# batches, the model registry), shared protocol (queues, wire format, token stream, snapshots and heartbeats, affinity keys, OpenAI
-# shapes, bodies and choices), settings and logging. Importing one of these imports neither Flask nor any web-side
-# service module (their Flask-using helpers import Flask inside the function, for the API's callers only).
-FLASK_FREE = {
-    "service", "service.affinity", "service.batches", "service.bodies", "service.choices", "service.config",
-    "service.db", "service.dispatch", "service.doorbell", "service.errors", "service.jobs", "service.keys",
-    "service.logging", "service.logprobs", "service.metrics", "service.models", "service.openai_shapes",
-    "service.quotas", "service.registry", "service.resources", "service.snapshots", "service.storage",
-    "service.structured", "service.tenants", "service.token_stream", "service.wire",
-}
 # workers modules that put the web side together with the workers, and so may import any of service; a gpu/cpu
 # worker process imports none of them but the CLI (test_gpu_worker_imports_without_flask)
 COMPOSERS = {
@@ -184,7 +178,8 @@ def _imports(name: str, path: Path, modules, top_level_only: bool = False) -> se
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module
-            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}     # a module or a name in one
+            for alias in node.names:    # a module, or a name defined in `module`
+                found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module)
     return found
 
 
@@ -214,20 +209,49 @@ def _within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-def _flask_free(name: str, modules) -> bool:
-    """A listed module, or a name defined in one (`from service.models import Job`), but the app factory."""
-    if name in modules or name in FLASK_FREE:
-        return name in FLASK_FREE
-    return name.rpartition(".")[0] in FLASK_FREE and name != "service.create_app"
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
 
 
 def test_imports_point_one_way():
     modules = _project_modules()
     assert COMPOSERS.keys() <= modules.keys(), f"listed but missing: {sorted(COMPOSERS.keys() - modules.keys())}"
+    assert LEDGER in modules
     wrong = []
     for name, path in sorted(modules.items()):
         deps = _imports(name, path, modules)
-        if _within(name, "service"):
+        if _within(name, LEDGER):
+            wrong += [f"{name} imports {d} (the ledger core imports no web framework, torch, workers or the shell)"
+                      for d in deps if _roots([d]) & {*WEB, "torch", "workers"}
+                      or (_within(d, "service") and not _within(d, LEDGER) and d != "service")]
+        elif _within(name, "service"):
             wrong += [f"{name} imports {d} (service never imports workers)" for d in deps if _within(d, "workers")]
         elif _within(name, "kernels"):
             wrong += [f"{name} imports {d} (kernels import only kernels)" for d in deps
@@ -237,17 +261,24 @@ def test_imports_point_one_way():
                       if _roots([d]) & {"service", *WEB, *LEDGER_AND_QUEUES}
                       or (_within(d, "workers") and not _within(d, "workers.engine") and d != "workers")]
         elif name not in COMPOSERS:
-            wrong += [f"{name} imports {d} (workers import only the Flask-free part of service)"
-                      for d in deps if _within(d, "service") and not _flask_free(d, modules)]
+            wrong += [f"{name} imports {d} (workers import only {LEDGER} of service)"
+                      for d in deps if _within(d, "service") and not _within(d, LEDGER)]
     reference = "kernels.paged_attention"     # the pure-torch definition every attention fast path is tested against
     wrong += [f"{reference} imports {d} (the reference is pure torch; kernels/attention.py picks the fast paths)"
               for d in _imports(reference, modules[reference], modules) if _roots([d]) & {"kernels", "triton"}]
-    for name in sorted(FLASK_FREE & modules.keys()):
-        loaded = _import_time_closure(name, modules)
-        wrong += [f"importing {name} loads {d}" for d in sorted(loaded)
-                  if _roots([d]) & {*WEB, "torch", "workers"} or (d in modules and _within(d, "service")
-                                                                    and d not in FLASK_FREE)]
+    # importing the ledger runs service/__init__ first: that must stay as light as the ledger
+    wrong += [f"importing service loads {d}" for d in sorted(_import_time_closure("service", modules))
+              if _roots([d]) & {*WEB, "torch", "workers"} or (d in modules and _within(d, "service")
+                                                                and not _within(d, LEDGER) and d != "service")]
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circles():
+    modules = _project_modules()
+    graph = {name: {d for d in _imports(name, path, modules) if d in modules and d != name}
+             for name, path in modules.items()}
+    circles = _circles(graph)
+    assert not circles, "\n".join(" <-> ".join(c) for c in circles)
 
 
 def test_gpu_worker_imports_without_flask():
@@ -264,7 +295,7 @@ def test_gpu_worker_imports_without_flask():
             if dep in modules and dep not in needed:
                 needed.add(dep)
                 todo.append(dep)
-    assert {"workers.engine", "service.jobs", "service.models"} <= needed
+    assert {"workers.engine", "service.ledger.jobs", "service.ledger.models"} <= needed
     code = ("import importlib, sys\n"
             "from workers import cli\n"
             "args = cli.build_parser().parse_args(['worker', '--kind', 'gpu'])\n"
@@ -283,7 +314,7 @@ def test_beat_imports_without_flask(tmp_path):
     import subprocess
     import sys
     code = ("import sys\n"
-            "from service.config import Config\n"
+            "from service.ledger.config import Config\n"
             "from workers import beat, celery_app\n"
             f"app = celery_app.make_celery(Config.from_env({{'storage_dir': {str(tmp_path)!r}}}, environ={{}}))\n"
             "assert {'tidepool.sweep', 'tidepool.finalize_batches'} <= set(app.tasks)\n"

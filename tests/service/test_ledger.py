@@ -4,8 +4,8 @@ from datetime import timedelta
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service import batches as ledger, jobs
-from service.models import Batch, Job, JobStatus, Tenant, utcnow
+from service.ledger import batches as ledger, jobs
+from service.ledger.models import Batch, Job, JobStatus, Tenant, utcnow
 
 from .conftest import Admin
 

@@ -5,7 +5,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from service import migrate
-from service.models import Base
+from service.ledger.models import Base
 
 
 @pytest.fixture(params=["postgres", "sqlite"])

@@ -11,7 +11,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from service import create_app
-from service.models import AuditLog, Job
+from service.ledger.models import AuditLog, Job
 
 from .conftest import ADMIN, Admin
 

@@ -25,7 +25,8 @@ def test_cli_tenants_list(tmp_path, monkeypatch, capsys):
 
 
 def test_models_list_has_a_created_time(pg_url, redis_url, tmp_path):
-    from service import create_app, tenants
+    from service import create_app
+    from service.ledger import tenants
     model = tmp_path / "models" / "m1"
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
@@ -43,7 +44,8 @@ def test_models_list_has_a_created_time(pg_url, redis_url, tmp_path):
 
 
 def test_max_tokens_past_the_context_is_a_400(pg_url, redis_url, tmp_path):
-    from service import create_app, tenants
+    from service import create_app
+    from service.ledger import tenants
     model = tmp_path / "models" / "small"
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))

@@ -5,9 +5,10 @@ import threading
 
 from sqlalchemy.orm import Session
 
-from service import create_app, jobs
-from service.models import Job, Tenant
-from service.quotas import MemoryLimiter
+from service import create_app
+from service.ledger import jobs
+from service.ledger.models import Job, Tenant
+from service.ledger.quotas import MemoryLimiter
 
 from .conftest import ADMIN, Admin
 

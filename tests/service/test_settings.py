@@ -1,4 +1,4 @@
-"""One settings object (service/config.py's Config): README's configuration table is its table, and a bad value
+"""One settings object (service/ledger/config.py's Config): README's configuration table is its table, and a bad value
 stops a process at start-up with a message naming the variable."""
 import ast
 import os
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service import create_app
-from service.config import Config, SettingsError, readme_table, variables
+from service.ledger.config import Config, SettingsError, readme_table, variables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,7 +22,7 @@ def _readme_table() -> str:
 
 
 def test_readme_configuration_table_is_the_settings_table():
-    assert _readme_table() == readme_table(), "README's table drifted: paste service.config.readme_table()"
+    assert _readme_table() == readme_table(), "README's table drifted: paste service.ledger.config.readme_table()"
 
 
 def test_every_setting_has_a_variable_a_meaning_and_a_default_shown():
@@ -56,7 +56,7 @@ def test_values_are_typed_and_empty_means_unset(tmp_path):
         "TIDEPOOL_KV_BLOCKS": "", "TIDEPOOL_ONLINE_RESERVE": "0.25",
         "TIDEPOOL_DATABASE_URL": f"sqlite:///{tmp_path}/t.db"})
     assert (cfg.visibility_timeout, cfg.low_water, cfg.insecure_cookies, cfg.log_level) == (120.0, 2, True, "DEBUG")
-    assert cfg.metrics_port == 0 and cfg.kv_blocks is None and cfg.sla_overrides() == {"realtime": {"itl_ms": 80.0}}
+    assert cfg.metrics_port == 0 and cfg.num_kv_blocks is None and cfg.sla_overrides() == {"realtime": {"itl_ms": 80.0}}
     assert cfg.engine_fields() == {"online_reserve": 0.25}     # unset ones are left to the engine
 
 
@@ -92,7 +92,7 @@ def test_the_cli_stops_at_start_up_naming_the_variable(tmp_path):
     assert not (tmp_path / "t.db").exists()      # nothing ran
 
 
-# ---- nothing but service/config.py reads TIDEPOOL_* from the environment -----------------------------------------
+# ---- nothing but service/ledger/config.py reads TIDEPOOL_* from the environment -----------------------------------------
 
 def _is_tidepool_name(node) -> bool:
     """A product variable's name; TIDEPOOL_TEST_* and TIDEPOOL_BENCH_* belong to the test and benchmark harness."""
@@ -143,4 +143,4 @@ def test_only_the_settings_module_reads_tidepool_variables():
             if path == ROOT / "service" / "config.py":
                 continue
             offenders += [f"{path.relative_to(ROOT)}:{n}" for n in environment_reads(path.read_text())]
-    assert offenders == [], f"read TIDEPOOL_* through service.config.Config instead: {offenders}"
+    assert offenders == [], f"read TIDEPOOL_* through service.ledger.config.Config instead: {offenders}"

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from service import bodies, structured
-from service.errors import APIError
+from service.ledger import bodies, structured
+from service.ledger.errors import APIError
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}

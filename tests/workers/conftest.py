@@ -19,9 +19,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from werkzeug.serving import make_server
 
-from service import create_app, tenants
-from service.models import Job
-from service.snapshots import HEARTBEAT_KEY, Heartbeats
+from service import create_app
+from service.ledger import tenants
+from service.ledger.models import Job
+from service.ledger.snapshots import HEARTBEAT_KEY, Heartbeats
 
 REDIS = os.environ.get("TIDEPOOL_TEST_WORKERS_REDIS")     # default: a private redis-server
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ _counter = itertools.count()
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
     return str(make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), seed=1))
 
 

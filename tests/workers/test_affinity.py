@@ -1,4 +1,4 @@
-"""Prefix-affinity routing with real workers (service/affinity.py): a group sharing a long prefix goes to the
+"""Prefix-affinity routing with real workers (service/ledger/affinity.py): a group sharing a long prefix goes to the
 worker that already ran it, and a worker killed with work in its private queue loses nothing and repeats
 nothing: beat returns its unacked messages and moves its private queue to the shared one."""
 import io
@@ -6,8 +6,8 @@ import json
 import signal
 import time
 
-from service.affinity import job_prefix_key, private_queue
-from service.models import Job, JobStatus
+from service.ledger.affinity import job_prefix_key, private_queue
+from service.ledger.models import Job, JobStatus
 
 from .test_chaos import ledger_check
 

@@ -13,7 +13,7 @@ from workers.engine import EngineConfig, LLMEngine, SamplingParams
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
     root = tmp_path_factory.mktemp("stepper-models")
     a = make_tiny_model(str(root / "a"), seed=1)
     b = make_tiny_model(str(root / "b"), arch="qwen2", seed=7, hidden_size=96, num_hidden_layers=3,

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serve_registers_and_serves_every_model_in_the_models_dir(tmp_path):
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
     models = tmp_path / "models"
     tiny = str(make_tiny_model(str(models / "tiny"), seed=1))
     other = str(make_tiny_model(str(models / "tiny-qwen"), arch="qwen2", seed=7, hidden_size=96,

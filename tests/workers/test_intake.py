@@ -8,8 +8,8 @@ from sqlalchemy import update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from service.db import make_engine
-from service.models import Job, JobStatus, utcnow
+from service.ledger.db import make_engine
+from service.ledger.models import Job, JobStatus, utcnow
 from workers import beat, broker
 from workers.worker import Worker, WorkerConfig
 

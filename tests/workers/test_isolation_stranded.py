@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from service.models import JobStatus
+from service.ledger.models import JobStatus
 from workers import beat
 from workers.broker import OWNERS_KEY
-from service.snapshots import HEARTBEAT_KEY
+from service.ledger.snapshots import HEARTBEAT_KEY
 
 from .test_intake import Killed, _close, _drop, _job, _run_engine, _worker
 
@@ -20,7 +20,7 @@ def _kill_between_take_and_claim(st, name: str):
     def killed(*args, **kwargs):
         raise Killed
 
-    w._channel.Message = killed               # SIGKILL right after the take, before the claim
+    w.intake.channel.Message = killed               # SIGKILL right after the take, before the claim
     with pytest.raises(Killed):
         w.pull()
     _drop(w)

@@ -1,8 +1,8 @@
 """A finished result that cannot be written because the ledger is down (Postgres taken away behind a proxy)
 is written again in place once it is back: the job completes exactly once, on its first attempt, without
 waiting for its lease to lapse and running again."""
-from service.db import make_engine
-from service.models import JobStatus
+from service.ledger.db import make_engine
+from service.ledger.models import JobStatus
 
 from ..tcp_proxy import TcpProxy
 from .test_intake import _close, _job, _run_engine, _worker
@@ -22,15 +22,15 @@ def test_a_result_refused_by_a_ledger_outage_is_written_when_it_returns(stack):
         _run_engine(w)
         proxy.stop()                           # the database restarts just as the results are ready
         assert w.finish_done()
-        assert len(w._unwritten) == 3 and st.redis.hlen("unacked") == 3
+        assert len(w.results.unwritten) == 3 and st.redis.hlen("unacked") == 3
         assert all(_job(st, i).status == JobStatus.running for i in ids)
-        w._retry_at = 0
+        w.results.retry_at = 0
         w.finish_done()                       # still down: kept, and the pause grows
-        assert len(w._unwritten) == 3 and w._retry_pause > 0.5
+        assert len(w.results.unwritten) == 3 and w.results.retry_pause > 0.5
         proxy.start()
-        w._retry_at = 0
+        w.results.retry_at = 0
         assert w.finish_done()
-        assert not w._unwritten and not st.redis.hlen("unacked")      # written, then acked
+        assert not w.results.unwritten and not st.redis.hlen("unacked")      # written, then acked
         for i in ids:
             job = _job(st, i)
             assert (job.status, job.attempts, job.completion_tokens) == (JobStatus.completed, 1, 3)

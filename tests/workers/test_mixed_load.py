@@ -5,7 +5,7 @@ import threading
 
 import openai
 
-from service.models import Job, JobStatus, SlaClass
+from service.ledger.models import Job, JobStatus, SlaClass
 
 OFFLINE = 20
 MAX_SEQS, LOW_WATER = 4, 3

@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.models import Job, JobStatus
-from service.snapshots import HEARTBEAT_KEY
+from service.ledger.models import Job, JobStatus
+from service.ledger.snapshots import HEARTBEAT_KEY
 from workers.engine import LLM, SamplingParams
 
 ADMIN = {"Authorization": "Bearer admin"}
@@ -19,7 +19,7 @@ ADMIN = {"Authorization": "Bearer admin"}
 
 @pytest.fixture(scope="module")
 def qwen_model(tmp_path_factory):
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
     return str(make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen"), arch="qwen2", seed=7,
                                hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2))
 
@@ -70,7 +70,7 @@ def test_each_model_runs_its_own_jobs_and_an_unserved_model_waits(stack, qwen_mo
 
 
 def test_a_worker_without_models_serves_every_enabled_model_that_fits(stack, qwen_model, tmp_path):
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
     from workers.model_workers import min_footprint
     default = stack.app.config["TIDEPOOL"].served_model_name
     client = stack.app.test_client()

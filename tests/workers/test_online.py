@@ -10,8 +10,8 @@ import requests
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.dispatch import _publish_task
-from service.models import Job, JobStatus, Usage
+from service.ledger.dispatch import _publish_task
+from service.ledger.models import Job, JobStatus, Usage
 from workers.engine import LLM, SamplingParams
 
 from .conftest import served_stack
@@ -61,7 +61,7 @@ def test_completion_chat_and_models_match_the_engine(st, reference):
 
 def test_tenant_default_class_applies_to_online_requests_that_name_none(st):
     from sqlalchemy import update
-    from service.models import Tenant
+    from service.ledger.models import Tenant
     tenant_id, key = st.tenant()
     with st.engine.begin() as conn:
         conn.execute(update(Tenant).where(Tenant.id == tenant_id).values(default_sla_class="realtime"))
@@ -211,7 +211,7 @@ def test_batch_cancel_aborts_its_running_jobs(st):
 
 
 def test_a_lapsed_lease_on_a_live_worker_reruns_the_job_once(st):
-    from service import jobs
+    from service.ledger import jobs
     tenant_id, key = st.tenant()
     job_id = requests.post(f"{st.url}/v1/jobs", headers={"Authorization": f"Bearer {key}"}, json={
         "prompt": "lapse", "max_tokens": 1000, "ignore_eos": True}).json()["id"]     # long enough to still run

@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service import migrate
-from service.models import Job, JobStatus, Usage
+from service.ledger.models import Job, JobStatus, Usage
 
 from .conftest import Stack, free_port
 

@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service import jobs as transitions
-from service.models import Job, JobStatus, utcnow
+from service.ledger import jobs as transitions
+from service.ledger.models import Job, JobStatus, utcnow
 from workers import beat
 
 from .test_intake import Killed, _close, _drop, _job, _run_engine, _worker
@@ -25,7 +25,7 @@ def _take_all(w) -> None:
 
 def _record(w, monkeypatch, events: list, after_first_write=None) -> None:
     """events gets ("write", job ids) for each results transaction and ("claim", job id) for each claim."""
-    write, start = w._write_results, transitions.start
+    write, start = w.results.write_results, transitions.start
 
     def write_results(done):
         statuses = write(done)
@@ -38,8 +38,8 @@ def _record(w, monkeypatch, events: list, after_first_write=None) -> None:
         events.append(("claim", job_id))
         return start(s, job_id, *args, **kwargs)
 
-    monkeypatch.setattr(w, "_write_results", write_results)
-    monkeypatch.setattr("service.jobs.start", claim)
+    monkeypatch.setattr(w.results, "write_results", write_results)
+    monkeypatch.setattr("service.ledger.jobs.start", claim)
 
 
 def test_a_realtime_job_arriving_during_a_wave_of_results_is_claimed_after_one_chunk(stack, monkeypatch):
@@ -90,7 +90,7 @@ def test_a_worker_killed_between_two_chunks_leaves_each_job_completed_once(stack
     def killed():
         raise Killed
 
-    monkeypatch.setattr(w, "_pull_between_writes", killed)
+    monkeypatch.setattr(w.results, "between_chunks", killed)
     with pytest.raises(Killed):
         w.finish_done()                       # the first chunk committed and acked, then SIGKILL
     _drop(w)

@@ -12,7 +12,7 @@ import requests
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.models import Batch, BatchStatus, Job, JobStatus
+from service.ledger.models import Batch, BatchStatus, Job, JobStatus
 
 from .conftest import Stack
 from .test_chaos import ledger_check

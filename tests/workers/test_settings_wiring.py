@@ -1,10 +1,10 @@
-"""The worker's, the engine's and beat's configs are built from the one settings object (service/config.py):
+"""The worker's, the engine's and beat's configs are built from the one settings object (service/ledger/config.py):
 each TIDEPOOL_* value reaches the field it names, and what README shows as an engine default is the engine's."""
 import dataclasses
 
 import pytest
 
-from service.config import Config, variables
+from service.ledger.config import Config, variables
 from workers.celery_app import make_celery
 from workers.engine.config import DEFAULT_SLA_TARGETS, EngineConfig
 from workers.settings import engine_fields

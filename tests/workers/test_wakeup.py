@@ -6,7 +6,8 @@ import threading
 import pytest
 import redis
 
-from service import create_app, doorbell
+from service import create_app
+from service.ledger import doorbell
 from workers.engine import EngineConfig, LLMEngine, SamplingParams
 
 from .conftest import flush_redis

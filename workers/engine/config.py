@@ -1,5 +1,5 @@
 """EngineConfig: the engine's knobs. The engine reads no environment variable: the workers build this from the
-settings (service/config.py via workers/settings.py), tests and benchmarks pass fields directly."""
+settings (service/ledger/config.py via workers/settings.py), tests and benchmarks pass fields directly."""
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -6,7 +6,8 @@ from typing import Callable
 
 from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
-from workers.engine.cost_model import CostModel, calibrate
+from workers.engine.calibration import calibrate
+from workers.engine.cost_model import CostModel
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams

@@ -32,6 +32,25 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
+    """The pool an engine sizes for itself when given no num_kv_blocks, and why: kv_cache_memory_bytes, else a
+    share of the GPU's free / the host's available memory, never beyond max_num_seqs sequences of max_model_len."""
+    budget, why = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    if budget is None:
+        device = torch.device(config.device)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * config.gpu_memory_utilization)
+            why = f"{config.gpu_memory_utilization:.0%} of free GPU memory"
+        else:
+            budget = int(available_memory() * CPU_KV_SHARE)
+            why = f"{CPU_KV_SHARE:.0%} of available memory"
+    cap = config.max_num_seqs * config.blocks_per_sequence
+    if cap <= budget // config.kv_block_bytes:
+        return max(1, cap), "max_num_seqs x max_model_len"
+    return max(1, budget // config.kv_block_bytes), why
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.config = config
@@ -46,7 +65,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             log.info("linear layers on oneDNN with prepacked weights: %d", prepack_linears(self.model))
         self.num_kv_blocks, why = ((config.num_kv_blocks, "num_kv_blocks") if config.num_kv_blocks
-                                   else self._blocks_from_budget())
+                                   else default_kv_blocks(config))
         shape = (self.num_kv_blocks, config.block_size, model_config.num_key_value_heads, model_config.head_dim)
         # empty, not zeros: no slot is read before it is written, and on the CPU untouched pages cost no memory
         for layer in self.model.layers:
@@ -73,24 +92,6 @@ class ModelRunner:
     @property
     def bytes_per_block(self) -> int:
         return self.config.kv_block_bytes
-
-    def _blocks_from_budget(self) -> tuple[int, str]:
-        budget = self.config.kv_cache_memory_bytes
-        why = "kv_cache_memory_bytes"
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * self.config.gpu_memory_utilization)
-                why = f"{self.config.gpu_memory_utilization:.0%} of free GPU memory"
-            else:
-                budget = int(available_memory() * CPU_KV_SHARE)
-                why = f"{CPU_KV_SHARE:.0%} of available memory"
-        blocks = budget // self.bytes_per_block
-        # No point in a pool beyond what max_num_seqs full-length sequences could use.
-        cap = self.config.max_num_seqs * -(-self.config.max_model_len // self.config.block_size)
-        if cap <= blocks:
-            return max(1, cap), "max_num_seqs x max_model_len"
-        return max(1, int(blocks)), why
 
     def _prepare_cpu_kernel(self) -> None:
         """Build (first time, 10-20 s) or load the native decode kernel now, not on the first request."""

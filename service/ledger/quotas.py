@@ -6,7 +6,7 @@ quotas.max_queued allows it; so a cached authentication (auth.py) can never queu
 disabled tenant or past a lowered max_queued. The row lock it takes serializes one tenant's admissions
 until commit, which is what makes max_queued hold under concurrency.
 
-Importing it does not import Flask (the sweeper and the batch finaliser import it through service/batches.py):
+Importing it does not import Flask (the sweeper and the batch finaliser import it through service/ledger/batches.py):
 what reads the current request (its API key, the app's admission group, the authentication cache) imports Flask
 when called, for the API's callers."""
 import copy
@@ -17,7 +17,7 @@ import time
 from datetime import datetime, timezone
 
 from redis.exceptions import ConnectionError as RedisConnectionError, TimeoutError as RedisTimeoutError
-from sqlalchemy import and_, case, exists, false, or_, select, update
+from sqlalchemy import case, select, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -122,57 +122,47 @@ def _budget_refusal(tenant_id: str, budget: int, used: int, reserved: int, token
                     retry_after=_seconds_to_next_month(now))
 
 
-def _key_id(key_id: int | None) -> int | None:
-    """key_id, or by default the authenticated request's key (none outside a request)."""
-    if key_id is None:
-        from flask import g, has_request_context
-        if has_request_context():
-            key_id = g.get("api_key_id")
-    return key_id
+# The admission rule, the one statement every admission runs (POST /v1/jobs and the online routes, batches; Postgres
+# and SQLite): the tenant row takes n more queued jobs and their reserved tokens only if the tenant is enabled, the
+# key (when one is named) is live, max_queued holds with n more, and the monthly budget holds with this month's usage
+# plus every unfinished job's reservation plus these tokens. No row updated: refused() says why.
+ADMIT = """
+UPDATE tenants SET queued_count = tenants.queued_count + :n, budget_reserved = tenants.budget_reserved + :tokens
+FROM quotas
+WHERE tenants.id = :tenant_id AND quotas.tenant_id = tenants.id
+  AND tenants.disabled IS NOT TRUE
+  AND (quotas.max_queued IS NULL OR tenants.queued_count + :n <= quotas.max_queued)
+  AND (quotas.monthly_token_budget IS NULL OR tenants.budget_reserved + :tokens
+       + CASE WHEN tenants.budget_period = :period THEN tenants.budget_used ELSE 0 END
+       <= quotas.monthly_token_budget)
+  AND (CAST(:key_id AS INTEGER) IS NULL OR EXISTS (
+      SELECT 1 FROM api_keys WHERE api_keys.id = CAST(:key_id AS INTEGER)
+         AND api_keys.tenant_id = tenants.id AND api_keys.revoked_at IS NULL))"""
 
 
-def _admissible(tenant_id, n, key_id: int | None, tokens: int = 0):
-    """WHERE clause on the tenant row: enabled, key live, live max_queued not exceeded by n more, and the
-    monthly budget not exceeded by this month's usage plus every unfinished job's reservation plus tokens."""
-    live_max = select(Quota.max_queued).where(Quota.tenant_id == tenant_id).scalar_subquery()
-    budget = select(Quota.monthly_token_budget).where(Quota.tenant_id == tenant_id).scalar_subquery()
-    conds = [Tenant.id == tenant_id, or_(Tenant.disabled.is_(None), Tenant.disabled == false()),
-             or_(live_max.is_(None), Tenant.queued_count + n <= live_max),
-             or_(budget.is_(None), _used() + Tenant.budget_reserved + tokens <= budget)]
-    if key_id is not None:
-        conds.append(exists().where(ApiKey.id == key_id, ApiKey.tenant_id == Tenant.id,
-                                    ApiKey.revoked_at.is_(None)))
-    return and_(*conds)
+def _admission(tenant_id: str, n: int, key_id: int | None, tokens: int) -> dict:
+    return {"tenant_id": tenant_id, "n": n, "key_id": key_id, "tokens": tokens, "period": period()}
 
 
 def reserve_queued(s: Session, quota: Quota, n: int, key_id: int | None = None, tokens: int = 0) -> None:
     """Count n more queued jobs against max_queued, and reserve their tokens (prompt estimate + max_tokens)
     against the monthly budget, in one conditional UPDATE (row-locked until commit). The reservation is settled
     to the actual usage when a job completes and released when it fails, is cancelled or expires (jobs.py).
-    key_id (by default the authenticated request's key) must still be unrevoked."""
-    key_id = _key_id(key_id)
-    stmt = (update(Tenant).where(_admissible(quota.tenant_id, n, key_id, tokens))
-            .values(queued_count=Tenant.queued_count + n, budget_reserved=Tenant.budget_reserved + tokens)
-            .execution_options(synchronize_session=False))
-    if s.execute(stmt).rowcount != 1:
+    key_id, when given, must still be unrevoked."""
+    if s.execute(text(ADMIT), _admission(quota.tenant_id, n, key_id, tokens)).rowcount != 1:
         refused(s, quota.tenant_id, n, key_id, tokens)
 
 
 def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None, tokens: int = 0) -> None:
     """Why the admission UPDATE matched no row, as the error the client gets: a revoked key (401) or a
-    disabled tenant (403), found by the database rather than the cached authentication, which is dropped;
+    disabled tenant (403), found by the database rather than the cached authentication (service.errors drops it);
     otherwise max_queued (429)."""
     row = s.execute(select(Tenant.disabled, Quota.max_queued, Quota.monthly_token_budget, Tenant.budget_reserved,
                            _used())
                     .join(Quota, Quota.tenant_id == Tenant.id).where(Tenant.id == tenant_id)).first()
     live_key = key_id is None or s.scalar(select(ApiKey.id).where(
         ApiKey.id == key_id, ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))) is not None
-    if row is None or not live_key or row[0]:
-        from flask import has_request_context
-
-        from .auth import forget
-        if has_request_context():
-            forget()
+    if row is None or not live_key or row[0]:      # the API drops its cached authentication on these codes
         if row is None or not live_key:
             raise APIError(401, "Incorrect API key provided.", "invalid_api_key")
         raise APIError(403, "This tenant is disabled.", "tenant_disabled")
@@ -184,37 +174,41 @@ def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None,
                         f"queued and this request adds {n}.", "max_queued", retry_after=1)
 
 
-# POST /v1/jobs on Postgres: one statement counts n jobs of one tenant, submitted with one key, against
-# max_queued (all or none) and inserts them, run in autocommit mode: it returns only once the rows are durably
+# The columns an admitted job is inserted with (the rest take their defaults), listed once for both statements.
+JOB_COLUMNS = ("id", "tenant_id", "sla_class", "model", "status", "endpoint", "request", "metadata", "idempotency_key",
+               "request_hash", "estimated_tokens", "deadline", "attempts", "created_at", "queued_at")
+
+
+def _job_values(job) -> dict:
+    """A transient Job's values for JOB_COLUMNS (attempts 0: it has not run)."""
+    return {c: 0 if c == "attempts" else getattr(job, "metadata_" if c == "metadata" else c) for c in JOB_COLUMNS}
+
+
+def _recordset_types() -> str:
+    """json_to_recordset's column list for JOB_COLUMNS, in the jobs table's own Postgres types."""
+    from sqlalchemy.dialects import postgresql
+    dialect = postgresql.dialect()
+    return ", ".join(f"{c} {Job.__table__.c[c].type.compile(dialect=dialect)}" for c in JOB_COLUMNS)
+
+
+# POST /v1/jobs on Postgres: one statement counts n jobs of one tenant, submitted with one key, against the
+# admission rule (all or none) and inserts them, run in autocommit mode: it returns only once the rows are durably
 # committed. It returns each row's id and xmin; the dispatcher marks a job dispatched only if its row still
 # has that xmin (nobody touched it since) or has left the queued state.
-_ADMIT_PG = """
-WITH admitted AS (
-    UPDATE tenants SET queued_count = tenants.queued_count + %(n)s,
-                       budget_reserved = tenants.budget_reserved + %(tokens)s
-    FROM quotas
-    WHERE tenants.id = %(tenant_id)s AND quotas.tenant_id = tenants.id
-      AND tenants.disabled IS NOT TRUE
-      AND (quotas.max_queued IS NULL OR tenants.queued_count + %(n)s <= quotas.max_queued)
-      AND (quotas.monthly_token_budget IS NULL OR tenants.budget_reserved + %(tokens)s
-           + CASE WHEN tenants.budget_period = %(period)s THEN tenants.budget_used ELSE 0 END
-           <= quotas.monthly_token_budget)
-      AND (%(key_id)s::integer IS NULL OR EXISTS (
-          SELECT 1 FROM api_keys WHERE api_keys.id = %(key_id)s::integer
-             AND api_keys.tenant_id = tenants.id AND api_keys.revoked_at IS NULL))
-    RETURNING tenants.id
-)
-INSERT INTO jobs (id, tenant_id, sla_class, model, status, endpoint, request, metadata, idempotency_key, request_hash,
-                  estimated_tokens, deadline, attempts, created_at, queued_at)
-SELECT r.id, admitted.id, r.sla_class::sla_class, r.model, 'queued'::job_status, r.endpoint, r.request,
-       coalesce(r.metadata, 'null'::json), r.idempotency_key, r.request_hash, r.estimated_tokens, r.deadline, 0,
-       r.created_at, r.queued_at
-FROM admitted, json_to_recordset(%(rows)s::json)
-     AS r(id varchar, sla_class text, model varchar, endpoint varchar, request json, metadata json,
-          idempotency_key varchar, request_hash varchar, estimated_tokens integer, deadline timestamptz, created_at timestamptz,
-          queued_at timestamptz)
-RETURNING jobs.id, xmin::text
-"""
+_ADMIT_PG = None
+
+
+def _admit_pg_statement() -> str:
+    global _ADMIT_PG
+    if _ADMIT_PG is None:
+        columns = ", ".join(JOB_COLUMNS)
+        picked = ", ".join("admitted.id" if c == "tenant_id" else "coalesce(r.metadata, CAST('null' AS json))"
+                           if c == "metadata" else f"r.{c}" for c in JOB_COLUMNS)     # metadata None: JSON null
+        _ADMIT_PG = (f"WITH admitted AS ({ADMIT}\n    RETURNING tenants.id)\n"
+                     f"INSERT INTO jobs ({columns})\nSELECT {picked}\n"
+                     f"FROM admitted, json_to_recordset(CAST(:rows AS json)) AS r({_recordset_types()})\n"
+                     "RETURNING jobs.id, CAST(xmin AS text)")
+    return _ADMIT_PG
 
 
 def _iso(value):
@@ -225,18 +219,20 @@ def _params(jobs: list, key_id: int | None) -> dict:
     """The jobs as one JSON array (one parameter, parsed by Postgres, instead of a dozen arrays). The json
     columns keep the text json.dumps gives them, as the ORM writes them; a None metadata is stored as JSON
     null, as the ORM does."""
-    rows = [{"id": j.id, "sla_class": j.sla_class.value, "model": j.model, "endpoint": j.endpoint, "request": j.request,
-             "metadata": j.metadata_, "idempotency_key": j.idempotency_key, "request_hash": j.request_hash,
-             "estimated_tokens": j.estimated_tokens, "deadline": _iso(j.deadline), "created_at": _iso(j.created_at),
-             "queued_at": _iso(j.queued_at)} for j in jobs]
-    return {"n": len(jobs), "tenant_id": jobs[0].tenant_id, "key_id": key_id, "rows": json.dumps(rows),
-            "tokens": sum(j.estimated_tokens for j in jobs), "period": period()}
+    rows = []
+    for j in jobs:
+        row = _job_values(j)
+        row.update(sla_class=j.sla_class.value, status=j.status.value, deadline=_iso(j.deadline),
+                   created_at=_iso(j.created_at), queued_at=_iso(j.queued_at))
+        rows.append(row)
+    return {**_admission(jobs[0].tenant_id, len(jobs), key_id, sum(j.estimated_tokens for j in jobs)),
+            "rows": json.dumps(rows)}
 
 
 def admit_pg(conn: Connection, jobs: list, key_id: int | None) -> dict[str, str] | None:
     """Insert queued jobs (transient Job instances, one tenant) and count them against max_queued in one
     autocommit statement: {job id: xmin} for all of them, or None when refused (nothing written)."""
-    rows = conn.exec_driver_sql(_ADMIT_PG, _params(jobs, key_id)).all()
+    rows = conn.execute(text(_admit_pg_statement()), _params(jobs, key_id)).all()
     return dict(rows) if rows else None
 
 
@@ -244,21 +240,14 @@ def admit_one(conn: Connection, job, key_id: int | None = None) -> str | None:
     """Insert one queued Job (a transient instance with every column of the INSERT set) and count it
     against max_queued, in conn (autocommit on Postgres, see db.autocommit): the row's xmin on Postgres,
     None elsewhere. Raises the client's error when refused, IntegrityError on a duplicate Idempotency-Key."""
-    key_id = _key_id(key_id)
     if conn.dialect.name == "postgresql":
         admitted = admit_pg(conn, [job], key_id)
         if admitted is None:
             refused(conn, job.tenant_id, 1, key_id, job.estimated_tokens)
         return admitted[job.id]
-    bump = (update(Tenant).where(_admissible(job.tenant_id, 1, key_id, job.estimated_tokens))
-            .values(queued_count=Tenant.queued_count + 1, budget_reserved=Tenant.budget_reserved + job.estimated_tokens))
-    if conn.execute(bump).rowcount != 1:
+    if conn.execute(text(ADMIT), _admission(job.tenant_id, 1, key_id, job.estimated_tokens)).rowcount != 1:
         refused(conn, job.tenant_id, 1, key_id, job.estimated_tokens)
-    conn.execute(Job.__table__.insert().values(
-        id=job.id, tenant_id=job.tenant_id, sla_class=job.sla_class, model=job.model, status=job.status, endpoint=job.endpoint,
-        request=job.request, metadata=job.metadata_, idempotency_key=job.idempotency_key,
-        request_hash=job.request_hash, estimated_tokens=job.estimated_tokens, deadline=job.deadline,
-        attempts=0, created_at=job.created_at, queued_at=job.queued_at))
+    conn.execute(Job.__table__.insert().values(**_job_values(job)))
     return None
 
 
@@ -362,22 +351,6 @@ class GroupAdmission:
                     t.error = exc if i == 0 else _copy(exc)  # each thread raises its own instance
             if not isinstance(exc, Exception):
                 raise
-
-
-def admit(job) -> str | None:
-    """Admit one queued job for the current request (see GroupAdmission); returns its xmin on Postgres."""
-    from flask import current_app
-
-    from .db import autocommit
-    key_id = _key_id(None)
-    engine = current_app.extensions["tidepool.engine"]
-    if engine.dialect.name != "postgresql":
-        with autocommit() as conn:
-            return admit_one(conn, job, key_id)
-    group = current_app.extensions.get("tidepool.admission")
-    if group is None:
-        group = current_app.extensions.setdefault("tidepool.admission", GroupAdmission())
-    return group.admit(job, key_id, autocommit)
 
 
 def check_class(quota: Quota, sla_class: str) -> None:

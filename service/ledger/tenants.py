@@ -3,19 +3,17 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from . import keys
+from .audit import audit
 from .bodies import bad_text
 from .errors import APIError, bad_request
-from .models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, AuditLog, Quota, Tenant, utcnow
+from .registry import check_allowed
+from .models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Quota, Tenant, utcnow
 
 QUOTA_FIELDS = {
     "requests_per_minute": int, "tokens_per_minute": int, "max_running": int, "max_queued": int,
     "monthly_token_budget": int, "max_tokens_per_request": int, "max_file_bytes": int,
     "allowed_sla_classes": list, "allowed_models": list,
 }
-
-
-def audit(s: Session, actor: str, action: str, target: str | None, details: dict | None = None) -> None:
-    s.add(AuditLog(actor=actor, action=action, target=target, details=details, at=utcnow()))
 
 
 _QUOTA_MAX = {"monthly_token_budget": (1 << 63) - 1, "max_file_bytes": (1 << 63) - 1}   # BIGINT columns
@@ -32,8 +30,7 @@ def check_quota_fields(values: dict) -> dict:
         if name == "allowed_sla_classes":
             if not isinstance(value, list) or len(value) > len(SLA_CLASSES) or any(v not in SLA_CLASSES for v in value):
                 raise bad_request(f"allowed_sla_classes must be a list drawn from {list(SLA_CLASSES)}.", name)
-        elif name == "allowed_models":   # null or []: every enabled model (service/registry.py)
-            from .registry import check_allowed
+        elif name == "allowed_models":   # null or []: every enabled model (service/ledger/registry.py)
             value = check_allowed(value)
         elif value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                     or not 0 <= value <= _QUOTA_MAX.get(name, (1 << 31) - 1)):

@@ -22,9 +22,9 @@ from sqlalchemy.orm import Session
 
 from .errors import APIError, bad_request
 from .models import Model, ModelTier, Quota, utcnow
-from .tenants import audit
+from .audit import audit
 
-# '@' never appears: it separates class and model in queue names (service/dispatch.py queue_name).
+# '@' never appears: it separates class and model in queue names (service/ledger/dispatch.py queue_name).
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 TIERS = tuple(t.value for t in ModelTier)
 CACHE_TTL = 2.0

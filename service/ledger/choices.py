@@ -1,6 +1,6 @@
 """Several choices of one job (n > 1, best_of). The ledger keeps the first choice in Job.output,
 output_token_ids, finish_reason and logprobs (exactly as for one choice) and the others in Job.choices; of_job
-reads them back in order (service/openai_shapes.py's choice_objects turns them into OpenAI choice objects).
+reads them back in order (service/ledger/openai_shapes.py's choice_objects turns them into OpenAI choice objects).
 Flask- and torch-free."""
 
 

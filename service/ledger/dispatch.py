@@ -163,7 +163,7 @@ class Dispatcher:
         self.marks = MarkFlusher(engine, mark_interval) if engine.dialect.name == "postgresql" else None
         self._direct = None
         self._direct_lock = threading.Lock()
-        self.affinity = True     # prefix-affinity routing of keyed jobs (service/affinity.py); False: shared queues
+        self.affinity = True     # prefix-affinity routing of keyed jobs (service/ledger/affinity.py); False: shared queues
         self.router: affinity.Router | None = None
 
     def _direct_client(self):

@@ -5,7 +5,7 @@ already holds that prefix in its KV cache, as llm-d and Dynamo route by KV local
 
 - `prefix_key(namespace, endpoint, body)`: a stable key (blake2b, the same in every process, unlike
   Python's hash()) of the first PREFIX_CHARS characters of a request's prompt as the ledger stores it, within
-  its prefix-cache namespace (service.models.cache_namespace). The web never tokenizes, so the key is over
+  its prefix-cache namespace (service.ledger.models.cache_namespace). The web never tokenizes, so the key is over
   text: two requests with the same key share (nearly) the same first ~PREFIX_CHARS/4 prompt tokens. Prompts
   shorter than that get no key: their prefix is too short to be worth a queue of its own.
 - Workers remember the keys of the jobs they claimed (`PrefixMemory`, most recent first, bounded) and

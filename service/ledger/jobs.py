@@ -37,6 +37,32 @@ def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0, rel
     s.execute(update(Tenant).where(Tenant.id == tenant_id).values(**values))
 
 
+@dataclass
+class Runnable:
+    """What a worker reads of a job to put it into its engine: the request and the tenant's scheduling."""
+    status: JobStatus
+    endpoint: str
+    request: dict
+    sla_class: str
+    tenant_id: str
+    weight: float
+    cache_group: str | None
+    queue_time: float | None    # seconds between queued and started, once started
+
+
+def runnable(conn, job_id: str) -> Runnable | None:
+    """The job's request and its tenant's weight and prefix-cache group, in one read (a Session or a Connection)."""
+    row = conn.execute(select(Job.status, Job.endpoint, Job.request, Job.sla_class, Job.tenant_id, Job.queued_at,
+                              Job.started_at, Tenant.weight, Tenant.prefix_cache_group)
+                       .join(Tenant, Tenant.id == Job.tenant_id).where(Job.id == job_id)).first()
+    if row is None:
+        return None
+    queue_time = ((row.started_at - row.queued_at).total_seconds()
+                  if row.started_at is not None and row.queued_at is not None else None)
+    return Runnable(row.status, row.endpoint, row.request, row.sla_class.value, row.tenant_id, row.weight or 1.0,
+                    row.prefix_cache_group, queue_time)
+
+
 def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300, token: str | None = None,
           at: datetime | None = None) -> Started:
     """queued → running, unless the tenant already runs max_running jobs (then nothing changes)

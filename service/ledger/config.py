@@ -10,8 +10,9 @@ import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-ONLINE_TARGETS = (("realtime", "ttft_ms"), ("realtime", "itl_ms"),
-                  ("interactive", "ttft_ms"), ("interactive", "itl_ms"))
+from .sla import ONLINE_CLASSES
+
+ONLINE_TARGETS = tuple((c, target) for c in ONLINE_CLASSES for target in ("ttft_ms", "itl_ms"))
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -59,11 +60,14 @@ PORT = (lambda v: 0 <= v < 65536, "must be a port number (0 turns it off)")
 
 
 def setting(env: str, default, meaning: str, *, parse=str, check=None, shown: str | None = None,
-            secret: bool = False):
+            secret: bool = False, engine: bool = False, flag: str | None = None):
     """A field set by the variable `env`: `parse` turns its text into the value (ValueError: a bad value), `check`
-    is (predicate, rule) on the value, `shown` the default as README states it (else the default itself)."""
+    is (predicate, rule) on the value, `shown` the default as README states it (else the default itself). `engine`:
+    the EngineConfig field of the same name; `flag`: the worker, serve and run-batch command-line flag that wins
+    over the variable (workers/commands.py builds the flags from these fields)."""
     return field(default=default, repr=not secret,
-                 metadata={"env": env, "parse": parse, "check": check, "meaning": meaning, "shown": shown})
+                 metadata={"env": env, "parse": parse, "check": check, "meaning": meaning, "shown": shown,
+                           "engine": engine or flag is not None, "flag": flag})
 
 
 INT, FLOAT = _number(int), _number(float)
@@ -134,22 +138,22 @@ class Config:
     beat_schedule: str = setting("TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule", "Celery beat's schedule file")
     # ---- engine: EngineConfig fields; unset, the engine's own default applies (`shown` states it and
     # tests/workers/test_settings_wiring.py checks that); the worker, serve and run-batch flags win over them 
-    kv_blocks: int | None = setting("TIDEPOOL_KV_BLOCKS", None, "KV pool size in blocks (`--kv-blocks`)", parse=INT,
-                                    check=POSITIVE, shown="sized from `max_num_seqs` × `max_model_len`, capped by "
-                                    "memory")
-    max_num_seqs: int | None = setting("TIDEPOOL_MAX_NUM_SEQS", None, "Sequences in one batch (`--max-num-seqs`)",
-                                       parse=INT, check=POSITIVE, shown="`256`")
-    max_batched_tokens: int | None = setting("TIDEPOOL_MAX_BATCHED_TOKENS", None, "Tokens in one engine step "
-                                             "(`--max-num-batched-tokens`)", parse=INT, check=POSITIVE,
-                                             shown="`2048`")
-    max_model_len: int | None = setting("TIDEPOOL_MAX_MODEL_LEN", None, "Longest prompt + output "
-                                        "(`--max-model-len`); the API also refuses `max_tokens` past it",
-                                        parse=INT, check=POSITIVE, shown="the model's context")
+    num_kv_blocks: int | None = setting("TIDEPOOL_KV_BLOCKS", None, "KV pool size in blocks", parse=INT,
+                                        check=POSITIVE, shown="sized from `max_num_seqs` × `max_model_len`, capped "
+                                        "by memory", flag="--kv-blocks")
+    max_num_seqs: int | None = setting("TIDEPOOL_MAX_NUM_SEQS", None, "Sequences in one batch",
+                                       parse=INT, check=POSITIVE, shown="`256`", flag="--max-num-seqs")
+    max_num_batched_tokens: int | None = setting("TIDEPOOL_MAX_BATCHED_TOKENS", None, "Tokens in one engine step",
+                                                 parse=INT, check=POSITIVE, shown="`2048`",
+                                                 flag="--max-num-batched-tokens")
+    max_model_len: int | None = setting("TIDEPOOL_MAX_MODEL_LEN", None, "Longest prompt + output; the API also "
+                                        "refuses `max_tokens` past it", parse=INT, check=POSITIVE,
+                                        shown="the model's context", flag="--max-model-len")
     attention_backend: str | None = setting("TIDEPOOL_ATTENTION_BACKEND", None, "`torch` or `triton`: force the "
                                             "attention implementation", parse=_choice("torch", "triton"),
-                                            shown="by device")
+                                            shown="by device", engine=True)
     enforce_eager: bool | None = setting("TIDEPOOL_ENFORCE_EAGER", None, "`1` runs GPU decode steps eagerly instead "
-                                         "of replaying CUDA graphs", parse=_bool, shown="`0`")
+                                         "of replaying CUDA graphs", parse=_bool, shown="`0`", engine=True)
     sla_realtime_ttft_ms: float | None = setting(
         "TIDEPOOL_SLA_REALTIME_TTFT_MS", None, "Engine `sla_targets`: while realtime work is active, its prompts "
         "are chunked for this first-token target", parse=FLOAT, check=POSITIVE, shown="GPU 200, CPU 600")
@@ -164,18 +168,19 @@ class Config:
         check=POSITIVE, shown="GPU 100, CPU 300")
     capacity_policy: str | None = setting("TIDEPOOL_CAPACITY_POLICY", None, "`no_evict` admits a sequence only if "
                                           "it can reach `max_tokens` without evicting anything, and never preempts",
-                                          parse=_choice("max_utilization", "no_evict"), shown="`max_utilization`")
+                                          parse=_choice("max_utilization", "no_evict"), shown="`max_utilization`",
+                                          engine=True)
     online_reserve: float | None = setting("TIDEPOOL_ONLINE_RESERVE", None, "Share of KV blocks and of "
                                            "`max_num_seqs` only realtime and interactive sequences may take",
-                                           parse=FLOAT, check=SHARE, shown="`0.1`")
+                                           parse=FLOAT, check=SHARE, shown="`0.1`", engine=True)
     swap_space_gib: float | None = setting("TIDEPOOL_SWAP_SPACE_GIB", None, "Host pool for KV blocks swapped out "
                                            "under memory pressure (pinned on CUDA)", parse=FLOAT, check=NON_NEGATIVE,
-                                           shown="`4` on CUDA, `0` on CPU")
+                                           shown="`4` on CUDA, `0` on CPU", engine=True)
     cpu_kernels: bool | None = setting("TIDEPOOL_CPU_KERNELS", None, "`0` keeps the CPU engine on plain torch: decode "
                                 "attention, the fused element-wise ops and F.linear instead of the native kernels "
-                                "and oneDNN-prepacked linears", parse=_bool, shown="`1`")
+                                "and oneDNN-prepacked linears", parse=_bool, shown="`1`", engine=True)
     kernel_cache: str | None = setting("TIDEPOOL_KERNEL_CACHE", None, "Where the native CPU kernel is built and "
-                                       "cached", shown="`~/.cache/tidepool/kernels`")
+                                       "cached", shown="`~/.cache/tidepool/kernels`", engine=True)
     # ---- logs -----------------------------------------------------------------------------------------------
     log_level: str = setting("TIDEPOOL_LOG_LEVEL", "INFO", "Log level (`DEBUG` also lets werkzeug, Celery, kombu "
                              "and alembic speak below WARNING)", parse=_level, check=(lambda v: v in LOG_LEVELS,
@@ -219,13 +224,8 @@ class Config:
     def engine_fields(self) -> dict:
         """EngineConfig fields these settings set (unset ones are left to the engine's defaults; the SLA targets,
         which need the device, come separately from sla_overrides)."""
-        out = {"num_kv_blocks": self.kv_blocks, "max_num_seqs": self.max_num_seqs,
-               "max_num_batched_tokens": self.max_batched_tokens, "max_model_len": self.max_model_len,
-               "attention_backend": self.attention_backend, "enforce_eager": self.enforce_eager,
-               "capacity_policy": self.capacity_policy, "online_reserve": self.online_reserve,
-               "swap_space_gib": self.swap_space_gib, "cpu_kernels": self.cpu_kernels,
-               "kernel_cache": self.kernel_cache}
-        return {k: v for k, v in out.items() if v is not None}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.metadata.get("engine") and getattr(self, f.name) is not None}
 
     def sla_overrides(self) -> dict:
         """The TIDEPOOL_SLA_* targets that are set, as {class: {target: ms}} (laid over the device's defaults)."""
@@ -282,13 +282,20 @@ def variables() -> list[tuple[str, str, str]]:
             default = f.default if f.default is not MISSING else None
             shown = ("unset" if default is None else f"`{int(default)}`" if isinstance(default, bool)
                      else f"`{default:g}`" if isinstance(default, float) else f"`{default}`")
-        out.append((f.metadata["env"], shown, f.metadata["meaning"]))
+        flag = f" (`{f.metadata['flag']}`)" if f.metadata.get("flag") else ""
+        out.append((f.metadata["env"], shown, f.metadata["meaning"] + flag))
     return out
 
 
 # Variables Tidepool documents but does not read itself.
 OTHER_VARIABLES = [("PROMETHEUS_MULTIPROC_DIR", "unset",
                     "Empty folder for prometheus-client multiprocess mode under gunicorn")]
+
+
+def engine_flags() -> list[tuple[str, str, str, str]]:
+    """(flag, EngineConfig field, variable, meaning) for the settings a command-line flag overrides."""
+    return [(f.metadata["flag"], f.name, f.metadata["env"], f.metadata["meaning"])
+            for f in fields(Config) if f.metadata.get("flag")]
 
 
 def readme_table() -> str:

@@ -1,4 +1,4 @@
-"""The Celery wire format between the publisher (service/dispatch.py), the gpu/cpu workers' consumers
+"""The Celery wire format between the publisher (service/ledger/dispatch.py), the gpu/cpu workers' consumers
 (workers/worker.py, workers/broker.py) and beat (workers/celery_app.py, workers/beat.py). Flask- and torch-free.
 
 An inference message is a Celery protocol-2 message for the task TASK with one argument, the job id:

@@ -19,7 +19,7 @@ def _line_error(line: int, code: str, message: str, param: str | None = None) ->
 
 def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, served_model: str | None,
               max_lines: int, chunk_size: int, cache_group: str | None = None, models=None,
-              route=None) -> tuple[list[dict], list[tuple]]:
+              route=None, key_id: int | None = None) -> tuple[list[dict], list[tuple]]:
     """Validate every line of the batch's input file, inserting job rows in chunks as it goes.
     Returns (errors, [(job_id, queue, prefix key)]) (Dispatcher.publish's entries; cache_group: the tenant's
     prefix_cache_group, for the keys); with any error the caller rolls the rows back. models (a
@@ -103,7 +103,7 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
     if not errors:
         if rows:
             s.execute(insert(Job), rows)
-        quotas.reserve_queued(s, quota, len(created), tokens=tokens)
+        quotas.reserve_queued(s, quota, len(created), key_id, tokens=tokens)
     return errors, created
 
 

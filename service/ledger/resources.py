@@ -2,7 +2,7 @@
 service/migrations; see setup.py); in a checkout, editable install included, they sit at its top level."""
 from pathlib import Path
 
-_PACKAGE = Path(__file__).resolve().parent
+_PACKAGE = Path(__file__).resolve().parents[1]     # service/
 
 
 def _folder(name: str) -> Path:

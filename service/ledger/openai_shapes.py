@@ -1,8 +1,7 @@
 """OpenAI's shapes that the online API, /v1/jobs, batch result files and the workers' offline runner share:
 the endpoint paths, the usage object, a completion body's head, its choice objects. Flask- and torch-free."""
-COMPLETIONS = "/v1/completions"
-CHAT = "/v1/chat/completions"
-ENDPOINTS = (COMPLETIONS, CHAT)
+from . import logprobs, structured
+from .endpoints import CHAT, COMPLETIONS, ENDPOINTS  # noqa: F401 (the workers' import point)
 
 
 def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict:
@@ -23,9 +22,8 @@ def call_id_base(request_id: str, index: int) -> str:
 
 def choice_objects(endpoint: str, every: list[dict], request: dict | None, request_id: str,
                    want_logprobs: bool) -> list[dict]:
-    """The `choices` of a chat.completion / text_completion body, from a job's choices as service/choices.py's of_job
+    """The `choices` of a chat.completion / text_completion body, from a job's choices as service/ledger/choices.py's of_job
     gives them ({"text", "finish_reason", "logprobs"}, in order)."""
-    from . import logprobs, structured     # both import this module's endpoint paths
     out = []
     for i, c in enumerate(every):
         lps = logprobs.shaped(endpoint, c["logprobs"]) if want_logprobs else None

@@ -8,6 +8,8 @@ from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Enum, Float, Foreig
                         MetaData, String, Text, TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from .sla import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, SlaClass  # noqa: F401 (the ledger's import point)
+
 NAMING = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -38,19 +40,6 @@ class BatchStatus(str, enum.Enum):
     expired = "expired"
     cancelling = "cancelling"
     cancelled = "cancelled"
-
-
-class SlaClass(str, enum.Enum):
-    """The SLA classes, highest priority first: the one list the ledger, the queues, the workers' metrics and the
-    panel use (the engine keeps the same names for its priority ranks; tests/workers/test_protocol.py checks it)."""
-    realtime = "realtime"
-    interactive = "interactive"
-    batch = "batch"
-    deferrable = "deferrable"
-
-
-SLA_CLASSES = tuple(c.value for c in SlaClass)
-ONLINE_CLASSES = (SlaClass.realtime.value, SlaClass.interactive.value)   # answered on /v1/*completions
 
 
 def utcnow() -> datetime:
@@ -138,7 +127,7 @@ class Quota(Base):
     allowed_sla_classes: Mapped[list] = mapped_column(JSON, default=lambda: [c.value for c in SlaClass])
     max_tokens_per_request: Mapped[int | None] = mapped_column(Integer)
     max_file_bytes: Mapped[int | None] = mapped_column(BigInteger)
-    # Registered models this tenant may use; NULL or [] means every enabled model (service/registry.py).
+    # Registered models this tenant may use; NULL or [] means every enabled model (service/ledger/registry.py).
     allowed_models: Mapped[list | None] = mapped_column(JSON)
 
 
@@ -150,7 +139,7 @@ class ModelTier(str, enum.Enum):
 
 
 class Model(Base):
-    """The model registry: what the service serves, under which name, from which folder (service/registry.py)."""
+    """The model registry: what the service serves, under which name, from which folder (service/ledger/registry.py)."""
     __tablename__ = "models"
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     source: Mapped[str] = mapped_column(String(1024))
@@ -210,7 +199,7 @@ class Job(Base):
     custom_id: Mapped[str | None] = mapped_column(String(512))
     sla_class: Mapped[SlaClass] = mapped_column(_enum(SlaClass, "sla_class"))
     status: Mapped[JobStatus] = mapped_column(_enum(JobStatus, "job_status"), default=JobStatus.queued)
-    # The registry name of the model that runs it (its queue: service/dispatch.py queue_name); NULL on rows
+    # The registry name of the model that runs it (its queue: service/ledger/dispatch.py queue_name); NULL on rows
     # older than the registry, which ran on the deployment's one model.
     model: Mapped[str | None] = mapped_column(String(128))
     endpoint: Mapped[str] = mapped_column(String(64))
@@ -236,12 +225,12 @@ class Job(Base):
     output_token_ids: Mapped[list | None] = mapped_column(JSON)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     error: Mapped[dict | None] = mapped_column(JSON)
-    # Per generated token when the request asked for logprobs (entries as in service/logprobs.py);
+    # Per generated token when the request asked for logprobs (entries as in service/ledger/logprobs.py);
     # deferred, so listings never load it: undefer(Job.logprobs) where a response needs it.
     logprobs: Mapped[list | None] = mapped_column(JSON, deferred=True)
     # n > 1: the choices after the first, in order, each {"text", "token_ids", "finish_reason", "logprobs"}
     # (the first is output, output_token_ids, finish_reason and logprobs above); NULL for one choice.
-    # Deferred like logprobs: undefer(Job.choices) where a response needs it (service/choices.py).
+    # Deferred like logprobs: undefer(Job.choices) where a response needs it (service/ledger/choices.py).
     choices: Mapped[list | None] = mapped_column(JSON, deferred=True)
 
 

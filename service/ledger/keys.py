@@ -1,6 +1,5 @@
 """API keys: a visible prefix for lookup plus a 256-bit secret stored only as a SHA-256 hash."""
 import hashlib
-import hmac
 import secrets
 import string
 
@@ -26,10 +25,6 @@ def split(key: str) -> tuple[str, str] | None:
     if len(parts) != 3 or parts[0] != KEY_SCHEME or len(parts[1]) != 10 or not parts[2]:
         return None
     return f"{parts[0]}_{parts[1]}", parts[2]
-
-
-def matches(row: ApiKey, secret: str) -> bool:
-    return row.revoked_at is None and hmac.compare_digest(row.secret_hash, _hash(secret))
 
 
 def new_key_row(tenant_id: str) -> tuple[ApiKey, str]:

@@ -1,0 +1,82 @@
+"""The ledger's database engine (Postgres or SQLite), with a liveness check on checkout. Per-request sessions are
+the Flask shell's (service.db)."""
+import select as _select
+import time
+
+from sqlalchemy import create_engine, event, exc
+from sqlalchemy.engine import URL, Engine, make_url
+
+
+def split_url(url: str) -> tuple[URL, dict]:
+    """The URL without Tidepool's own query options, and the driver arguments they stand for:
+    `?prepare_threshold=none` turns off psycopg's server-side prepared statements, which a pooler in
+    transaction mode (PgBouncer before 1.21) cannot follow from one server connection to the next."""
+    u = make_url(url)
+    value = u.query.get("prepare_threshold")
+    if value is None:
+        return u, {}
+    threshold = None if str(value).lower() in ("none", "off", "") else int(value)
+    return u.difference_update_query(["prepare_threshold"]), {"prepare_threshold": threshold}
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record):
+            dbapi_conn.isolation_level = None  # we emit BEGIN ourselves, below
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        # Take the write lock when a transaction begins: a read-then-write transaction could
+        # otherwise fail with SQLITE_BUSY_SNAPSHOT instead of waiting for a concurrent writer.
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(conn):
+            if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":  # autocommit reads: no lock
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    url, connect_args = split_url(url)
+    engine = create_engine(url, pool_size=10, max_overflow=20, insertmanyvalues_page_size=5000,
+                           connect_args=connect_args)
+    _check_on_checkout(engine)
+    return engine
+
+
+# A pooled connection idle for longer than this is pinged (one round trip) before it is handed out.
+PING_IDLE_AFTER = 10.0
+
+
+def _check_on_checkout(engine: Engine) -> None:
+    """What pool_pre_ping protects against, without its round trip on every checkout: a connection the
+    server closed (restart, idle timeout, pg_terminate_backend) has the server's goodbye or EOF waiting on
+    its socket, which a zero-timeout poll() sees; one idle for PING_IDLE_AFTER seconds (where a silent
+    network drop could hide) is pinged as pool_pre_ping would. Either way a dead connection is replaced
+    before it is used (DisconnectionError makes the pool retry with a fresh one)."""
+
+    @event.listens_for(engine, "checkin")
+    def _checkin(dbapi_conn, record):
+        record.info["tp_idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checkout(dbapi_conn, record, proxy):
+        since = record.info.pop("tp_idle_since", None)
+        if since is None:
+            return  # just connected
+        try:
+            if getattr(dbapi_conn, "closed", False) or getattr(dbapi_conn, "broken", False):
+                raise exc.DisconnectionError("connection closed")
+            poller = _select.poll()
+            poller.register(dbapi_conn.fileno(), _select.POLLIN)
+            if poller.poll(0):
+                raise exc.DisconnectionError("unexpected data or EOF on an idle connection")
+            if time.monotonic() - since > PING_IDLE_AFTER:
+                engine.dialect.do_ping(dbapi_conn)
+        except exc.DisconnectionError:
+            raise
+        except Exception as e:
+            raise exc.DisconnectionError(f"connection check failed: {e}") from e

@@ -1,0 +1,1 @@
+"""Offline tools beside the engine: a tiny random-weight model for tests, models pulled from package wheels."""
