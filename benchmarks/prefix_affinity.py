@@ -153,7 +153,7 @@ def scenario(name: str, run: Run, app, key: str, lines: bytes, n: int, workers: 
     b = client.post("/v1/batches", headers=headers, json={"input_file_id": f["id"], "endpoint": "/v1/completions",
                                                           "completion_window": "24h"}).get_json()
     assert b["status"] == "in_progress", b
-    engine = app.extensions["tidepool.engine"]
+    engine = app.extensions["tidepool.db"]
 
     def done() -> int:
         with Session(engine) as s:
@@ -250,7 +250,7 @@ def main():
         app = create_app({"database_url": db_url, "redis_url": redis_url, "storage_dir": str(tmp / "storage"),
                           "model": model, "admin_token": "bench"})
         from sqlalchemy.orm import Session
-        with Session(app.extensions["tidepool.engine"]) as s:
+        with Session(app.extensions["tidepool.db"]) as s:
             _, key = tenants.create_tenant(s, "bench", 1.0)
             s.commit()
         run = Run(args, db_url, redis_url, model, tmp)
@@ -282,7 +282,7 @@ def main():
         if run is not None and run.procs:
             run.stop()
         if app is not None:
-            app.extensions["tidepool.engine"].dispose()
+            app.extensions["tidepool.db"].dispose()
         rproc.kill()
         rproc.wait()
         with psycopg.connect(admin, autocommit=True) as conn:

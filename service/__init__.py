@@ -38,11 +38,11 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
         app.extensions["tidepool.limiter"] = MemoryLimiter()
     celery = make_celery(cfg.broker_url)
     app.extensions["tidepool.celery"] = celery
-    app.extensions["tidepool.dispatcher"] = Dispatcher(celery, app.extensions["tidepool.engine"],
+    app.extensions["tidepool.dispatcher"] = Dispatcher(celery, app.extensions["tidepool.db"],
                                                        cfg.dispatch_chunk_size, mark_interval=cfg.mark_interval,
                                                        default_model=cfg.served_model_name)
     from .ledger.registry import Registry
-    app.extensions["tidepool.registry"] = Registry(app.extensions["tidepool.engine"], cfg.served_model_name, cfg.model,
+    app.extensions["tidepool.registry"] = Registry(app.extensions["tidepool.db"], cfg.served_model_name, cfg.model,
                                                    max_model_len=cfg.max_model_len)
     for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp):
         app.register_blueprint(bp)

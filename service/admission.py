@@ -9,7 +9,7 @@ from .ledger.quotas import GroupAdmission, admit_one
 def admit(job) -> str | None:
     """Admit one queued job under the request's API key; returns its xmin on Postgres."""
     key_id = g.get("api_key_id")
-    engine = current_app.extensions["tidepool.engine"]
+    engine = current_app.extensions["tidepool.db"]
     if engine.dialect.name != "postgresql":
         with autocommit() as conn:
             return admit_one(conn, job, key_id)

@@ -11,13 +11,13 @@ from .ledger.db import make_engine
 
 def init_app(app, url: str) -> None:
     engine = make_engine(url)
-    app.extensions["tidepool.engine"] = engine
+    app.extensions["tidepool.db"] = engine
     app.extensions["tidepool.sessions"] = sessionmaker(engine, expire_on_commit=False)
     app.teardown_appcontext(_close_session)
 
 
 def get_engine() -> Engine:
-    return current_app.extensions["tidepool.engine"]
+    return current_app.extensions["tidepool.db"]
 
 
 @contextmanager

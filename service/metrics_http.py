@@ -23,7 +23,7 @@ class LedgerCollector:
     def collect(self):
         jobs = GaugeMetricFamily("tidepool:jobs", "Jobs in the ledger by state and SLA class.",
                                  labels=["state", "sla_class"])
-        with self.app.extensions["tidepool.engine"].connect() as conn:
+        with self.app.extensions["tidepool.db"].connect() as conn:
             for status, sla, n in conn.execute(select(Job.status, Job.sla_class, func.count())
                                                .group_by(Job.status, Job.sla_class)):
                 jobs.add_metric([status.value, sla.value], n)

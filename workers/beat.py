@@ -7,11 +7,9 @@ import time
 from datetime import timedelta
 
 from kombu import Connection
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.ledger import batches, jobs
-from service.ledger.models import Batch, BatchStatus, utcnow
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"
@@ -29,14 +27,11 @@ def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_
     unacked messages of dead consumers to their queues, and republish what never reached the broker."""
     done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "batches_failed": 0, "restored_broker": 0, "restored_orphans": 0,
             "republished": 0, "private_drained": 0}
-    with Session(_ext(app, "engine")) as s:
+    with Session(_ext(app, "db")) as s:
         done["reclaimed"] = jobs.reclaim_lapsed(s, max_attempts=max_attempts)
         done["expired"] = jobs.expire_overdue(s)
         done["batches_failed"] = batches.fail_stale_validating(s, timedelta(seconds=STALE_VALIDATING))
-        for batch in s.scalars(select(Batch).where(Batch.status == BatchStatus.in_progress,
-                                                   Batch.expired_at.is_(None), Batch.expires_at <= utcnow())):
-            batches.expire(s, batch)
-            done["batches_expired"] += 1
+        done["batches_expired"] = batches.expire_overdue(s)
         s.commit()
     if visibility_timeout is not None:
         _restore_visible(app, visibility_timeout)
@@ -119,7 +114,7 @@ def _check_broker_epoch(app) -> int:
     client = _ext(app, "redis")
     if client is None or not client.set(EPOCH_KEY, str(time.time()), nx=True):
         return 0
-    with Session(_ext(app, "engine")) as s:
+    with Session(_ext(app, "db")) as s:
         n = jobs.undispatch_all(s)
         s.commit()
     if n:
@@ -132,11 +127,9 @@ def finalize_batches(app) -> int:
     """Write output and error files for every batch whose jobs are all terminal."""
     storage, model = _ext(app, "storage"), app.config["TIDEPOOL"].served_model_name
     closed = 0
-    with Session(_ext(app, "engine")) as s:
-        ids = s.scalars(select(Batch.id).where(Batch.status.in_((BatchStatus.in_progress,
-                                                                  BatchStatus.cancelling)))).all()
-        for batch_id in ids:
-            batch = s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+    with Session(_ext(app, "db")) as s:
+        for batch_id in batches.open_ids(s):
+            batch = batches.locked(s, batch_id)
             if batch is not None and batches.finalize(s, storage, batch, model):
                 closed += 1
             s.commit()

@@ -38,14 +38,12 @@ def _secret_file(path: Path, make) -> str:
 
 def _default_key(app, var: Path) -> str:
     """The `default` tenant and an API key for it, created on first run and kept in var/."""
-    from sqlalchemy import select
     from sqlalchemy.orm import Session
 
     from service.ledger import tenants
-    from service.ledger.models import Tenant
     key_file = var / "default_api_key"
-    with Session(app.extensions["tidepool.engine"]) as s:
-        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == "default"))
+    with Session(app.extensions["tidepool.db"]) as s:
+        tenant_id = tenants.id_by_name(s, "default")
         if tenant_id is None:
             _, key = tenants.create_tenant(s, "default", actor="serve")
         elif key_file.is_file():
@@ -94,8 +92,8 @@ def main(args) -> int:
     # the model registry: filled at the first start (the default model and TIDEPOOL_MODELS_DIR's folders); every
     # other enabled hot or warm model whose weights fit the device gets a gpu worker of its own
     from workers.model_workers import other_model_configs, register_first_start
-    register_first_start(app.extensions["tidepool.engine"], cfg)
-    for wcfg in other_model_configs(app.extensions["tidepool.engine"], cfg, device, args.engine):
+    register_first_start(app.extensions["tidepool.db"], cfg)
+    for wcfg in other_model_configs(app.extensions["tidepool.db"], cfg, device, args.engine):
         log.info("loading %s on %s for the %s worker", wcfg.model, device, wcfg.name)
         workers.append(Worker(wcfg))
     on_device = [w for w in workers if w.cfg.kind == "gpu"]

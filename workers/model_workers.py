@@ -195,13 +195,11 @@ def register_first_start(engine, settings, actor: str = "serve") -> list[str]:
     start: the registry is the operator's from then on)."""
     from pathlib import Path
 
-    from sqlalchemy import select
     from sqlalchemy.orm import Session
 
     from service.ledger import registry
-    from service.ledger.models import Model
     with Session(engine) as s:
-        if s.scalar(select(Model.name).limit(1)) is not None:
+        if not registry.is_empty(s):
             return []
         names = []
         if settings.served_model_name and settings.model:

@@ -41,7 +41,7 @@ def create_tenant():
 @bp.get("/tenants")
 @admin_required
 def list_tenants():
-    rows = session().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.id)).all()
+    rows = tenants.with_quotas(session())
     return {"object": "list", "data": [tenants.tenant_json(t, q) for t, q in rows]}
 
 

@@ -200,6 +200,26 @@ def expire(s: Session, batch: Batch) -> None:
     batch.expired_at = now
 
 
+def expire_overdue(s: Session) -> int:
+    """Expire every in-progress batch past its expires_at (once); returns how many."""
+    overdue = s.scalars(select(Batch).where(Batch.status == BatchStatus.in_progress, Batch.expired_at.is_(None),
+                                            Batch.expires_at <= utcnow())).all()
+    for batch in overdue:
+        expire(s, batch)
+    return len(overdue)
+
+
+def open_ids(s: Session) -> list[str]:
+    """Batches whose jobs may still be running (in progress or cancelling): the finaliser's candidates."""
+    return s.scalars(select(Batch.id).where(Batch.status.in_((BatchStatus.in_progress,
+                                                               BatchStatus.cancelling)))).all()
+
+
+def locked(s: Session, batch_id: str) -> Batch | None:
+    """The batch, its row locked until the transaction ends (one finaliser at a time)."""
+    return s.scalar(select(Batch).where(Batch.id == batch_id).with_for_update())
+
+
 def fail_stale_validating(s: Session, older_than: timedelta) -> int:
     """Batches still validating long after creation (left by a server that stopped mid-validation before
     validation and creation were one transaction) fail with an error saying so; they hold no jobs."""

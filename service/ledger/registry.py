@@ -113,6 +113,10 @@ def _dirty(s: Session) -> None:
     s.info["tp_models_dirty"] = True
 
 
+def is_empty(s: Session) -> bool:
+    return s.scalar(select(Model.name).limit(1)) is None
+
+
 def register(s: Session, name, source, tier="warm", enabled=True, actor: str = "admin") -> Model:
     name, source, tier = check_name(name), check_source(source), check_tier(tier)
     if not isinstance(enabled, bool):

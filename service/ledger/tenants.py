@@ -60,6 +60,16 @@ def _check_cache_group(value) -> str | None:
     return value
 
 
+def id_by_name(s: Session, name: str) -> str | None:
+    return s.scalar(select(Tenant.id).where(Tenant.name == name))
+
+
+def with_quotas(s: Session, order_by: str = "id") -> list[tuple[Tenant, Quota]]:
+    """Every tenant with its quota, by id or by name (the admin API's list and the panel's)."""
+    order = Tenant.name if order_by == "name" else Tenant.id
+    return s.execute(select(Tenant, Quota).join(Quota).order_by(order)).all()
+
+
 def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None = None,
                   actor: str = "admin", default_sla_class: str | None = None) -> tuple[Tenant, str]:
     if not isinstance(name, str) or not name.strip() or len(name) > 200 or bad_text(name):

@@ -91,7 +91,7 @@ def _usage_by_tenant() -> dict[str, dict]:
 
 @bp.get("/tenants")
 def tenants_page():
-    rows = db().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.name)).all()
+    rows = tenants.with_quotas(db(), order_by="name")
     return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
                            online_classes=ONLINE_CLASSES, form={}, errors={})
 
@@ -116,7 +116,7 @@ def create_tenant():
         else:
             flash(f"Tenant '{tenant.name}' created.", "ok")
             return _show_key_once(tenant.id, key)
-    rows = db().execute(select(Tenant, Quota).join(Quota).order_by(Tenant.name)).all()
+    rows = tenants.with_quotas(db(), order_by="name")
     return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
                            online_classes=ONLINE_CLASSES,
                            form={"name": name, "weight": raw_weight, "default_sla_class": raw_class}, errors=errors), 400

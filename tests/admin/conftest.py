@@ -32,7 +32,7 @@ def app(pg_url, tmp_path):
     redis.Redis.from_url(REDIS).flushdb()
     app = make_app(pg_url, tmp_path)
     yield app
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def live(pg_databases, tmp_path_factory):
     yield app, base, Api(base)
     server.shutdown()
     thread.join(5)
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
     pg_databases.drop(url)
 
 

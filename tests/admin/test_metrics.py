@@ -242,7 +242,7 @@ def test_metrics_token_when_configured(pg_url, tmp_path, monkeypatch):
         r = client.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
         assert r.status_code == 200 and "tidepool:http_requests_total" in r.text
     finally:
-        app.extensions["tidepool.engine"].dispose()
+        app.extensions["tidepool.db"].dispose()
 
 
 def test_http_requests_are_logged_as_json(client):

@@ -26,4 +26,4 @@ def test_no_warning_where_the_cookie_survives(client, pg_url, tmp_path):
     try:
         assert 'id="plain-http"' not in insecure.test_client().get("/admin/login", base_url=PLAIN).text
     finally:
-        insecure.extensions["tidepool.engine"].dispose()
+        insecure.extensions["tidepool.db"].dispose()

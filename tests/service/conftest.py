@@ -44,7 +44,7 @@ def redis_client(redis_url):
 
 
 def _dispose(app):
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
 
 
 @pytest.fixture

@@ -106,7 +106,7 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
     from service.ledger import tenants
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
                       "model": str(tmp_path / "served"), "admin_token": ADMIN})
-    with Session(app.extensions["tidepool.engine"]) as s:
+    with Session(app.extensions["tidepool.db"]) as s:
         tenant, key = tenants.create_tenant(s, "aff", 1.0)
         s.commit()
         tenant_id = tenant.id
@@ -139,7 +139,7 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
     assert view["private"] == [{"queue": private_queue("batch", "w1"), "shared": "batch", "worker": "w1",
                                 "depth": 5}]
     assert 'tidepool:queue_depth{model="served",sla_class="batch"} 7.0' in client.get("/metrics").text
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
 
 
 def test_prefix_memory_is_bounded_newest_first():

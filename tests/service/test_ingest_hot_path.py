@@ -42,7 +42,7 @@ def _sql(pg_url: str, sql: str, *params):
 
 
 def _row(app, job_id: str) -> Job:
-    with Session(app.extensions["tidepool.engine"]) as s:
+    with Session(app.extensions["tidepool.db"]) as s:
         return s.get(Job, job_id)
 
 
@@ -107,7 +107,7 @@ def test_a_late_mark_never_hides_a_job_a_worker_handed_back(app, client, admin, 
     _, key = admin.tenant()
     throttled, running, retried, untouched = (client.post("/v1/jobs", json=PROMPT, headers=key).get_json()["id"]
                                               for _ in range(4))
-    engine = app.extensions["tidepool.engine"]
+    engine = app.extensions["tidepool.db"]
     with Session(engine) as s:
         # what workers/worker.py does when jobs.start says "throttled": hand it back to the sweeper
         s.execute(update(Job).where(Job.id == throttled, Job.status == JobStatus.queued).values(dispatched_at=None))
@@ -139,7 +139,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # after the 202 and the publish, before di
 def test_a_crash_before_the_mark_costs_one_duplicate_message_and_still_one_completion(
         pg_url, redis_url, redis_client, tmp_path):
     app = _app(pg_url, redis_url, tmp_path)
-    engine = app.extensions["tidepool.engine"]
+    engine = app.extensions["tidepool.db"]
     with Session(engine) as s:
         tenant, key = tenants.create_tenant(s, "crash")
         s.commit()
@@ -236,7 +236,7 @@ def _admit_concurrently(group, engine, jobs_, key_id):
 
 
 def test_concurrent_submissions_share_one_statement_and_commit(app):
-    engine = app.extensions["tidepool.engine"]
+    engine = app.extensions["tidepool.db"]
     tenant_id, key_id, _ = _tenant(engine)
     group = GroupAdmission()
     batch = [_job(tenant_id) for _ in range(6)]
@@ -253,7 +253,7 @@ def test_concurrent_submissions_share_one_statement_and_commit(app):
 
 
 def test_a_refused_group_is_admitted_job_by_job_in_arrival_order(app):
-    engine = app.extensions["tidepool.engine"]
+    engine = app.extensions["tidepool.db"]
     tenant_id, key_id, _ = _tenant(engine, max_queued=3)
     group = GroupAdmission()
     batch = [_job(tenant_id) for _ in range(6)]
@@ -266,7 +266,7 @@ def test_a_refused_group_is_admitted_job_by_job_in_arrival_order(app):
 
 
 def test_a_duplicate_idempotency_key_in_a_group_fails_only_its_own_job(app):
-    engine = app.extensions["tidepool.engine"]
+    engine = app.extensions["tidepool.db"]
     tenant_id, key_id, _ = _tenant(engine)
     group = GroupAdmission()
     batch = [_job(tenant_id), _job(tenant_id, "k1"), _job(tenant_id), _job(tenant_id, "k1")]
@@ -277,7 +277,7 @@ def test_a_duplicate_idempotency_key_in_a_group_fails_only_its_own_job(app):
 
 
 def test_a_revoked_key_or_disabled_tenant_admits_nothing(app):
-    engine = app.extensions["tidepool.engine"]
+    engine = app.extensions["tidepool.db"]
     url = app.config["TIDEPOOL"].database_url
     tenant_id, key_id, _ = _tenant(engine)
     _sql(url, "UPDATE api_keys SET revoked_at = now() WHERE id = %s", key_id)
@@ -307,7 +307,7 @@ def test_many_concurrent_submissions_respect_max_queued_exactly(app):
     for t in threads:
         t.join()
     assert sorted(results) == [202] * 17 + [429] * 23
-    with Session(app.extensions["tidepool.engine"]) as s:
+    with Session(app.extensions["tidepool.db"]) as s:
         assert s.query(Job).filter_by(tenant_id=tenant_id).count() == 17
         assert s.get(Tenant, tenant_id).queued_count == 17
 
@@ -334,7 +334,7 @@ def test_revoke_and_disable_through_this_process_take_effect_at_once(pg_url, red
     assert client.get("/v1/jobs", headers=key).status_code == 403
     assert client.post(f"/v1/admin/tenants/{tenant_id}/enable", headers=admin.headers).status_code == 200
     assert client.get("/v1/jobs", headers=key).status_code == 200
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
 
 
 def _until(status_of, expected, limit):
@@ -363,10 +363,10 @@ def test_a_key_revoked_by_another_process_creates_no_job_and_is_refused_within_t
     r = client.post("/v1/jobs", json=PROMPT, headers=key)      # the admission statement checks the key itself
     assert r.status_code == 401 and r.get_json()["error"]["code"] == "invalid_api_key"
     assert client.get("/v1/jobs", headers=key).status_code == 401   # ... and dropped the cached entry
-    with Session(app.extensions["tidepool.engine"]) as s:
+    with Session(app.extensions["tidepool.db"]) as s:
         assert s.query(Job).count() == 1
     assert time.monotonic() - revoked < TTL
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
 
 
 def test_reads_see_another_process_revoking_or_disabling_within_the_ttl(pg_url, redis_url, tmp_path):
@@ -385,7 +385,7 @@ def test_reads_see_another_process_revoking_or_disabling_within_the_ttl(pg_url, 
     assert client.get("/v1/jobs", headers=key).status_code == 200
     _sql(pg_url, "UPDATE tenants SET disabled = true WHERE id = %s", tenant_id)
     assert _until(lambda: client.get("/v1/jobs", headers=key).status_code, 403, TTL + 0.5) <= TTL + 0.1
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
 
 
 def test_max_queued_lowered_by_another_process_holds_at_once(pg_url, redis_url, tmp_path):
@@ -397,7 +397,7 @@ def test_max_queued_lowered_by_another_process_holds_at_once(pg_url, redis_url, 
     r = client.post("/v1/jobs", json=PROMPT, headers=key)
     assert r.status_code == 429 and r.get_json()["error"]["code"] == "max_queued"
     assert "at most 2 queued" in r.get_json()["error"]["message"]
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
 
 
 # ---- pooled connections ----------------------------------------------------------------------------------

@@ -70,12 +70,12 @@ def test_health_and_readiness(client, tmp_path, pg_url, redis_url):
     r = app.test_client().get("/readyz")
     assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok", "broker": "ok", "engine": "ok"}
     store.clear()
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
     from service import create_app
     down = create_app({"database_url": pg_url, "redis_url": "redis://127.0.0.1:1/0", "storage_dir": str(tmp_path)})
     r = down.test_client().get("/readyz")
     assert r.status_code == 503 and "broker" in r.get_json()["error"]["message"]
-    down.extensions["tidepool.engine"].dispose()
+    down.extensions["tidepool.db"].dispose()
 
 
 def test_unknown_route_and_method_are_openai_shaped(client):
@@ -105,7 +105,7 @@ def test_cli_db_tenants_keys(tmp_path, monkeypatch, capsys):
     c = app.test_client()
     assert c.get("/v1/jobs", headers={"Authorization": f"Bearer {created['api_key']}"}).status_code == 200
     assert c.get("/v1/jobs", headers={"Authorization": f"Bearer {key['api_key']}"}).status_code == 401
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
 
 
 def test_service_never_imports_torch(tmp_path):

@@ -34,7 +34,7 @@ def outage(pg_url, redis_url, tmp_path):
     _, key = Admin(app.test_client()).tenant()
     yield app, proxy, direct, key, token_stream.for_redis(app.extensions["tidepool.redis"])
     proxy.stop()
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
     direct.dispose()
 
 

@@ -20,7 +20,7 @@ def test_deadlines_expire_queued_jobs(any_app):
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant()
     late, fine = _submit(client, key, 2, deadline=(utcnow() + timedelta(hours=1)).isoformat())
-    with Session(any_app.extensions["tidepool.engine"]) as s:
+    with Session(any_app.extensions["tidepool.db"]) as s:
         s.execute(update(Job).where(Job.id == late).values(deadline=utcnow() - timedelta(seconds=1)))
         assert jobs.start(s, late, "w").reason == "expired"
         assert jobs.expire_overdue(s) == 0
@@ -35,7 +35,7 @@ def test_lapsed_leases_are_requeued_then_failed(any_app):
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant()
     (job_id,) = _submit(client, key)
-    with Session(any_app.extensions["tidepool.engine"]) as s:
+    with Session(any_app.extensions["tidepool.db"]) as s:
         for attempt in (1, 2):
             lease = jobs.start(s, job_id, f"w{attempt}", lease_seconds=-1).lease_token
             assert lease and jobs.reclaim_lapsed(s, max_attempts=2) == 1
@@ -52,11 +52,11 @@ def test_cancel_a_running_job_frees_the_running_slot(any_app):
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant(max_running=1)
     a, b = _submit(client, key, 2)
-    with Session(any_app.extensions["tidepool.engine"]) as s:
+    with Session(any_app.extensions["tidepool.db"]) as s:
         lease = jobs.start(s, a, "w").lease_token
         s.commit()
     assert client.post(f"/v1/jobs/{a}/cancel", headers=key).get_json()["status"] == "cancelled"
-    with Session(any_app.extensions["tidepool.engine"]) as s:
+    with Session(any_app.extensions["tidepool.db"]) as s:
         assert not jobs.renew_lease(s, a, lease)  # the worker learns the job is gone
         assert jobs.start(s, b, "w").lease_token
         s.commit()
@@ -72,7 +72,7 @@ def test_expired_batch_finalizes_as_expired(embedded_app):
                     headers=key).get_json()["id"]
     b = client.post("/v1/batches", json={"input_file_id": f, "endpoint": "/v1/completions",
                                          "completion_window": "24h"}, headers=key).get_json()
-    with Session(embedded_app.extensions["tidepool.engine"]) as s:
+    with Session(embedded_app.extensions["tidepool.db"]) as s:
         batch = s.get(Batch, b["id"])
         ledger.expire(s, batch)
         assert ledger.finalize(s, embedded_app.extensions["tidepool.storage"], batch)

@@ -40,7 +40,7 @@ def test_models_list_has_a_created_time(pg_url, redis_url, tmp_path):
         data = app.test_client().get("/v1/models", headers={"Authorization": f"Bearer {key}"}).get_json()["data"]
         assert data == [{"id": "m1", "object": "model", "created": 1_700_000_000, "owned_by": "tidepool"}]
     finally:
-        app.extensions["tidepool.engine"].dispose()
+        app.extensions["tidepool.db"].dispose()
 
 
 def test_max_tokens_past_the_context_is_a_400(pg_url, redis_url, tmp_path):
@@ -69,4 +69,4 @@ def test_max_tokens_past_the_context_is_a_400(pg_url, redis_url, tmp_path):
         r = client.post("/v1/jobs", headers=auth, json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 202 and r.get_json()["request"]["max_tokens"] == 255    # default fits the context
     finally:
-        app.extensions["tidepool.engine"].dispose()
+        app.extensions["tidepool.db"].dispose()

@@ -49,7 +49,7 @@ def test_publishing_rings_workers_in_this_process(pg_url, tmp_path):
     rung.clear()
     app.extensions["tidepool.dispatcher"].publish([("job_y", "realtime")])
     assert not rung.is_set()                         # unregistered: no longer rung
-    app.extensions["tidepool.engine"].dispose()
+    app.extensions["tidepool.db"].dispose()
 
 
 @pytest.mark.parametrize("path", ["publish_one", "publish"])
@@ -71,5 +71,5 @@ def test_publishing_rings_the_redis_doorbell(pg_url, tmp_path, redis_url, path):
     finally:
         stop.set()
         listener.join(5)
-        app.extensions["tidepool.engine"].dispose()
+        app.extensions["tidepool.db"].dispose()
         flush_redis(redis_url)
