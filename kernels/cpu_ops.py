@@ -12,10 +12,10 @@ They are None (a build or load failure is logged once, as a warning; see unavail
   and not tried again), or a built op disagrees with its torch path on a small self-check.
 
 The build is a single g++ call against torch's own headers and libraries (no ninja, no Python headers): about
-10-20 s on two cores, once per source/torch/compiler/CPU combination. The shared object is cached under
-configure(cache_dir=...) (TIDEPOOL_KERNEL_CACHE), else $XDG_CACHE_HOME/tidepool/kernels, else ~/.cache/tidepool/kernels,
-named by a hash of
-all of those, and written atomically, so concurrent processes may race to build but never load a partial file.
+10-20 s on two cores, once per source/torch/compiler/CPU combination (the sources: every .cpp and .h in csrc/). The
+shared object is cached under configure(cache_dir=...) (TIDEPOOL_KERNEL_CACHE), else $XDG_CACHE_HOME/tidepool/kernels,
+else ~/.cache/tidepool/kernels, named by a hash of all of those, and written atomically, so concurrent processes may
+race to build but never load a partial file.
 """
 import hashlib
 import logging
@@ -33,7 +33,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).resolve().parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "fused_cpu.cpp")]
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = [CSRC / name for name in ("paged_decode_cpu.cpp", "fused_cpu.cpp")]     # compiled into one library
 BUILD_TIMEOUT_S = 600
 _lock = threading.Lock()
 _op = None
@@ -104,8 +105,17 @@ def _compiler_version(cxx: str) -> str:
         return ""
 
 
+def _source_digest(folder: Path) -> bytes:
+    """What the library is built from: every source and header in csrc/, by name and content (a header the sources
+    include, such as simd.h, changes the build as much as a source does)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.iterdir() if p.suffix in (".cpp", ".h")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.digest()
+
+
 def _build(cxx: str) -> Path:
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = _source_digest(CSRC)
     version = _compiler_version(cxx)
     errors = []
     for flags in _flag_sets(cxx):

@@ -6,8 +6,8 @@
 //   store_kv:      key/value rows into their cache slots (slot -1: not stored)
 //   argmax_rows:   logits [rows, V] -> int64 [rows], exactly torch.argmax(dim=-1): the first index of the maximum,
 //                  the first NaN's index where a row has one, index 0 for a row of -inf
-// Each computes in fp32 and rounds to the tensor's dtype wherever the torch definition in
-// workers/engine/models/llama.py and kernels/paged_attention.py rounds, so bf16/fp16 results match it
+// Each computes in fp32 and rounds to the tensor's dtype wherever its torch definition (the *_ref functions of
+// kernels/layer_ops.py, and store_kv_ref of kernels/paged_attention.py) rounds, so bf16/fp16 results match it
 // to the last bit but for reduction order and exp's last ulp.
 // With AVX-512 (F), fp32 and bf16 run explicit 16-lane loops: bf16 widened exactly, narrowed bit for bit as
 // c10::BFloat16(float) (round to nearest even, denormals kept, NaN -> 0x7FC0): with AVX512-BF16 by its conversion
@@ -22,8 +22,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "simd.h"     // load16, exp_clamped, exp_clamped16
+
 #if defined(__AVX512F__)
-#include <immintrin.h>
 #define TP_AVX512 1
 #else
 #define TP_AVX512 0
@@ -39,6 +40,8 @@
 
 namespace {
 
+using namespace simd;
+
 template <typename T>
 inline float rd(float x) { return static_cast<float>(static_cast<T>(x)); }   // round through T
 template <>
@@ -52,16 +55,9 @@ inline int64_t grain_for(int64_t row_bytes, int64_t chunk_bytes = 64 * 1024) {
 
 #if TP_AVX512
 // 16 lanes of T <-> fp32: fp32 and bf16 (exact widening; RNE narrowing as c10::BFloat16(float)) everywhere; fp16
-// only loaded (argmax)
+// only loaded (argmax, by simd.h's load16)
 template <typename T>
 constexpr bool kVec = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>;
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {     // bf16 is the top half of an fp32
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // 32 values of T as two fp32 vectors: fp32 its two halves; bf16 its even and its odd elements, one shift or one
 // mask each (no lane crossing). Element-wise code never sees the difference, as long as every operand is loaded so.
@@ -219,47 +215,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
   return out;
 }
 
-// exp(x) (Cephes expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp), x clamped to [-104, 89], beyond which
-// exp rounds to 0 or overflows to inf; 2^n (n in [-150, 128]) applied in two halves that are normal floats, which
-// rounds once, as a single scaling would. NaN stays NaN. Auto-vectorises.
-inline float exp_clamped(float x) {
-  x = x < -104.0f ? -104.0f : (x > 89.0f ? 89.0f : x);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   // round to an integer
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t n0 = static_cast<int32_t>(n), n1 = n0 / 2;
-  const int32_t bits1 = (n1 + 127) << 23, bits2 = (n0 - n1 + 127) << 23;
-  float s1, s2;
-  std::memcpy(&s1, &bits1, sizeof s1);
-  std::memcpy(&s2, &bits2, sizeof s2);
-  return p * s1 * s2;
-}
-
 #if TP_AVX512
-// exp_clamped on 16 lanes, the same steps (scalef: p * 2^n rounded once)
-inline __m512 exp_clamped16(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x));    // NaN passes both
-  const __m512 magic = _mm512_set1_ps(12582912.0f);
-  const __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), magic), magic);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // silu(a) = a / (1 + exp(-a)), torch's formula (exp(-a) = inf for a < -89: -0; a = -inf: NaN, as torch)
 inline __m512 silu16(__m512 a) {
   const __m512 na = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(static_cast<int32_t>(0x80000000u))));

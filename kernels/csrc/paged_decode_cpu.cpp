@@ -5,7 +5,7 @@
 // reach the output; a row with context 0 (a padding row) reads nothing and comes out as zeros. Items go longest
 // first to whichever of at::parallel_for's threads is free. All accumulation is fp32.
 //
-// Two implementations of the same contract:
+// Three implementations of the same contract:
 //  * attend16 (AVX-512 builds, head_dim a multiple of 16; the engine's case): 16-position tiles, each K/V row read
 //    once for all the query heads of its GQA group, dot products reduced 16 at a time by vertical adds, a running
 //    (online) softmax across tiles, so K and V are read once each and interleaved, with no score buffer. Per tile
@@ -30,9 +30,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "simd.h"     // load16, the exp variants, vec8
 
 #include <algorithm>
 #include <array>
@@ -48,19 +46,13 @@
 
 namespace {
 
-// GCC/Clang vector extensions: eight fp32 lanes, AVX/AVX-512 with -march=native, split into narrower ops elsewhere.
-typedef float vec8 __attribute__((vector_size(32)));
-typedef int32_t ivec8 __attribute__((vector_size(32)));
+using namespace simd;
+
+// unaligned loads and stores of simd.h's GCC vectors
 typedef float vec8u __attribute__((vector_size(32), aligned(4), may_alias));
 typedef uint16_t u16x8u __attribute__((vector_size(16), aligned(2), may_alias));
 
-inline vec8 splat8(float x) { return vec8{} + x; }
 inline float hsum(vec8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
-inline vec8 bits_to_float(ivec8 bits) {
-  vec8 out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
 
 inline vec8 load8(const float* p) { return *reinterpret_cast<const vec8u*>(p); }
 inline vec8 load8(const c10::BFloat16* p) {   // bf16 is the top half of an fp32
@@ -76,23 +68,6 @@ inline vec8 load8(const c10::Half* p) {
   return out;
 }
 #endif
-
-// exp(x) for x <= 0, eight at a time (Cephes expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp)
-inline vec8 exp8_nonpos(vec8 x) {
-  x = x < splat8(-87.0f) ? splat8(-87.0f) : x;              // keeps 2^n normal; NaN passes through
-  const vec8 magic = splat8(12582912.0f);                   // 1.5 * 2^23: adding it rounds to an integer
-  const vec8 n = (x * 1.44269504088896341f + magic) - magic;
-  vec8 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vec8 p = splat8(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * bits_to_float((__builtin_convertvector(n, ivec8) + 127) << 23);
-}
 
 // each of `rows` rows of `len` scores becomes its softmax, in place
 void softmax_rows(float* scores, int64_t rows, int64_t len) {
@@ -244,32 +219,6 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
 // 16 dot products are reduced together (a 16x16 transpose-and-add tree of vertical adds) instead of a horizontal sum
 // each. A row's arithmetic does not depend on how rows are grouped into items or on the thread count.
 namespace avx512 {
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {    // bf16 is the top half of an fp32
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp(x) for x <= 0, sixteen at a time (exp8_nonpos's Cephes polynomial; 2^n by scalef); NaN passes through
-inline __m512 exp16_nonpos(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);   // max_ps returns its second operand when one is NaN
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // v[0..15] -> one vector whose lane t is the sum of v[t]'s sixteen lanes: four rounds of shuffle-and-add (45
 // instructions for 16 sums, where a horizontal sum each takes ~8 apiece). The tree leaves token t in lane
@@ -555,24 +504,6 @@ inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-// exp(x) for x <= 0, eight at a time (exp8_nonpos's Cephes polynomial); NaN passes through
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);   // max_ps returns its second operand when one is NaN
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 // v[0..7] -> one vector whose lane t is the sum of v[t]'s eight lanes
 inline __m256 reduce8(const __m256* v) {
   const __m256 a = _mm256_hadd_ps(v[0], v[1]), b = _mm256_hadd_ps(v[2], v[3]);
@@ -701,7 +632,7 @@ void attend8(const T* q, T* out, const T* k_cache, const T* v_cache, const int32
       alignas(32) float pt[kTile];
       __m256 psum = _mm256_setzero_ps();
       for (int g = 0; g < ng; ++g) {
-        const __m256 p = _mm256_and_ps(valid[g], exp8(_mm256_sub_ps(sc[g], mv)));
+        const __m256 p = _mm256_and_ps(valid[g], exp8_nonpos_avx2(_mm256_sub_ps(sc[g], mv)));
         psum = _mm256_add_ps(psum, p);
         _mm256_store_ps(pt + 8 * g, p);
       }

@@ -3,6 +3,7 @@ reference it replaces (kernels/paged_attention.py), on randomized paged batches 
 and the "torch" backend of kernels/attention.py, which puts the kernel under the varlen step, against the same."""
 import logging
 import random
+import shutil
 
 import pytest
 import torch
@@ -229,3 +230,29 @@ def test_failed_build_falls_back_and_is_logged(monkeypatch, tmp_path, caplog):
     cu = torch.arange(3, dtype=torch.int32)
     out = attention.paged_attention("torch", q, k_cache, v_cache, tables, lens, cu, 1, 0.125)    # the reference
     assert torch.equal(out, paged_decode_ref(q, k_cache, v_cache, tables, lens, 0.125))
+
+
+def test_build_is_keyed_by_every_source_and_header(monkeypatch, tmp_path):
+    """The cached library is named by a hash of every .cpp and .h in csrc/: editing the header the kernels share
+    (simd.h) builds anew, as editing a source does, and an unchanged tree finds what it built."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_ops.CSRC, csrc)
+    assert {"paged_decode_cpu.cpp", "fused_cpu.cpp", "simd.h"} <= {p.name for p in csrc.iterdir()}
+    cxx = tmp_path / "cxx"      # "compiles" by writing an empty file where -o says, and counts its builds
+    cxx.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho >> "$0.builds"\n'
+                   'while [ $# -gt 0 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n')
+    cxx.chmod(0o755)
+    monkeypatch.setattr(cpu_ops, "CSRC", csrc)
+    monkeypatch.setattr(cpu_ops, "_cache_dir", tmp_path / "cache")
+    first = cpu_ops._build(str(cxx))
+    assert cpu_ops._build(str(cxx)) == first
+    with open(csrc / "simd.h", "a") as f:
+        f.write("// edited\n")
+    after_header = cpu_ops._build(str(cxx))
+    with open(csrc / "fused_cpu.cpp", "a") as f:
+        f.write("// edited\n")
+    after_source = cpu_ops._build(str(cxx))
+    (csrc / "notes.txt").write_text("not built from")
+    assert cpu_ops._build(str(cxx)) == after_source
+    assert len({first, after_header, after_source}) == 3 and all(p.is_file() for p in (first, after_header, after_source))
+    assert (tmp_path / "cxx.builds").read_text().count("\n") == 3
