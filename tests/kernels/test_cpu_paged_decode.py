@@ -254,5 +254,6 @@ def test_build_is_keyed_by_every_source_and_header(monkeypatch, tmp_path):
     after_source = cpu_ops._build(str(cxx))
     (csrc / "notes.txt").write_text("not built from")
     assert cpu_ops._build(str(cxx)) == after_source
-    assert len({first, after_header, after_source}) == 3 and all(p.is_file() for p in (first, after_header, after_source))
+    built = (first, after_header, after_source)
+    assert len(set(built)) == 3 and all(p.is_file() for p in built)
     assert (tmp_path / "cxx.builds").read_text().count("\n") == 3
