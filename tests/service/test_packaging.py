@@ -51,7 +51,7 @@ def test_wheel_installs_outside_the_checkout_and_renders_the_sign_in_page(tmp_pa
     for rel in ["service/web/templates/login.html", "service/web/static/panel.css", "service/web/static/panel.js",
                 "service/web/grafana/tidepool-dashboard.json", "service/migrations/env.py",
                 "service/migrations/script.py.mako", "kernels/csrc/paged_decode_cpu.cpp", "kernels/csrc/fused_cpu.cpp",
-                "workers/tools/data/corpus.txt"]:
+                "kernels/csrc/simd.h", "workers/tools/data/corpus.txt"]:
         assert rel in names, f"{rel} missing from the wheel"
     sources = {str(p.relative_to(src)) for top in ("service", "workers", "kernels") for p in (src / top).rglob("*.py")}
     sources |= {f"service/{p.relative_to(src)}" for top in ("web", "migrations") for p in (src / top).rglob("*")
