@@ -53,6 +53,8 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
         _, key = tenants.create_tenant(s, "bench")
         s.commit()
     engine_kw = {"max_num_seqs": args.max_num_seqs}
+    if args.offline_floor is not None:
+        engine_kw["offline_floor"] = args.offline_floor
     targets = {k: v for k, v in (("ttft_ms", args.rt_ttft_ms), ("itl_ms", args.rt_itl_ms)) if v is not None}
     if targets:
         from workers.engine.config import sla_targets_for
@@ -246,7 +248,8 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--low-water", type=int, default=8)
     p.add_argument("--rt-ttft-ms", type=float, default=None, help="realtime ttft target (default: engine config)")
-    p.add_argument("--rt-itl-ms", type=float, default=None, help="realtime itl target (default: engine config)")
+    p.add_argument("--rt-itl-ms", type=float, default=None, help="realtime pace, itl_ms (default: engine config)")
+    p.add_argument("--offline-floor", type=float, default=None, help="offline floor share (default: engine config)")
     p.add_argument("--sched-seqs", type=int, default=256, help="sequences for the scheduler-share check (0: skip)")
     p.add_argument("--no-fcfs", action="store_true", help="skip scenario (d)")
     p.add_argument("--steps-out", default=None, help="append every step (time, shape, bound, prediction) as JSON lines")

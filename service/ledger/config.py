@@ -155,16 +155,18 @@ class Config:
     enforce_eager: bool | None = setting("TIDEPOOL_ENFORCE_EAGER", None, "`1` runs GPU decode steps eagerly instead "
                                          "of replaying CUDA graphs", parse=_bool, shown="`0`", engine=True)
     sla_realtime_ttft_ms: float | None = setting(
-        "TIDEPOOL_SLA_REALTIME_TTFT_MS", None, "Engine `sla_targets`: while realtime work is active, its prompts "
-        "are chunked for this first-token target", parse=FLOAT, check=POSITIVE, shown="GPU 200, CPU 600")
+        "TIDEPOOL_SLA_REALTIME_TTFT_MS", None, "Engine `sla_targets`: first-token bound; without online work a step "
+        "is kept within it minus the ITL target, so a realtime prompt arriving mid-step still meets it",
+        parse=FLOAT, check=POSITIVE, shown="GPU 200, CPU 600")
     sla_realtime_itl_ms: float | None = setting(
-        "TIDEPOOL_SLA_REALTIME_ITL_MS", None, "Engine `sla_targets`: while realtime work is active, steps are kept "
-        "within this inter-token target", parse=FLOAT, check=POSITIVE, shown="GPU 50, CPU 60")
+        "TIDEPOOL_SLA_REALTIME_ITL_MS", None, "Engine `sla_targets`: a realtime stream's pace (ms a token since its "
+        "first); offline tokens fill a step only as far as every stream stays on pace, or up to the offline floor",
+        parse=FLOAT, check=POSITIVE, shown="GPU 50, CPU 60")
     sla_interactive_ttft_ms: float | None = setting(
-        "TIDEPOOL_SLA_INTERACTIVE_TTFT_MS", None, "The same first-token target for interactive work", parse=FLOAT,
+        "TIDEPOOL_SLA_INTERACTIVE_TTFT_MS", None, "The same first-token bound for interactive work", parse=FLOAT,
         check=POSITIVE, shown="GPU 1000, CPU 2000")
     sla_interactive_itl_ms: float | None = setting(
-        "TIDEPOOL_SLA_INTERACTIVE_ITL_MS", None, "The same inter-token target for interactive work", parse=FLOAT,
+        "TIDEPOOL_SLA_INTERACTIVE_ITL_MS", None, "The same pace for interactive work", parse=FLOAT,
         check=POSITIVE, shown="GPU 100, CPU 300")
     capacity_policy: str | None = setting("TIDEPOOL_CAPACITY_POLICY", None, "`no_evict` admits a sequence only if "
                                           "it can reach `max_tokens` without evicting anything, and never preempts",
@@ -173,6 +175,10 @@ class Config:
     online_reserve: float | None = setting("TIDEPOOL_ONLINE_RESERVE", None, "Share of KV blocks and of "
                                            "`max_num_seqs` only realtime and interactive sequences may take",
                                            parse=FLOAT, check=SHARE, shown="`0.1`", engine=True)
+    offline_floor: float | None = setting("TIDEPOOL_OFFLINE_FLOOR", None, "Least share of each engine step's time "
+                                          "that waiting offline work gets beside realtime and interactive work (a "
+                                          "step that brings an online first token gives it none and owes it)",
+                                          parse=FLOAT, check=SHARE, shown="`0.5`", engine=True)
     swap_space_gib: float | None = setting("TIDEPOOL_SWAP_SPACE_GIB", None, "Host pool for KV blocks swapped out "
                                            "under memory pressure (pinned on CUDA)", parse=FLOAT, check=NON_NEGATIVE,
                                            shown="`4` on CUDA, `0` on CPU", engine=True)

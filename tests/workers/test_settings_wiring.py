@@ -23,6 +23,7 @@ def test_readme_shows_the_engines_own_defaults():
     assert shown["TIDEPOOL_MAX_BATCHED_TOKENS"] == f"`{engine['max_num_batched_tokens']}`"
     assert shown["TIDEPOOL_CAPACITY_POLICY"] == f"`{engine['capacity_policy']}`"
     assert shown["TIDEPOOL_ONLINE_RESERVE"] == f"`{engine['online_reserve']}`"
+    assert shown["TIDEPOOL_OFFLINE_FLOOR"] == f"`{engine['offline_floor']}`"
     assert shown["TIDEPOOL_ENFORCE_EAGER"] == f"`{int(engine['enforce_eager'])}`"
     for cls in ("realtime", "interactive"):
         for target in ("ttft_ms", "itl_ms"):
@@ -33,11 +34,12 @@ def test_readme_shows_the_engines_own_defaults():
 def test_the_worker_config_comes_from_the_settings(tmp_path):
     s = _settings(tmp_path, TIDEPOOL_MODEL=tmp_path / "m", TIDEPOOL_LEASE_SECONDS=7, TIDEPOOL_VISIBILITY_TIMEOUT=99,
                   TIDEPOOL_LOW_WATER=2, TIDEPOOL_WORKER_NAME="w-7", TIDEPOOL_METRICS_PORT=0, TIDEPOOL_KV_BLOCKS=12,
-                  TIDEPOOL_CAPACITY_POLICY="no_evict", TIDEPOOL_SLA_REALTIME_ITL_MS=75)
+                  TIDEPOOL_CAPACITY_POLICY="no_evict", TIDEPOOL_SLA_REALTIME_ITL_MS=75, TIDEPOOL_OFFLINE_FLOOR=0.3)
     cfg = WorkerConfig.from_env(kind="cpu", device="cpu", settings=s)
     assert (cfg.model, cfg.lease_seconds, cfg.visibility_timeout, cfg.low_water, cfg.name, cfg.metrics_port) == \
         (str(tmp_path / "m"), 7.0, 99.0, 2, "w-7", 0)
     assert cfg.engine["num_kv_blocks"] == 12 and cfg.engine["capacity_policy"] == "no_evict"
+    assert cfg.engine["offline_floor"] == 0.3
     assert cfg.engine["sla_targets"] == {"realtime": {"ttft_ms": 600.0, "itl_ms": 75.0},
                                          "interactive": dict(DEFAULT_SLA_TARGETS["cpu"]["interactive"])}
 

@@ -48,6 +48,7 @@ class EngineConfig:
     sla_targets: dict | None = None
     capacity_policy: str = "max_utilization"    # or "no_evict"
     online_reserve: float = 0.1                 # share of blocks and seats only online work may take
+    offline_floor: float = 0.5                  # least share of step time offline work gets beside online work
     swap_space_gib: float | None = None         # host pool for swapped blocks; None: 4 on CUDA and 0 on CPU (where
                                                 # the KV pool already is host memory)
     calibrate: bool = True                      # seed the step cost model with a few timed steps at start
@@ -90,6 +91,8 @@ class EngineConfig:
             raise ValueError(f"capacity_policy must be 'max_utilization' or 'no_evict', got {self.capacity_policy!r}")
         if not 0 <= self.online_reserve < 1:
             raise ValueError("online_reserve must be in [0, 1)")
+        if not 0 <= self.offline_floor < 1:
+            raise ValueError("offline_floor must be in [0, 1)")
         if self.swap_space_gib is None:
             self.swap_space_gib = 4.0 if torch.device(self.device).type == "cuda" else 0.0
         if self.swap_space_gib < 0:

@@ -111,7 +111,7 @@ class LLMEngine:
             sla_targets=config.sla_targets, reserve_seats=min(int(config.online_reserve * config.max_num_seqs),
                                                               config.max_num_seqs - 1),
             reserve_blocks=max(0, reserve_blocks), capacity_policy=config.capacity_policy,
-            max_model_len=self.max_model_len)
+            max_model_len=self.max_model_len, offline_floor=config.offline_floor)
         self.sampler = Sampler(self.runner.device)
         self.eos_token_ids = set(config.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:

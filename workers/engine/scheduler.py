@@ -4,12 +4,19 @@ Order: SLA class, then (within a class) running, then displaced (suspended or sw
 tenant fair share (tokens served divided by tenant weight) and arrival. A step holds at most max_num_seqs
 sequences and max_num_batched_tokens tokens; a prompt that doesn't fit is prefilled in chunks.
 
-While online work (realtime, interactive) is running or waiting, a step is also bounded in time: the cost
-model predicts it, and offline tokens are trimmed so it stays within the tightest active `itl_ms`
-(stall-free batching, as in Sarathi-Serve). A waiting online prompt goes into the next step, chunked so its
-first token can still meet its `ttft_ms`. Without online work the token budget applies, and a step is kept
-within the tightest `ttft_ms - itl_ms` of the online classes: an online prompt arriving while it runs waits for
-it, so an offline prefill wave must not stall it past its ttft (each such step still makes progress).
+The step policy while online work (realtime, interactive) is running or waiting, as users feel it:
+  - first token as soon as the device allows: a waiting online prompt goes whole (up to the token budget) into
+    the very next step, and that step carries no offline tokens beyond what offline is owed (below);
+  - smoothness by delivered pace: a running online stream is on pace while it has delivered at least one token
+    per `itl_ms` of its class since its first token. The next token of each stream is due at first token +
+    delivered x itl_ms; the step may last until the earliest due time (a stream ahead of its pace absorbs a
+    longer step, banking at most PACE_CREDIT gaps), and offline tokens fill that room (stall-free batching);
+  - offline never starved: while offline work waits, it gets at least `offline_floor` of each step's predicted
+    time (its tokens' cost against the online tokens and the fixed cost), and what a first-token step could not
+    give it is owed and paid back in the next steps (at most one floor's worth extra a step).
+Without online work the token budget applies, and a step is kept within the tightest `ttft_ms - itl_ms` of the
+online classes: an online prompt arriving while it runs waits for it, so an offline prefill wave must not stall it
+past its ttft (each such step still makes progress).
 
 Preemption keeps work where it can: a sequence displaced for a seat is suspended and keeps its blocks; one
 displaced for memory goes to the host pool when there is one with room (swap), else is recomputed. Victims:
@@ -29,6 +36,9 @@ from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
 CAPACITY_POLICIES = ("max_utilization", "no_evict")
 PREEMPTION_KINDS = ("suspend", "swap", "recompute")
 
+PACE_CREDIT = 2.0          # a stream ahead of its pace banks at most this many of its class's token gaps
+OWED_CAP_S = 1.0           # offline time owed beyond this is paid even in a step that brings a first token
+
 RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
 SUSPENDED, SWAPPED = SequenceStatus.SUSPENDED, SequenceStatus.SWAPPED
 
@@ -44,7 +54,8 @@ class ScheduledBatch:
                                                                     # after swap_out and before swap_in
     attended: int = 0                      # context tokens the step's new tokens attend to
     predicted_s: float = 0.0               # the cost model's estimate of the step (0 without a model)
-    time_limit_s: float | None = None      # the itl bound it was built under; None: no online work here
+    time_limit_s: float | None = None      # with online work here, the bound its offline tokens were fitted
+                                           # under (pace room or offline floor); None: no online work here
     idle_limit_s: float | None = None      # without online work: the cap that leaves a new arrival its ttft
 
     @property
@@ -59,11 +70,14 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  cost_model=None, sla_targets: dict | None = None, reserve_seats: int = 0, reserve_blocks: int = 0,
                  capacity_policy: str = "max_utilization", max_model_len: int | None = None,
-                 clock=time.monotonic):
+                 offline_floor: float = 0.5, clock=time.monotonic):
         """cost_model: any object with `fixed`, `per_token`, `per_context` (seconds); None: no time bound.
-        sla_targets: {class: {"ttft_ms": .., "itl_ms": ..}} for the online classes."""
+        sla_targets: {class: {"ttft_ms": .., "itl_ms": ..}} for the online classes (itl_ms: the class's pace).
+        offline_floor: the least share of a step's time offline work gets while it waits beside online work."""
         if capacity_policy not in CAPACITY_POLICIES:
             raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {capacity_policy!r}")
+        if not 0 <= offline_floor < 1:
+            raise ValueError(f"offline_floor must be in [0, 1), got {offline_floor!r}")
         if not 0 <= reserve_seats < max_num_seqs or not 0 <= reserve_blocks < block_manager.num_blocks:
             raise ValueError("the online reserve must leave offline work at least one seat and one block")
         self.block_manager = block_manager
@@ -75,6 +89,8 @@ class Scheduler:
         self.reserve_blocks = reserve_blocks
         self.capacity_policy = capacity_policy
         self.max_model_len = max_model_len
+        self.offline_floor = offline_floor
+        self.offline_owed = 0.0                # seconds of step time offline work is owed (see the module docstring)
         self.clock = clock
         self.waiting: list[Sequence] = []      # WAITING, SUSPENDED and SWAPPED sequences
         self.running: list[Sequence] = []
@@ -155,14 +171,37 @@ class Scheduler:
                 yield seq
 
     # -- time ---------------------------------------------------------------------------------------
-    def _time_limit(self) -> float | None:
-        """The tightest itl target (seconds) of the online classes with work here; None when there is none."""
+    def _pace(self, seq: Sequence) -> float | None:
+        """The class's pace (seconds a token) of an online sequence; None for offline work or no target."""
+        itl = self.sla_targets.get(seq.sla_class, {}).get("itl_ms") if seq.is_online else None
+        return None if itl is None else itl / 1000
+
+    def _pace_room(self, now: float) -> float | None:
+        """None when no online work with a pace is here (no time bound). Else how long this step may last with
+        every running online stream still on pace: the earliest next-token due time (first token + delivered x
+        pace, banking at most PACE_CREDIT gaps) from now; 0 when a stream is behind or none streams yet."""
         if self.cost_model is None:
             return None
-        ranks = {s.rank for s in self.running} | {s.rank for s in self.waiting}
-        limits = [self.sla_targets[c]["itl_ms"] / 1000 for c in SLA_CLASSES
-                  if SLA_CLASSES.index(c) in ranks and "itl_ms" in self.sla_targets.get(c, {})]
-        return min(limits, default=None)
+        if not any(self._pace(s) is not None for s in self.running + self.waiting):
+            return None
+        room = None
+        for seq in self.running:
+            pace = self._pace(seq)
+            if pace is None or seq.first_token_s is None:
+                continue
+            slack = min(seq.first_token_s + seq.num_output_tokens * pace - now, PACE_CREDIT * pace)
+            room = slack if room is None else min(room, slack)
+        return max(0.0, room or 0.0)
+
+    def _offline_limit(self, pace_room: float, online_s: float, first_token_step: bool) -> float:
+        """The predicted step time offline tokens may fill up to, once the online tokens (online_s with the fixed
+        cost) are in: the pace room, or offline's floor share of the step plus up to as much again of what it is
+        owed. A step that computes an online prompt (its first token is not out yet) gives offline nothing, unless
+        the debt has reached OWED_CAP_S: the first token comes as soon as the device allows."""
+        share = self.offline_floor / (1 - self.offline_floor) * online_s
+        if first_token_step and self.offline_owed < OWED_CAP_S:
+            return online_s
+        return max(pace_room, online_s + share + min(self.offline_owed, share))
 
     def _tokens_within(self, seconds: float, start: int, most: int) -> int:
         """The most new tokens (<= most) of a sequence at `start` whose predicted cost fits in `seconds`."""
@@ -180,32 +219,24 @@ class Scheduler:
         c = self.cost_model
         return c.per_token * n + c.per_context * attended(start, n)
 
-    def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float, now: float) -> int:
+    def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float) -> int:
+        """Online work runs whole (a prompt up to the token budget); offline tokens fit in the time left."""
         n = min(seq.num_uncomputed_tokens, budget)
-        if limit is None:
+        if limit is None or seq.is_online:
             return n
-        fit = self._tokens_within(time_left, seq.num_computed_tokens, n)
-        if not seq.is_online:
-            return fit
-        if n <= 1:
-            return n          # an online decode always runs: it is what the bound is for
-        # An online prompt runs in this step; it gets at least the share that still meets its ttft target.
-        ttft = self.sla_targets.get(seq.sla_class, {}).get("ttft_ms")
-        need = n
-        if ttft is not None:
-            steps_left = int((ttft / 1000 - (now - seq.arrival_time)) / limit)
-            need = -(-seq.num_uncomputed_tokens // max(1, steps_left))
-        return min(n, max(fit, need, self.block_manager.block_size))
+        return self._tokens_within(time_left, seq.num_computed_tokens, n)
 
     # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         bm.end_step()
-        now = self.clock()
-        batch = ScheduledBatch(time_limit_s=self._time_limit())
-        limit = batch.time_limit_s
-        if limit is None and self.idle_limit_s is not None:
+        pace_room = self._pace_room(self.clock())
+        batch = ScheduledBatch(time_limit_s=pace_room)
+        limit = None               # the bound offline tokens fit under; with online work, set at the first one
+        if pace_room is None and self.idle_limit_s is not None:
             limit = batch.idle_limit_s = self.idle_limit_s
+        online_s = None            # with online work: the step's predicted time before any offline token
+        first_token_step = False   # an online prompt is computed in this step
         time_used = self.cost_model.fixed if self.cost_model is not None else 0.0
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
@@ -220,6 +251,9 @@ class Scheduler:
                 preempted_seen = len(batch.preempted)
             if id(seq) in scheduled or any(p is seq for p in batch.preempted):
                 continue   # made room for a higher-ranked sequence in this very step
+            if pace_room is not None and online_s is None and not seq.is_online:
+                online_s = time_used     # candidates come by class: the online part of the step is complete
+                limit = batch.time_limit_s = self._offline_limit(pace_room, online_s, first_token_step)
             time_left = 0.0 if limit is None else limit - time_used
             if batch.idle_limit_s is not None and not batch.seqs:    # the idle cap never stops all work:
                 time_left = max(time_left, 1.000001 * self._step_cost(seq.num_computed_tokens, 1))   # one token
@@ -233,12 +267,12 @@ class Scheduler:
                 if not admitting or not self._seat(seq, offline_running, scheduled, batch):
                     admitting = False
                     continue
-                n = self._admit(seq, budget, limit, time_left, now, scheduled, batch)
+                n = self._admit(seq, budget, limit, time_left, scheduled, batch)
                 if n is None:
                     admitting = False
                     continue
             else:
-                n = self._num_new(seq, budget, limit, time_left, now)
+                n = self._num_new(seq, budget, limit, time_left)
             if n == 0:
                 continue
             if not self._make_room(seq, n, scheduled, batch):
@@ -257,6 +291,11 @@ class Scheduler:
                 time_used += self._step_cost(seq.num_computed_tokens, n)
             budget -= n
             self.served[(seq.rank, seq.tenant)] += n / seq.weight
+            first_token_step = first_token_step or (seq.is_online and seq.first_token_s is None)
+        if pace_room is not None and any(not s.is_online for s in self.running + self.waiting):
+            offline_s = 0.0 if online_s is None else time_used - online_s
+            self.offline_owed = min(OWED_CAP_S, max(0.0, self.offline_owed + self.offline_floor * time_used
+                                                    - offline_s))
         if self.cost_model is not None and batch:
             batch.predicted_s = time_used
         batch.copies = bm.take_copies()
@@ -282,7 +321,7 @@ class Scheduler:
             self._count(victim, "suspend", batch)
             offline_running -= not victim.is_online
 
-    def _admit(self, seq: Sequence, budget: int, limit: float | None, time_left: float, now: float,
+    def _admit(self, seq: Sequence, budget: int, limit: float | None, time_left: float,
                scheduled: set[int], batch: ScheduledBatch) -> int | None:
         """Bring a waiting, suspended or swapped sequence back onto device blocks; returns its token count
         (0: nothing fits in the time bound), None when memory (or the capacity policy) keeps it out."""
@@ -302,7 +341,7 @@ class Scheduler:
                 self._evict(victim, batch)
             batch.swap_in.extend(bm.swap_in(seq))
             seq.status = SUSPENDED
-        n = self._num_new(seq, budget, limit, time_left, now)
+        n = self._num_new(seq, budget, limit, time_left)
         if n == 0 and seq.status == WAITING:
             bm.free_sequence(seq)
         return n
@@ -393,9 +432,12 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch) -> list[Sequence]:
         """Advance computed counts; returns the sequences whose whole context is now computed (they sample)."""
         ready = []
+        now = self.clock()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 ready.append(seq)
+                if seq.first_token_s is None:
+                    seq.first_token_s = now       # its pace is counted from here
         return ready

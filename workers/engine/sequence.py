@@ -54,6 +54,7 @@ class Sequence:
         self.grammar = None                    # structured output: its matcher (workers.engine.structured)
         self.index = 0                         # which of its request's sequences (n / best_of > 1) this is
         self.cumulative_logprob = 0.0          # of the sampled tokens (kept when they are computed)
+        self.first_token_s: float | None = None   # scheduler clock when its first token was sampled (pace)
 
     def fork(self, index: int) -> "Sequence":
         """A sibling for choice `index`: same prompt, output and place in line; no blocks yet (the block
