@@ -47,6 +47,13 @@ from online_latency import _get, _stop, _wait, make_prompts, pct  # noqa: E402
 VOCAB = 49152          # SmolLM2's; prompts are random ids in [100, VOCAB)
 
 
+def _ts(value) -> float:
+    """A ledger timestamp (unix seconds, or ISO 8601) as unix seconds."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
 class Server:
     """One OpenAI-compatible server: how it takes a realtime request and an offline job, and how it reports them."""
 
@@ -147,8 +154,7 @@ class OfflineRun:
                 page = json.loads(raw)
                 for job in page["data"]:
                     if job["id"] in want:
-                        done.append((datetime.fromisoformat(job["finished_at"].replace("Z", "+00:00")).timestamp(),
-                                     job["usage"]["completion_tokens"]))
+                        done.append((_ts(job["finished_at"]), job["usage"]["completion_tokens"]))
                 cursor = page.get("next_cursor")
                 if not cursor:
                     break
@@ -207,6 +213,7 @@ def run(server: Server, args) -> dict:
         server.stream(ids)
     print(f"[{server.name}] realtime alone: {n_rt} requests at {args.rate}/s", file=sys.stderr, flush=True)
     alone = summary(realtime(server, rt_alone, args.rate))
+    print(f"[{server.name}] realtime alone: {json.dumps(alone)}", file=sys.stderr, flush=True)
     print(f"[{server.name}] offline alone: {args.offline} x {args.offline_tokens} tokens", file=sys.stderr, flush=True)
     off = server.offline(offline_prompts)
     off.wait(until=off.start + args.timeout)

@@ -59,7 +59,7 @@ def test_realtime_first_token_step_carries_no_offline_work_and_full_budget_retur
     assert full.time_limit_s is None and full.num_tokens == 256        # offline alone: the token budget
     rt = sim.add(8, 3, "realtime")
     batch = sim.step()
-    assert rt in batch.seqs and batch.num_new_tokens[batch.seqs.index(rt)] == 8
+    assert rt in batch.seqs and rt.num_output_tokens == 1                # its whole prompt (some from the cache)
     assert sim.offline_tokens(batch) == 0                              # its first token as soon as the device allows
     while not rt.is_finished:
         batch = sim.step()
@@ -157,7 +157,7 @@ def test_waiting_realtime_prompt_goes_whole_into_the_next_step_even_when_streams
     sim.add(200, 5, "batch")
     late = sim.add(60, 4, "realtime")
     batch = sim.step()
-    assert late in batch.seqs and batch.num_new_tokens[batch.seqs.index(late)] == 60
+    assert late in batch.seqs and late.num_output_tokens == 1          # its whole prompt in this step
     assert sim.offline_tokens(batch) == 0
 
 
