@@ -16,7 +16,7 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
 
     from . import access_log, db, errors, metrics_http, panel
     from . import api
-    from .api import admin, batches, files, health, jobs, openai_compat
+    from .api import admin, anthropic, batches, files, health, jobs, openai_compat, responses
     from .ledger.dispatch import Dispatcher, make_celery
     from .ledger.quotas import MemoryLimiter, RedisLimiter
     from .ledger.storage import Storage
@@ -44,7 +44,7 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     from .ledger.registry import Registry
     app.extensions["tidepool.registry"] = Registry(app.extensions["tidepool.db"], cfg.served_model_name, cfg.model,
                                                    max_model_len=cfg.max_model_len)
-    for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp):
+    for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp, responses.bp, anthropic.bp):
         app.register_blueprint(bp)
     api.init_app(app)
     metrics_http.init_app(app)

@@ -39,6 +39,11 @@ def _bearer() -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
+def _api_key() -> str | None:
+    """A tenant key: `Authorization: Bearer <key>`, or Anthropic's `x-api-key: <key>`."""
+    return _bearer() or request.headers.get("x-api-key", "").strip() or None
+
+
 def _unauthorized(message="Incorrect API key provided.") -> APIError:
     return APIError(401, message, "invalid_api_key")
 
@@ -132,9 +137,9 @@ def forget(prefix: str | None = None) -> None:
 
 
 def authenticate() -> None:
-    token = _bearer()
+    token = _api_key()
     if token is None:
-        raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>'.")
+        raise _unauthorized("Missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
     parts = keys.split(token)
     if parts is None:
         raise _unauthorized()

@@ -1,7 +1,7 @@
 """OpenAPI 3 document for every route; tests/service/test_openapi.py keeps it equal to the URL map."""
 import json
 
-from .ledger import bodies, structured
+from .ledger import anthropic_shapes, bodies, responses, structured, tiers
 from .ledger.bodies import ALLOWED, CHAT, COMPLETIONS
 from .ledger.models import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, BatchStatus, JobStatus
 
@@ -57,6 +57,26 @@ ROUTES = [
     ("post", "/v1/chat/completions", "OpenAI chat completion (stream: true for server-sent events)", "apiKey",
      "ChatCreate", 200, "Completion"),
     ("get", "/v1/models", "The models this tenant may use", "apiKey", None, 200, "List"),
+    ("post", "/v1/responses", "OpenAI Responses API (stream: true for its events; background: true answers at once "
+     "with the queued response)", "apiKey", "ResponseCreate", 200, "Response"),
+    ("get", "/v1/responses/{response_id}", "Get a stored response", "apiKey", None, 200, "Response"),
+    ("delete", "/v1/responses/{response_id}", "Delete a stored response", "apiKey", None, 200, "Deleted"),
+    ("post", "/v1/responses/{response_id}/cancel", "Cancel a background response", "apiKey", None, 200, "Response"),
+    ("get", "/v1/responses/{response_id}/input_items", "A stored response's input items (after, limit, order)",
+     "apiKey", None, 200, "List"),
+    ("post", "/v1/messages", "Anthropic Messages (x-api-key or Bearer; stream: true for its events)", "apiKey",
+     "MessageCreate", 200, "Message"),
+    ("post", "/v1/messages/batches", "Create an Anthropic Message Batch (a Tidepool batch of class batch)", "apiKey",
+     "MessageBatchCreate", 200, "MessageBatch"),
+    ("get", "/v1/messages/batches", "List message batches (after_id, before_id, limit)", "apiKey", None, 200,
+     "MessageBatchList"),
+    ("get", "/v1/messages/batches/{batch_id}", "Get a message batch", "apiKey", None, 200, "MessageBatch"),
+    ("post", "/v1/messages/batches/{batch_id}/cancel", "Cancel a message batch", "apiKey", None, 200,
+     "MessageBatch"),
+    ("get", "/v1/messages/batches/{batch_id}/results", "An ended message batch's results (JSONL)", "apiKey", None,
+     200, None),
+    ("delete", "/v1/messages/batches/{batch_id}", "Delete an ended message batch", "apiKey", None, 200,
+     "MessageBatchDeleted"),
     ("get", "/v1/models/{model_id}", "Get a model this tenant may use (404 unknown, 403 not allowed)", "apiKey",
      None, 200, "Model"),
 ]
@@ -67,7 +87,9 @@ _ERROR_CODES = {"400": "Bad input", "401": "Bad or revoked key", "403": "Not all
 _EXTRA_CODES = {"/v1/files": {"415": "Not multipart/form-data"},
                 "/readyz": {},
                 "/v1/completions": {"500": "The job failed", "504": "Timed out or expired"},
-                "/v1/chat/completions": {"500": "The job failed", "504": "Timed out or expired"}}
+                "/v1/chat/completions": {"500": "The job failed", "504": "Timed out or expired"},
+                "/v1/responses": {"500": "The job failed", "504": "Timed out or expired"},
+                "/v1/messages": {"500": "The job failed", "504": "Timed out or expired"}}
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
 _NUM = {"type": "number"}
@@ -160,9 +182,69 @@ _JOB_EXTRA = {"sla_class": {"enum": list(SLA_CLASSES), "default": "interactive"}
               "deadline": _nullable({"oneOf": [{"type": "string", "format": "date-time", "description": "future"},
                                                {"type": "number", "description": "future Unix time",
                                                 "maximum": 253402300799}]}),
-              "metadata": _METADATA}
+              "metadata": _METADATA, "service_tier": _nullable({"enum": list(tiers.TIERS)})}
 _ONLINE_EXTRA = {"sla_class": _nullable({"enum": list(ONLINE_CLASSES)}),
+                 "service_tier": _nullable({"enum": list(tiers.TIERS)}),
                  "stream_options": _nullable({"type": "object", "properties": {"include_usage": _BOOL}})}
+_TEXTS = {"type": "array", "maxItems": bodies.MAX_CONTENT_PARTS, "items": {
+    "type": "object", "required": ["type", "text"], "properties": {"type": {"enum": list(responses.TEXT_PARTS)},
+                                                                   "text": _STR}}}
+_INPUT_ITEM = {"oneOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"const": "message"}, "role": {"enum": list(responses.ROLES)}, "id": _STR,
+        "content": {"oneOf": [_STR, _TEXTS]}}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"const": "function_call"}, "call_id": _STR, "name": _STR, "arguments": _STR, "id": _STR}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"const": "function_call_output"}, "call_id": _STR, "output": {"oneOf": [_STR, _TEXTS]},
+        "id": _STR}}]}
+_RESPONSE_CREATE = {"type": "object", "additionalProperties": False, "required": ["input"], "properties": {
+    "model": _nullable(_NAME), "user": _nullable(_NAME), "safety_identifier": _nullable(_NAME),
+    "input": {"oneOf": [{"type": "string", "minLength": 1},
+                        {"type": "array", "minItems": 1, "maxItems": bodies.MAX_MESSAGES, "items": _INPUT_ITEM}]},
+    "instructions": _nullable(_STR), "max_output_tokens": _nullable(_int(1, 1 << 20)),
+    "temperature": _nullable(_num(0, 2)), "top_p": _nullable(_num(0, 1, lo_open=True)),
+    "text": _nullable({"type": "object", "properties": {"format": {"type": "object", "required": ["type"],
+                                                                    "properties": {"type": {"enum": [
+                                                                        "text", "json_object", "json_schema"]},
+                                                                        "name": _TOOL_NAME, "schema": _SCHEMA,
+                                                                        "strict": _BOOL}}}}),
+    "tools": _nullable({"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"const": "function"}, "name": _TOOL_NAME, "description": _STR, "parameters": _SCHEMA,
+        "strict": _BOOL}}}),
+    "tool_choice": _nullable({"oneOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "name"], "additionalProperties": False,
+        "properties": {"type": {"const": "function"}, "name": _STR}}]}),
+    "parallel_tool_calls": _nullable(_BOOL), "metadata": _METADATA, "store": _nullable(_BOOL),
+    "previous_response_id": _nullable(_STR), "background": _nullable(_BOOL), "stream": _nullable(_BOOL),
+    "truncation": _nullable({"const": "disabled"}), "service_tier": _nullable({"enum": list(tiers.TIERS)}),
+    "sla_class": _nullable({"enum": list(ONLINE_CLASSES)})}}
+_BLOCKS = {"type": "array", "items": {"type": "object", "required": ["type"], "properties": {
+    "type": {"enum": ["text", "tool_use", "tool_result"]}}}}
+_MESSAGE_CREATE = {"type": "object", "additionalProperties": False, "required": ["model", "max_tokens", "messages"],
+                   "properties": {
+    "model": _NAME, "max_tokens": _int(1, 1 << 20),
+    "messages": {"type": "array", "minItems": 1, "maxItems": bodies.MAX_MESSAGES, "items": {
+        "type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
+            "role": {"enum": ["user", "assistant"]}, "content": {"oneOf": [_STR, _BLOCKS]}}}},
+    "system": _nullable({"oneOf": [_STR, _BLOCKS]}), "stop_sequences": _nullable({"type": "array", "items": _STR}),
+    "temperature": _nullable(_num(0, 1)), "top_p": _nullable(_num(0, 1, lo_open=True)),
+    "top_k": _nullable(_int(-1, 1 << 20)), "stream": _nullable(_BOOL),
+    "tools": _nullable({"type": "array", "items": {"type": "object", "required": ["name", "input_schema"],
+                                                   "properties": {"name": _TOOL_NAME, "description": _STR,
+                                                                  "input_schema": _SCHEMA}}}),
+    "tool_choice": _nullable({"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["auto", "any", "tool", "none"]}, "name": _STR, "disable_parallel_tool_use": _BOOL}}),
+    "metadata": _nullable({"type": "object", "additionalProperties": False, "properties": {"user_id": _NULL_STR}}),
+    "service_tier": _nullable({"enum": list(anthropic_shapes.ANTHROPIC_TIERS)}),
+    "sla_class": _nullable({"enum": list(ONLINE_CLASSES)})}}
+_RFC3339 = {"type": ["string", "null"], "format": "date-time"}
+_MESSAGE_BATCH = {"type": "object", "properties": {
+    "id": _STR, "type": {"const": "message_batch"}, "processing_status": {"enum": ["in_progress", "canceling", "ended"]},
+    "request_counts": {"type": "object", "properties": {k: _INT for k in ("processing", "succeeded", "errored",
+                                                                           "canceled", "expired")}},
+    "ended_at": _RFC3339, "created_at": _RFC3339, "expires_at": _RFC3339, "archived_at": _RFC3339,
+    "cancel_initiated_at": _RFC3339, "results_url": _NULL_STR}}
 _QUOTA = {name: _nullable(_int(0, (1 << 63) - 1 if name in ("monthly_token_budget", "max_file_bytes") else (1 << 31) - 1))
           for name in ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued",
                        "monthly_token_budget", "max_tokens_per_request", "max_file_bytes")}
@@ -201,7 +283,7 @@ SCHEMAS = {
                                               "expires_at": {"type": "null"}}},
     "BatchCreate": {"type": "object", "additionalProperties": False,
                     "required": ["input_file_id", "endpoint", "completion_window"],
-                    "properties": {"input_file_id": _STR, "endpoint": {"enum": [COMPLETIONS, CHAT]},
+                    "properties": {"input_file_id": _STR, "endpoint": {"enum": [COMPLETIONS, CHAT, responses.RESPONSES]},
                                    "completion_window": {"const": "24h"}, "metadata": _METADATA,
                                    "sla_class": {"enum": list(OFFLINE_CLASSES), "default": "batch"}}},
     "Batch": {"type": "object", "properties": {
@@ -245,6 +327,31 @@ SCHEMAS = {
                        "id": _STR, "object": _STR, "created": _INT, "model": _NULL_STR, "choices": {"type": "array"},
                        "usage": {"type": "object", "properties": {
                            "prompt_tokens": _INT, "completion_tokens": _INT, "total_tokens": _INT}}}},
+    "ResponseCreate": _RESPONSE_CREATE,
+    "Response": {"type": "object", "description": "with stream: true, text/event-stream of Responses events",
+                 "properties": {
+        "id": _STR, "object": {"const": "response"}, "created_at": _INT,
+        "status": {"enum": ["queued", "in_progress", "completed", "failed", "incomplete", "cancelled"]},
+        "background": _BOOL, "output": {"type": "array"}, "usage": {"type": ["object", "null"]},
+        "service_tier": {"enum": list(tiers.TIER_CLASS)}, "previous_response_id": _NULL_STR, "store": _BOOL,
+        "error": {"type": ["object", "null"]}, "incomplete_details": {"type": ["object", "null"]}}},
+    "MessageCreate": _MESSAGE_CREATE,
+    "Message": {"type": "object", "description": "with stream: true, text/event-stream of Messages events",
+                "properties": {
+        "id": _STR, "type": {"const": "message"}, "role": {"const": "assistant"}, "model": _NULL_STR,
+        "content": {"type": "array"}, "stop_reason": {"enum": ["end_turn", "max_tokens", "stop_sequence", "tool_use"]},
+        "stop_sequence": _NULL_STR, "usage": {"type": "object", "properties": {"input_tokens": _INT,
+                                                                               "output_tokens": _INT}}}},
+    "MessageBatchCreate": {"type": "object", "additionalProperties": False, "required": ["requests"], "properties": {
+        "requests": {"type": "array", "minItems": 1, "maxItems": 100_000, "items": {
+            "type": "object", "required": ["custom_id", "params"], "additionalProperties": False, "properties": {
+                "custom_id": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "params": _MESSAGE_CREATE}}}}},
+    "MessageBatch": _MESSAGE_BATCH,
+    "MessageBatchList": {"type": "object", "properties": {"data": {"type": "array", "items": _MESSAGE_BATCH},
+                                                          "has_more": _BOOL, "first_id": _NULL_STR,
+                                                          "last_id": _NULL_STR}},
+    "MessageBatchDeleted": {"type": "object", "properties": {"id": _STR,
+                                                             "type": {"const": "message_batch_deleted"}}},
     "Model": {"type": "object", "properties": {"id": _STR, "object": {"const": "model"}, "created": _INT,
                                                "owned_by": _STR}},
     "ApiKey": {"type": "object", "properties": {"prefix": _STR, "api_key": _STR, "tenant_id": _STR,
@@ -272,6 +379,9 @@ _QUERY = {   # query parameters each listing reads (each at most once)
                                 "cursor": _CURSOR, "limit": _int(1, 1000)},
     ("get", "/v1/admin/batches"): {"tenant_id": _STR, "after": _CURSOR, "limit": _int(1, 100)},
     ("get", "/v1/admin/audit"): {"limit": _int(1, 1000)},
+    ("get", "/v1/responses/{response_id}/input_items"): {"after": _CURSOR, "limit": _int(1, 100),
+                                                         "order": {"enum": ["asc", "desc"]}},
+    ("get", "/v1/messages/batches"): {"after_id": _CURSOR, "before_id": _CURSOR, "limit": _int(1, 1000)},
 }
 
 
@@ -335,7 +445,7 @@ def _no_nul(schema):
 
 
 for _name in ("JobCreate", "CompletionCreate", "ChatCreate", "BatchCreate", "TenantCreate", "TenantUpdate",
-              "Quota"):
+              "Quota", "ResponseCreate", "MessageCreate", "MessageBatchCreate"):
     SCHEMAS[_name] = _no_nul(SCHEMAS[_name])
 
 
@@ -353,5 +463,6 @@ def spec() -> dict:
         paths.setdefault(route[1], {})[route[0]] = _operation(*route)
     return {"openapi": "3.1.0", "info": {"title": "Tidepool", "version": "0.1.0"}, "paths": paths,
             "components": {"schemas": _future_deadline(_served_model(SCHEMAS)), "securitySchemes": {
-                "apiKey": {"type": "http", "scheme": "bearer", "description": "Tenant API key"},
+                "apiKey": {"type": "http", "scheme": "bearer", "description": "Tenant API key (on /v1/messages "
+                                                                              "also as the x-api-key header)"},
                 "adminToken": {"type": "http", "scheme": "bearer", "description": "TIDEPOOL_ADMIN_TOKEN"}}}}

@@ -9,10 +9,13 @@ import time
 import uuid
 from pathlib import Path
 
-from service.ledger.bodies import ENDPOINTS, check
+from types import SimpleNamespace
+
+from service.ledger import responses
+from service.ledger.batches import ENDPOINTS, check_line
 from service.ledger.errors import APIError
 from workers.engine import LLMEngine, RequestOutput
-from workers.openai_bodies import prompt_ids, response_body, sampling_params
+from workers.openai_bodies import CHAT, ledger_result, prompt_ids, response_body, sampling_params
 
 
 def _error_line(custom_id, code: str, message: str, line: int) -> dict:
@@ -27,7 +30,8 @@ class LineError(ValueError):
 
 
 def _parse(raw: str, line: int, seen: set[str]) -> tuple[str, str, dict]:
-    """-> (custom_id, url, checked body); raises LineError (carrying the custom_id once it could be read)."""
+    """-> (custom_id, url, checked body); raises LineError (carrying the custom_id once it could be read). A
+    /v1/responses body is checked as the chat body it stands for."""
     try:
         item = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -46,7 +50,7 @@ def _parse(raw: str, line: int, seen: set[str]) -> tuple[str, str, dict]:
     if url not in ENDPOINTS:
         raise LineError("invalid_url", f"'url' must be one of {list(ENDPOINTS)}", custom_id)
     try:
-        body = check(item.get("body"), url, served_model=None, max_tokens_cap=None).body
+        body = check_line(url, item.get("body"), served_model=None, max_tokens_cap=None).body
     except APIError as exc:
         raise LineError(exc.code or "invalid_request", exc.message, custom_id) from None
     return custom_id, url, body
@@ -85,7 +89,14 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
 
         def finish(out: RequestOutput) -> None:
             position, custom_id, url, request = pending.pop(out.request_id)
-            body = response_body(url, out.request_id, model_name, out, engine.tokenizer, body=request)
+            if url == responses.RESPONSES:
+                result = ledger_result(out, engine.tokenizer)
+                job = SimpleNamespace(status="completed", request=request, output=result["output"], error=None,
+                                      **{k: result[k] for k in ("finish_reason", "prompt_tokens", "completion_tokens")})
+                body = responses.render(f"resp_{uuid.uuid4().hex}", job, {}, model=model_name,
+                                        created_at=int(time.time()), service_tier="flex", store=False)
+            else:
+                body = response_body(url, out.request_id, model_name, out, engine.tokenizer, body=request)
             settle(position, {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
                               "response": {"status_code": 200, "request_id": out.request_id, "body": body},
                               "error": None})
@@ -107,9 +118,10 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                 try:
                     custom_id, url, body = _parse(raw, line_no, seen)
                     request_id = f"req-{line_no}"
+                    runs_as = CHAT if url == responses.RESPONSES else url
                     try:
-                        prompt = prompt_ids(url, body, engine.tokenizer)
-                        engine.add_request(request_id, prompt, sampling_params(url, body), sla_class="batch")
+                        prompt = prompt_ids(runs_as, body, engine.tokenizer)
+                        engine.add_request(request_id, prompt, sampling_params(runs_as, body), sla_class="batch")
                     except ValueError as exc:
                         raise LineError("invalid_request", str(exc), custom_id) from None
                     pending[request_id] = (position, custom_id, url, body)

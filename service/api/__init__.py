@@ -23,10 +23,10 @@ def ts(value: datetime | None) -> int | None:
 MAX_JSON_BYTES = 16 << 20   # a JSON request body; files go through /v1/files
 
 
-def json_body() -> dict:
-    if request.content_length is not None and request.content_length > MAX_JSON_BYTES:
-        raise APIError(413, f"The request body is larger than {MAX_JSON_BYTES} bytes.", "request_too_large")
-    request.max_content_length = MAX_JSON_BYTES   # a body sent without a length is cut off there
+def json_body(max_bytes: int = MAX_JSON_BYTES) -> dict:
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise APIError(413, f"The request body is larger than {max_bytes} bytes.", "request_too_large")
+    request.max_content_length = max_bytes   # a body sent without a length is cut off there
     body = request.get_json(silent=True, force=True)
     if body is None:
         raise bad_request("The request body must be valid JSON.", None, "invalid_json")

@@ -40,8 +40,8 @@ def create_batch():
     unknown = sorted(set(body) - FIELDS)
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
-    if body.get("endpoint") not in bodies.ENDPOINTS:
-        raise bad_request(f"'endpoint' must be one of {list(bodies.ENDPOINTS)}.", "endpoint")
+    if body.get("endpoint") not in ledger.ENDPOINTS:
+        raise bad_request(f"'endpoint' must be one of {list(ledger.ENDPOINTS)}.", "endpoint")
     if body.get("completion_window") != "24h":
         raise bad_request("'completion_window' must be '24h'.", "completion_window")
     sla = body.get("sla_class", "batch")

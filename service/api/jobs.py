@@ -6,7 +6,7 @@ from flask import Blueprint, g, request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, structured
+from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, structured, tiers
 from ..ledger import openai_shapes
 from .. import admission
 from ..auth import tenant_required
@@ -41,6 +41,7 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
     if job.prompt_tokens is not None:
         usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
     return {"id": job.id, "object": "job", "status": job.status.value, "sla_class": job.sla_class.value,
+            "service_tier": tiers.tier(job.sla_class),
             "model": job.model, "endpoint": job.endpoint, "request": job.request, "metadata": job.metadata_,
             "batch_id": job.batch_id, "custom_id": job.custom_id, "deadline": ts(job.deadline),
             "created_at": ts(job.created_at), "queued_at": ts(job.queued_at),
@@ -82,7 +83,9 @@ def create_job():
     checked = bodies.check(body, endpoint, served_model=None,
                            max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA,
                            context_len=ext("registry").context_len(model))
-    sla = body.get("sla_class", "interactive")
+    sla = tiers.sla_class(body.get("service_tier"), body.get("sla_class"),
+                          g.tenant.default_sla_class or "interactive" if body.get("service_tier") == "auto"
+                          else "interactive")
     if sla not in SLA_CLASSES:
         raise bad_request(f"'sla_class' must be one of {list(SLA_CLASSES)}.", "sla_class")
     quotas.check_class(quota, sla)

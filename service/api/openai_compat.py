@@ -12,6 +12,7 @@ from sqlalchemy.orm import undefer
 from service.ledger import token_stream
 
 from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured
+from ..ledger import tiers
 from ..ledger import openai_shapes
 from .. import admission
 from ..auth import tenant_required
@@ -20,6 +21,7 @@ from ..ledger.models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, 
 from . import cfg, ext, json_body
 
 bp = Blueprint("openai", __name__)
+FLEX = SlaClass.batch.value   # service_tier "flex": the batch class, served online
 QUIET = 1.0   # seconds without an event before the ledger is consulted (and an SSE keep-alive is sent)
 log = logging.getLogger("tidepool.online")
 
@@ -64,49 +66,79 @@ def _serve(endpoint: str):
         raise bad_request("'stream' must be a boolean.", "stream")
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", "stream_options")
-    sla = body.pop("sla_class", None) or g.tenant.default_sla_class or "interactive"
-    if sla not in ONLINE_CLASSES:
-        raise bad_request(f"'sla_class' must be one of {list(ONLINE_CLASSES)} here; queue other classes with "
-                          "/v1/jobs or /v1/batches.", "sla_class")
-    quota, conf = g.quota, cfg()
-    model = ext("registry").resolve(quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
-    checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=quota.max_tokens_per_request,
+    sla = online_class(body.pop("service_tier", None), body.pop("sla_class", None))
+    model = ext("registry").resolve(g.quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
+    checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
                            context_len=ext("registry").context_len(model))
     if stream and (checked.body.get("best_of") or 1) > (checked.body.get("n") or 1):
         raise bad_request("'best_of' above 'n' cannot be streamed (the best are known only at the end).", "best_of")
-    quotas.check_class(quota, sla)
-    quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
+    job, waiter = submit(checked, sla, model, marks)
+    fmt = _Format(endpoint, job.id, int(job.created_at.timestamp()), model.name or body.get("model"),
+                  bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body), checked.body)
+    fmt.service_tier = tiers.tier(sla)
+    first, final = first_event(waiter, whole=not stream)
+    if final is not None:
+        if final.status != JobStatus.completed:
+            raise _job_error(final)
+        if not stream:
+            return fmt.whole(final)
+    return event_stream(_sse(waiter, fmt, first))
+
+
+def online_class(service_tier, sla_class) -> str:
+    """The class of an online request: `service_tier` and `sla_class` (service/tiers.py), the tenant's default when
+    neither is given; `flex` runs in the batch class. 403 when the tenant's quota does not allow it."""
+    if sla_class is not None and sla_class not in ONLINE_CLASSES and (service_tier, sla_class) != ("flex", FLEX):
+        raise bad_request(f"'sla_class' must be one of {list(ONLINE_CLASSES)} here (service_tier 'flex' serves "
+                          "the batch class online); queue other classes with /v1/jobs or /v1/batches.", "sla_class")
+    sla = tiers.sla_class(service_tier, sla_class, g.tenant.default_sla_class or "interactive")
+    quotas.check_class(g.quota, sla)
+    return sla
+
+
+def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, wait: bool = True):
+    """A checked body as a ledger job of class `sla` on `model` (a registry entry): rate-checked, admitted (max_queued,
+    budget), committed and dispatched. Returns (job, a _Waiter on its token stream), or (job, None) without wait."""
+    marks = marks if marks is not None else {"recv": time.time()}
+    quotas.check_rate(ext("limiter"), g.quota, checked.estimated_tokens)
     marks["valid"] = time.time()
     now = utcnow()
     job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), model=model.name,
-              status=JobStatus.queued, endpoint=endpoint, request=checked.body, metadata_=None, idempotency_key=None, request_hash=None,
-              estimated_tokens=checked.estimated_tokens, deadline=None, attempts=0, created_at=now, queued_at=now)
+              status=JobStatus.queued, endpoint=checked.endpoint, request=checked.body, metadata_=None,
+              idempotency_key=None, request_hash=None, estimated_tokens=checked.estimated_tokens, deadline=None,
+              attempts=0, created_at=now, queued_at=now)
     xmin = admission.admit(job)    # counted against max_queued and the budget, inserted and committed: one statement
     marks["insert"] = time.time()
-    sub = _hub().subscribe(job.id)       # before dispatch, so no event can be missed
-    ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin,   # a chat's history
-                                  prefix=affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, endpoint,
-                                                                 checked.body))
+    sub = _hub().subscribe(job.id) if wait else None      # before dispatch, so no event can be missed
+    published = ext("dispatcher").publish_one(
+        job.id, ext("dispatcher").queue(sla, model.name), xmin,    # a chat's history
+        prefix=affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, checked.endpoint, checked.body))
+    if published and not wait:
+        job.dispatched_at = utcnow()
     marks["publish"] = time.time()
-    waiter = _Waiter(ext("sessions"), sub, job.id, conf.online_timeout, marks)
-    fmt = _Format(endpoint, job.id, int(now.timestamp()), model.name or body.get("model"),
-                  bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body), checked.body)
+    if not wait:
+        return job, None
+    conf = cfg()
+    return job, _Waiter(ext("sessions"), sub, job.id, conf.online_timeout, marks,
+                        start_within=conf.flex_timeout if sla == FLEX else None)
+
+
+def first_event(waiter: "_Waiter", whole: bool) -> tuple[dict, Job | None]:
+    """(the first event, the terminal job when `whole` or when the first event is the end, else None)."""
     try:
         first = waiter.next_event(keepalive=False)
-        final = waiter.finish() if not stream or first["t"] == "end" else None
+        return first, waiter.finish() if whole or first["t"] == "end" else None
     except LedgerUnavailable:   # the job lives on: the client is told its id, to fetch it instead of resubmitting
         waiter.close()
         raise
     except BaseException:
         waiter.close(cancel=True)
         raise
-    if final is not None:
-        if final.status != JobStatus.completed:
-            raise _job_error(final)
-        if not stream:
-            return fmt.whole(final)
-    return Response(_sse(waiter, fmt, first), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def event_stream(events) -> Response:
+    return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                   "X-Accel-Buffering": "no"})
 
 
 class LedgerUnavailable(APIError):
@@ -124,10 +156,13 @@ class _Waiter:
     """Events for one job from the token stream, with the ledger as fallback when it goes quiet. Ledger
     reads are retried with backoff through a database outage of up to LEDGER_PATIENCE seconds."""
 
-    def __init__(self, sessions, sub, job_id: str, timeout: float, marks: dict | None = None):
+    def __init__(self, sessions, sub, job_id: str, timeout: float, marks: dict | None = None,
+                 start_within: float | None = None):
         self.sessions, self.sub, self.job_id = sessions, sub, job_id
         self.marks = marks if marks is not None else {}   # stage timestamps up to the first token written
         self.deadline = time.monotonic() + timeout
+        # flex: a job still queued after start_within seconds is withdrawn and the client answered 429
+        self.start_by = None if start_within is None else time.monotonic() + start_within
         self.closed = False
 
     def _load(self, full: bool = False) -> Job:
@@ -154,11 +189,26 @@ class _Waiter:
             job = self._load()
             if job.status in TERMINAL:
                 return {"t": "end", "status": job.status.value}
+            if self.start_by is not None and job.status != JobStatus.queued:
+                self.start_by = None
+            elif self.start_by is not None and time.monotonic() > self.start_by and self._withdraw():
+                raise APIError(429, "Flex capacity could not start this request within "
+                                    f"{cfg().flex_timeout:g} seconds; retry later, or use another service_tier.",
+                               "resource_unavailable", retry_after=max(1, int(cfg().flex_timeout)))
             if time.monotonic() > self.deadline:
                 self.close(cancel=True)
                 raise APIError(504, "The request timed out waiting for a worker.", "timeout")
             if keepalive:
                 return None
+
+    def _withdraw(self) -> bool:
+        """Cancel the job if it is still queued (guarded: one that started meanwhile runs on)."""
+        with self.sessions() as s:
+            if not transitions.cancel(s, self.job_id, running=False):
+                return False
+            s.commit()
+        self.close()
+        return True
 
     def finish(self) -> Job:
         """The terminal ledger row; the end event can race the commit only by a worker crash."""
@@ -213,6 +263,7 @@ class _Format:
         self.id, self.created, self.model, self.include_usage = job_id, created, model, include_usage
         self.want_logprobs = want_logprobs
         self.offsets: dict = {}       # per choice: completions text_offset of the next streamed logprobs entry
+        self.service_tier = None
 
     def splitter(self, index: int = 0):
         if not self.chat:
@@ -222,7 +273,8 @@ class _Format:
         return self.splitters[index]
 
     def _head(self, chunk: bool) -> dict:
-        return openai_shapes.head(self.endpoint, self.id, self.created, self.model, chunk)
+        head = openai_shapes.head(self.endpoint, self.id, self.created, self.model, chunk)
+        return {**head, "service_tier": self.service_tier} if self.service_tier else head
 
     def whole(self, job: Job) -> dict:
         picked = openai_shapes.choice_objects(job.endpoint, choices.of_job(job), self.body, self.id, self.want_logprobs)

@@ -5,16 +5,31 @@ from datetime import timedelta
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 
-from . import affinity, bodies, choices, logprobs, quotas
+from . import affinity, anthropic_shapes, bodies, choices, logprobs, quotas, responses
 from . import openai_shapes
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
 
+ENDPOINTS = (*bodies.ENDPOINTS, responses.RESPONSES)    # OpenAI batches; message batches are /v1/messages
 ACTIVE = (BatchStatus.validating, BatchStatus.in_progress, BatchStatus.finalizing, BatchStatus.cancelling)
 
 
 def _line_error(line: int, code: str, message: str, param: str | None = None) -> dict:
     return {"code": code, "message": message, "param": param, "line": line}
+
+
+def check_line(endpoint: str, body, **limits) -> bodies.Checked:
+    """One batch line's body, checked as bodies.check does; a /v1/responses or /v1/messages body becomes the chat
+    body it stands for (its Checked.endpoint is then the chat endpoint the job runs as)."""
+    if endpoint == responses.RESPONSES:
+        if not isinstance(body, dict):
+            raise bodies.bad_request("The request body must be a JSON object.", None, "invalid_body")
+        parsed = responses.parse(body, new_id, responses.BATCH_FIELDS)
+        return responses.check(parsed, None, lambda chat: bodies.check(chat, bodies.CHAT, **limits))
+    if endpoint == anthropic_shapes.MESSAGES:
+        chat, origin = anthropic_shapes.to_chat(body, anthropic_shapes.BATCH_FIELDS)
+        return anthropic_shapes.check(chat, origin, lambda c: bodies.check(c, bodies.CHAT, **limits))
+    return bodies.check(body, endpoint, **limits)
 
 
 def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, served_model: str | None,
@@ -78,9 +93,9 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                 entry = None if models is None else \
                     models.resolve(quota, body.get("model") if isinstance(body, dict) else None)
                 model = None if entry is None else entry.name
-                checked = bodies.check(body, batch.endpoint, served_model=served_model if models is None else None,
-                                       max_tokens_cap=quota.max_tokens_per_request,
-                                       context_len=None if entry is None else models.context_len(entry))
+                checked = check_line(batch.endpoint, body, served_model=served_model if models is None else None,
+                                     max_tokens_cap=quota.max_tokens_per_request,
+                                     context_len=None if entry is None else models.context_len(entry))
             except Exception as exc:  # APIError carries message and param
                 errors.append(_line_error(lineno, getattr(exc, "code", None) or "invalid_body",
                                           getattr(exc, "message", str(exc)), f"body.{getattr(exc, 'param', '')}"))
@@ -90,11 +105,11 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
             job_id = new_id("job_")
             tokens += checked.estimated_tokens
             rows.append(dict(id=job_id, tenant_id=batch.tenant_id, batch_id=batch.id, custom_id=custom_id,
-                             sla_class=sla, model=model, status=JobStatus.queued.value, endpoint=batch.endpoint,
+                             sla_class=sla, model=model, status=JobStatus.queued.value, endpoint=checked.endpoint,
                              request=checked.body, estimated_tokens=checked.estimated_tokens, attempts=0,
                              created_at=now, queued_at=now))
             created.append((job_id, sla if route is None else route(sla, model),
-                            affinity.job_prefix_key(batch.tenant_id, cache_group, batch.endpoint, checked.body)))
+                            affinity.job_prefix_key(batch.tenant_id, cache_group, checked.endpoint, checked.body)))
             if len(rows) >= chunk_size:
                 s.execute(insert(Job), rows)
                 rows = []
@@ -130,13 +145,23 @@ def cancel(s: Session, batch: Batch) -> None:
     batch.status, batch.cancelling_at = BatchStatus.cancelling, now
 
 
-def _result_line(job: Job, model: str | None) -> str:
+def result_body(job: Job, model: str | None, endpoint: str) -> dict:
+    """A completed batch job's response body in the shape of the batch's endpoint."""
     model = job.model or model     # the line's own model; rows older than the registry ran on the default
     created = int(job.finished_at.timestamp()) if job.finished_at else None
+    if endpoint == responses.RESPONSES:
+        return responses.render(responses.response_id(job.id), job, {}, model=model, created_at=created,
+                                service_tier="flex", store=False)
+    if endpoint == anthropic_shapes.MESSAGES:
+        return anthropic_shapes.message(anthropic_shapes.message_id(job.id), model, job)
     usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
     picked = openai_shapes.choice_objects(job.endpoint, choices.of_job(job), job.request, job.id,
                                           logprobs.requested(job.endpoint, job.request))
-    body = {**openai_shapes.head(job.endpoint, job.id, created, model), "choices": picked, "usage": usage}
+    return {**openai_shapes.head(job.endpoint, job.id, created, model), "choices": picked, "usage": usage}
+
+
+def _result_line(job: Job, model: str | None, endpoint: str) -> str:
+    body = result_body(job, model, endpoint)
     return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
                        "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None})
 
@@ -168,7 +193,7 @@ def finalize(s: Session, storage: Storage, batch: Batch, model: str | None = Non
                     counts["completed"] += 1
                 elif job.status in (JobStatus.failed, JobStatus.expired):
                     counts["failed"] += 1
-                yield _result_line(job, model) if ok else _error_line(job)
+                yield _result_line(job, model, batch.endpoint) if ok else _error_line(job)
 
     for want_ok, attr in ((True, "output_file_id"), (False, "error_file_id")):
         file_id = new_id("file-")

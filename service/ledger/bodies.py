@@ -32,7 +32,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "see
 ALLOWED = {COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "best_of"},
            CHAT: _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                             "parallel_tool_calls"}}
-NATIVE_EXTRA = {"sla_class", "deadline", "metadata"}
+NATIVE_EXTRA = {"sla_class", "service_tier", "deadline", "metadata"}
 
 
 def bad_text(value: str) -> str | None:

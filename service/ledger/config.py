@@ -113,6 +113,9 @@ class Config:
     auth_cache_ttl: float = setting("TIDEPOOL_AUTH_CACHE_TTL", 2.0, "Seconds a web process keeps an API key's "
                                     "tenant and quota; `0` reads them on every request (see Accepting a job)",
                                     parse=FLOAT, check=NON_NEGATIVE)
+    flex_timeout: float = setting("TIDEPOOL_FLEX_TIMEOUT", 60.0, "Seconds an online request with `service_tier: "
+                                  "flex` may wait for its job to start before it is withdrawn and answered 429 "
+                                  "`resource_unavailable`", parse=FLOAT, check=POSITIVE)
     mark_interval: float = setting("TIDEPOOL_MARK_INTERVAL", 0.05, "Seconds between a web process's batched "
                                    "writes of `dispatched_at` (see Accepting a job)", parse=FLOAT, check=POSITIVE)
     # ---- workers and upkeep ---------------------------------------------------------------------------------

@@ -186,9 +186,10 @@ def release(s: Session, job_id: str, lease_token: str) -> bool:
     return True
 
 
-def cancel(s: Session, job_id: str, tenant_id: str | None = None) -> bool:
-    """queued|running → cancelled; a running job's worker finds its lease gone and aborts."""
-    for status, counter in ((Q, "queued"), (R, "running")):
+def cancel(s: Session, job_id: str, tenant_id: str | None = None, running: bool = True) -> bool:
+    """queued|running (or only queued, running=False) → cancelled; a running job's worker finds its lease gone
+    and aborts."""
+    for status, counter in ((Q, "queued"), (R, "running"))[:2 if running else 1]:
         stmt = update(Job).where(Job.id == job_id, Job.status == status)
         if tenant_id is not None:
             stmt = stmt.where(Job.tenant_id == tenant_id)

@@ -234,6 +234,20 @@ class Job(Base):
     choices: Mapped[list | None] = mapped_column(JSON, deferred=True)
 
 
+class StoredResponse(Base):
+    """A stored OpenAI Responses API response (`store`, the default): the job that produced it, its own input items
+    and the parameters it echoes; a later request names it as `previous_response_id` (service/responses.py)."""
+    __tablename__ = "responses"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    previous_response_id: Mapped[str | None] = mapped_column(String(40))
+    background: Mapped[bool] = mapped_column(Boolean, default=False)
+    params: Mapped[dict] = mapped_column(JSON)           # the request's parameters other than input
+    input_items: Mapped[list] = mapped_column(JSON)      # this request's input, as items with ids
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class Usage(Base):
     """Tokens consumed per tenant per calendar month (UTC), added when a job finishes."""
     __tablename__ = "usage"

@@ -189,3 +189,47 @@ def test_warm_up_builds_the_compiler_before_any_request(tiny_model_dir):
     assert sd._compiler is not None and len(sd._cache) == 1
     compiled = next(iter(sd._cache.values()))
     assert sd.compile(StructuredOutput(json_object=True)) is compiled      # the first request finds it ready
+
+
+NAME_AGE = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+            "properties": {"name": {"type": "string", "maxLength": 20},
+                           "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+
+
+def test_every_token_the_mask_admits_keeps_the_bytes_valid_utf8(tiny_model_dir):
+    """Issue #31: the grammar library admitted token bytes that are not valid UTF-8 inside a string (they decoded to
+    U+FFFD and pushed it past maxLength). Walks that pick uniformly among the tokens the mask allows (any model
+    could pick any of them) must spell valid UTF-8 that parses and validates."""
+    import random
+
+    import torch
+
+    from workers.engine.structured import StructuredDecoding
+    config = EngineConfig(model=tiny_model_dir("llama-gqa"))
+    sd = StructuredDecoding(config.model, config.model_config.vocab_size, config.model_config.eos_token_ids,
+                            torch.device("cpu"))
+    sd.warm()
+    vocab = sd._compiler.tokenizer_info.decoded_vocab
+    size = config.model_config.vocab_size
+    spec = StructuredOutput(json_schema=NAME_AGE)
+    for walk in range(25):
+        rnd, grammar, text = random.Random(walk), sd.matcher(spec), b""
+        for _ in range(300):
+            mask = sd.bitmask([grammar])[0][0]
+            allowed = [t for t in range(size) if (int(mask[t // 32]) >> (t % 32)) & 1]
+            token = rnd.choice(allowed)
+            grammar.accept_token(token)
+            if grammar.is_terminated():
+                break
+            text += bytes(vocab[token])
+        assert grammar.is_terminated(), text
+        jsonschema.validate(json.loads(text.decode("utf-8")), NAME_AGE)
+
+
+def test_sampled_constrained_strings_hold_no_replacement_characters(llm):
+    params = [SamplingParams(max_tokens=120, temperature=1.0, seed=i, structured=StructuredOutput(json_schema=NAME_AGE))
+              for i in range(30)]
+    for out in llm.generate(_prompts(30), params):
+        assert "\ufffd" not in out.text, out.text
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), NAME_AGE)

@@ -16,15 +16,61 @@ from workers.engine.sampling_params import StructuredOutput
 MAX_CACHED_GRAMMARS = 512
 
 
-class Grammar:
-    """One sequence's place in its grammar."""
-    __slots__ = ("matcher", "json")
+# UTF-8 as a little automaton over bytes: the state is what the next byte must be. 0: a new character; 1-3: that
+# many continuation bytes (0x80-0xBF) to go; 4-7: the second byte of E0 (A0-BF), ED (80-9F: no surrogates), F0
+# (90-BF: no overlong) and F4 (80-8F: at most U+10FFFF), then 1, 1, 2, 2 continuation bytes.
+_UTF8_RANGES = {1: (0x80, 0xBF, 0), 2: (0x80, 0xBF, 1), 3: (0x80, 0xBF, 2), 4: (0xA0, 0xBF, 1), 5: (0x80, 0x9F, 1),
+                6: (0x90, 0xBF, 2), 7: (0x80, 0x8F, 2)}
+UTF8_STATES = 8
 
-    def __init__(self, matcher, json: bool):
+
+def utf8_step(state: int, byte: int) -> int:
+    """The state after `byte`, or -1 when the bytes so far cannot be valid UTF-8."""
+    if state:
+        lo, hi, then = _UTF8_RANGES[state]
+        return then if lo <= byte <= hi else -1
+    if byte < 0x80:
+        return 0
+    if 0xC2 <= byte <= 0xDF:
+        return 1
+    if 0xE0 <= byte <= 0xEF:
+        return {0xE0: 4, 0xED: 5}.get(byte, 2)
+    if 0xF0 <= byte <= 0xF4:
+        return {0xF0: 6, 0xF4: 7}.get(byte, 3)
+    return -1
+
+
+def utf8_table(token_bytes: list[bytes]) -> list[list[int]]:
+    """[state][token] -> the state after the token's bytes, -1 where they break UTF-8. A token without bytes (a
+    special or stop token) keeps state 0 and is refused mid-character (the text would end in U+FFFD)."""
+    table = [[-1] * len(token_bytes) for _ in range(UTF8_STATES)]
+    for t, raw in enumerate(token_bytes):
+        if raw.isascii():       # most of a vocabulary: only at a character boundary
+            table[0][t] = 0
+            continue
+        for start in range(UTF8_STATES):
+            state = start
+            for b in raw:
+                state = utf8_step(state, b)
+                if state < 0:
+                    break
+            table[start][t] = state
+    return table
+
+
+class Grammar:
+    """One sequence's place in its grammar, and in UTF-8 (the grammar library admits token bytes that are not
+    valid UTF-8 inside strings, which decode to U+FFFD; utf8 is the automaton state above)."""
+    __slots__ = ("matcher", "json", "utf8", "table")
+
+    def __init__(self, matcher, json: bool, table: list[list[int]] | None = None):
         self.matcher = matcher
         self.json = json
+        self.utf8, self.table = 0, table
 
     def accept_token(self, token: int) -> bool:
+        if self.table is not None and token < len(self.table[0]):
+            self.utf8 = max(0, self.table[self.utf8][token])
         return self.matcher.accept_token(token)
 
     def is_terminated(self) -> bool:
@@ -60,6 +106,13 @@ class StructuredDecoding:
             if token_id not in self.stop_token_ids and any(b < 0x20 for b in raw):
                 allowed[token_id] = False
         self._json_ok = _pack(allowed)
+        raw = [bytes(b) for b in info.decoded_vocab[:self.vocab_size]]
+        raw += [b""] * (self.vocab_size - len(raw))
+        self._utf8 = utf8_table(raw)
+        words = self._json_ok.numel() * 32
+        self._utf8_ok = [_pack(torch.cat([torch.tensor([s >= 0 for s in row], dtype=torch.bool),
+                                          torch.zeros(words - len(row), dtype=torch.bool)]))
+                         for row in self._utf8]
         self._xgr = xgrammar
 
     def compile(self, spec: StructuredOutput):
@@ -97,7 +150,8 @@ class StructuredDecoding:
     def matcher(self, spec: StructuredOutput, tokens: list[int] = ()):
         """A fresh matcher for spec, advanced over tokens already generated."""
         compiled = self.compile(spec)
-        m = Grammar(self._xgr.GrammarMatcher(compiled), json=spec.key[0] in ("json_schema", "json_object"))
+        m = Grammar(self._xgr.GrammarMatcher(compiled), json=spec.key[0] in ("json_schema", "json_object"),
+                    table=self._utf8)
         for t in tokens:
             if not m.accept_token(t):
                 raise ValueError(f"token {t} does not follow the grammar")
@@ -115,9 +169,13 @@ class StructuredDecoding:
                                         pin_memory=self.device.type == "cuda")
         mask = self._bitmask[:len(matchers)]
         for i in rows:
-            matchers[i].matcher.fill_next_token_bitmask(mask, i)
-            if matchers[i].json:
+            m = matchers[i]
+            m.matcher.fill_next_token_bitmask(mask, i)
+            if m.json:
                 mask[i] &= self._json_ok
+            row = mask[i] & self._utf8_ok[m.utf8]
+            if bool(row.any()):     # (never empty under a grammar over whole characters; if it were, keep its mask)
+                mask[i] = row
         self.mask_s += time.perf_counter() - t0
         self.masked_rows += len(rows)
         return mask.to(self.device, non_blocking=True), rows
