@@ -11,8 +11,7 @@ from sqlalchemy.orm import undefer
 
 from service.ledger import token_stream
 
-from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured
-from ..ledger import tiers
+from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured, tiers
 from ..ledger import openai_shapes
 from .. import admission
 from ..auth import tenant_required

@@ -5,9 +5,9 @@ import json
 import re
 
 from . import bodies, structured
+from .endpoints import MESSAGES  # noqa: F401 (anthropic_shapes.MESSAGES for its callers)
 from .errors import APIError, bad_request
 
-MESSAGES = "/v1/messages"
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "tools",
           "tool_choice", "metadata", "stream", "service_tier", "sla_class"}
 BATCH_FIELDS = FIELDS - {"stream"}
