@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from . import bodies, structured
 from .errors import APIError, bad_request
-from .endpoints import CHAT, RESPONSES  # noqa: F401 (responses.RESPONSES for its callers)
+from .endpoints import RESPONSES  # noqa: F401 (responses.RESPONSES for its callers)
 # The request's own fields; `stream`, `background`, `store`, `previous_response_id`, `service_tier` and
 # `sla_class` are the API's (service/api/responses.py), the rest shape the chat body.
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",

@@ -13,7 +13,7 @@ import requests
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.ledger.models import Batch, Job, JobStatus, Quota, StoredResponse, Usage
+from service.ledger.models import Batch, Job, JobStatus, Quota, Usage
 
 from .conftest import served_stack
 
