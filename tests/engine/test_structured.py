@@ -209,7 +209,7 @@ def test_every_token_the_mask_admits_keeps_the_bytes_valid_utf8(tiny_model_dir):
     sd = StructuredDecoding(config.model, config.model_config.vocab_size, config.model_config.eos_token_ids,
                             torch.device("cpu"))
     sd.warm()
-    vocab = sd._compiler.tokenizer_info.decoded_vocab
+    vocab = sd.token_bytes
     size = config.model_config.vocab_size
     spec = StructuredOutput(json_schema=NAME_AGE)
     for walk in range(25):

@@ -257,7 +257,7 @@ def test_service_tier_picks_the_class_on_every_route_and_is_reported(st):
 def test_anthropic_message_equals_the_chat_completion_plain_and_streamed(st, oa, an):
     chat = oa.chat.completions.create(model="tiny", max_tokens=8, temperature=0, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTION}])
-    m = an.messages.create(model="tiny", max_tokens=8, temperature=0, system="Be brief.",
+    m = an.messages.create(model="tiny", max_tokens=8, extra_body={"temperature": 0}, system="Be brief.",
                            messages=[{"role": "user", "content": QUESTION}])
     assert m.type == "message" and m.role == "assistant" and m.content[0].type == "text"
     assert m.content[0].text == chat.choices[0].message.content
@@ -265,7 +265,7 @@ def test_anthropic_message_equals_the_chat_completion_plain_and_streamed(st, oa,
     assert (m.usage.input_tokens, m.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert _job(st, "job_" + m.id.split("_", 1)[1]).sla_class.value == "interactive"
 
-    with an.messages.stream(model="tiny", max_tokens=8, temperature=0, system=[{"type": "text", "text": "Be brief."}],
+    with an.messages.stream(model="tiny", max_tokens=8, extra_body={"temperature": 0}, system=[{"type": "text", "text": "Be brief."}],
                             messages=[{"role": "user", "content": QUESTION}]) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
@@ -286,7 +286,7 @@ def test_anthropic_tools_with_a_tool_result_round_trip(st, an):
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER["parameters"])
-    follow = an.messages.create(model="tiny", max_tokens=4, temperature=0, tools=[tool],
+    follow = an.messages.create(model="tiny", max_tokens=4, extra_body={"temperature": 0}, tools=[tool],
                                 tool_choice={"type": "none"}, messages=[
                                     {"role": "user", "content": QUESTION},
                                     {"role": "assistant", "content": m.content},
@@ -318,7 +318,7 @@ def test_bad_anthropic_input_is_a_400_in_anthropics_shape_and_bills_nothing(st):
         (dict(max_tokens=4, messages=[{"role": "user", "content": "a\x00b"}]), "messages"),
         (dict(max_tokens=4, messages=[{"role": "user", "content": "x" * ((1 << 21) + 1)}]), "messages"),
         (dict(max_tokens=4, messages=user, tool_choice={"type": "any"}), "tool_choice"),
-        (dict(max_tokens=4, messages=user, temperature=1.5), "temperature"),
+        (dict(max_tokens=4, messages=user, extra_body={"temperature": 1.5}), "temperature"),
         (dict(max_tokens=4, messages=user, stop_sequences=[""]), "stop_sequences"),
     ]
     for kwargs, field in cases:
@@ -340,7 +340,8 @@ def test_bad_anthropic_input_is_a_400_in_anthropics_shape_and_bills_nothing(st):
 
 def test_message_batch_create_retrieve_results_cancel_delete(st, an, keyed):
     params = {"model": "tiny", "max_tokens": 4, "temperature": 0}
-    reference = an.messages.create(**params, messages=[{"role": "user", "content": "Hi"}])
+    reference = an.messages.create(model="tiny", max_tokens=4, extra_body={"temperature": 0},
+                                   messages=[{"role": "user", "content": "Hi"}])
     b = an.messages.batches.create(requests=[
         {"custom_id": "a", "params": {**params, "messages": [{"role": "user", "content": "Hi"}]}},
         {"custom_id": "b", "params": {**params, "system": "Be brief.", "messages": [{"role": "user", "content": "Yo"}]}},

@@ -107,8 +107,8 @@ class StructuredDecoding:
                 allowed[token_id] = False
         self._json_ok = _pack(allowed)
         raw = [bytes(b) for b in info.decoded_vocab[:self.vocab_size]]
-        raw += [b""] * (self.vocab_size - len(raw))
-        self._utf8 = utf8_table(raw)
+        self.token_bytes = raw + [b""] * (self.vocab_size - len(raw))   # what each token spells, as the grammar sees it
+        self._utf8 = utf8_table(self.token_bytes)
         words = self._json_ok.numel() * 32
         self._utf8_ok = [_pack(torch.cat([torch.tensor([s >= 0 for s in row], dtype=torch.bool),
                                           torch.zeros(words - len(row), dtype=torch.bool)]))
