@@ -196,32 +196,44 @@ NAME_AGE = {"type": "object", "additionalProperties": False, "required": ["name"
                            "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
 
 
-def test_every_token_the_mask_admits_keeps_the_bytes_valid_utf8(tiny_model_dir):
-    """Issue #31: the grammar library admitted token bytes that are not valid UTF-8 inside a string (they decoded to
-    U+FFFD and pushed it past maxLength). Walks that pick uniformly among the tokens the mask allows (any model
-    could pick any of them) must spell valid UTF-8 that parses and validates."""
+def _allowed(sd, grammar, size):
+    mask = sd.bitmask([grammar])[0][0]
+    return [t for t in range(size) if (int(mask[t // 32]) >> (t % 32)) & 1]
+
+
+def test_the_mask_admits_only_token_bytes_that_stay_valid_utf8(tiny_model_dir):
+    """Issue #31: the grammar library admitted token bytes that are not valid UTF-8 inside a JSON string (a surrogate's
+    encoding, stray continuation bytes), which decoded to U+FFFD and pushed the string past maxLength. Walks that
+    prefer non-ASCII tokens among those the mask allows (any model could pick any of them) must spell valid UTF-8
+    that parses and validates; after the lead byte ED only 80-9F may follow (A0-BF would encode a surrogate)."""
     import random
 
     import torch
 
     from workers.engine.structured import StructuredDecoding
     config = EngineConfig(model=tiny_model_dir("llama-gqa"))
-    sd = StructuredDecoding(config.model, config.model_config.vocab_size, config.model_config.eos_token_ids,
-                            torch.device("cpu"))
+    size = config.model_config.vocab_size
+    sd = StructuredDecoding(config.model, size, config.model_config.eos_token_ids, torch.device("cpu"))
     sd.warm()
     vocab = sd.token_bytes
-    size = config.model_config.vocab_size
     spec = StructuredOutput(json_schema=NAME_AGE)
+
+    one = {raw[0]: t for t, raw in enumerate(vocab) if len(raw) == 1}     # the byte-level vocabulary's byte tokens
+    grammar = sd.matcher(spec, [one[b] for b in b'{"name":"'] + [one[0xED]])
+    allowed = set(_allowed(sd, grammar, size))
+    assert one[0x80] in allowed and one[0x9F] in allowed
+    assert not allowed & {one[b] for b in range(0xA0, 0x100)} and not allowed & {one[b] for b in range(0x80)}
+
     for walk in range(25):
         rnd, grammar, text = random.Random(walk), sd.matcher(spec), b""
         for _ in range(300):
-            mask = sd.bitmask([grammar])[0][0]
-            allowed = [t for t in range(size) if (int(mask[t // 32]) >> (t % 32)) & 1]
-            token = rnd.choice(allowed)
+            allowed = _allowed(sd, grammar, size)
+            wide = [t for t in allowed if not vocab[t].isascii()]
+            token = rnd.choice(wide if wide and rnd.random() < 0.9 else allowed)
             grammar.accept_token(token)
             if grammar.is_terminated():
                 break
-            text += bytes(vocab[token])
+            text += vocab[token]
         assert grammar.is_terminated(), text
         jsonschema.validate(json.loads(text.decode("utf-8")), NAME_AGE)
 
