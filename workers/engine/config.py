@@ -54,6 +54,9 @@ class EngineConfig:
     calibrate: bool = True                      # seed the step cost model with a few timed steps at start
     cpu_kernels: bool | None = None             # native CPU kernels (kernels/cpu_ops.configure); None: as they are
     kernel_cache: str | None = None             # their build folder; None: the user's cache folder
+    max_loras: int = 0                          # LoRA adapter slots on the device (workers.engine.lora); 0: no LoRA
+    max_lora_rank: int = 16                     # every slot is padded to this rank; a higher-rank adapter is refused
+    max_cpu_loras: int | None = None            # host copies of adapters kept; None: 2 x max_loras
 
     def __post_init__(self):
         path = Path(self.model)
@@ -66,6 +69,12 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.max_loras < 0 or self.max_lora_rank < 1:
+            raise ValueError("max_loras must be >= 0 and max_lora_rank >= 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = 2 * self.max_loras
+        elif self.max_loras and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         self._resolve_scheduling()

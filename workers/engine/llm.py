@@ -20,17 +20,21 @@ class LLM:
 
     def generate(self, prompts: list[str] | list[list[int]] | str,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request=None) -> list[RequestOutput]:
+        """lora_request: a workers.engine.lora.LoRARequest for every prompt, or a list of one (or None) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("sampling_params list must match prompts in length")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError("lora_request list must match prompts in length")
         ids = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             request_id = f"gen-{self._counter}"
             self._counter += 1
-            self.engine.add_request(request_id, prompt, p, sla_class="batch")
+            self.engine.add_request(request_id, prompt, p, sla_class="batch", lora=lora)
             ids.append(request_id)
         results: dict[str, RequestOutput] = {}
         bar = None

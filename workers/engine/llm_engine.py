@@ -8,6 +8,7 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.calibration import calibrate
 from workers.engine.cost_model import CostModel
+from workers.engine.lora import LoRAManager, LoRARequest
 from workers.engine.model_runner import ModelRunner
 from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams
@@ -99,6 +100,10 @@ class LLMEngine:
         self.host_pool = HostKVPool(self.runner.model.layers, num_host_blocks) if num_host_blocks else None
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_host_blocks=num_host_blocks)
+        self.lora = None if not config.max_loras else LoRAManager(
+            self.runner.model, config.model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
+            self.runner.device, self.runner.dtype)
+        self.runner.lora = self.lora
         self.cost_model = CostModel()
         if config.calibrate:
             calibrate(self.cost_model, self.runner, num_blocks, config.block_size, config.max_num_seqs,
@@ -111,7 +116,10 @@ class LLMEngine:
             sla_targets=config.sla_targets, reserve_seats=min(int(config.online_reserve * config.max_num_seqs),
                                                               config.max_num_seqs - 1),
             reserve_blocks=max(0, reserve_blocks), capacity_policy=config.capacity_policy,
-            max_model_len=self.max_model_len, offline_floor=config.offline_floor)
+            max_model_len=self.max_model_len, offline_floor=config.offline_floor,
+            admit_gate=None if self.lora is None else lambda seq, running: self.lora.admissible(seq.lora, running))
+        if self.lora is not None:
+            self.lora.running, self.lora.waiting = self.scheduler.running, self.scheduler.waiting
         self.sampler = Sampler(self.runner.device)
         self.eos_token_ids = set(config.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
@@ -131,9 +139,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     sla_class: str = "interactive", tenant: str = "default", weight: float = 1.0,
                     on_token: Callable[[RequestOutput], None] | None = None,
-                    cache_namespace: str | None = None) -> None:
+                    cache_namespace: str | None = None, lora: LoRARequest | None = None) -> None:
         """Queue a request (thread-safe). Raises ValueError for a prompt the engine cannot run.
-        Prefix-cache blocks are shared only between requests of the same cache_namespace."""
+        Prefix-cache blocks are shared only between requests of the same cache_namespace (and adapter).
+        lora: run it through this LoRA adapter (LoRAError, a ValueError, if it does not fit the model)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -143,8 +152,12 @@ class LLMEngine:
         vocab = self.config.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if lora is not None:
+            if self.lora is None:
+                raise ValueError("this engine serves no LoRA adapters (max_loras is 0)")
+            self.lora.add(lora)
         seq = Sequence(request_id, ids, params, sla_class=sla_class, tenant=tenant, weight=weight,
-                       cache_namespace=cache_namespace)
+                       cache_namespace=cache_namespace, lora=None if lora is None else lora.name)
         if params.structured is not None:
             seq.grammar = self.structured.matcher(params.structured)
         request = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), on_token,
@@ -190,6 +203,8 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is not None:
                 outputs.append(self._finish(request, "abort"))
+        if self.lora is not None and (failed := self.lora.take_failed()):     # an adapter that would not load
+            outputs += [self._finish(r, "abort") for r in list(self.requests.values()) if r.seq.lora in failed]
         return outputs
 
     # -- the loop -------------------------------------------------------------------------------
@@ -377,5 +392,6 @@ class LLMEngine:
             "structured_masked_rows": self.structured.masked_rows,
             "decode_graph_replays": self.runner.decode_graphs.replays if self.runner.decode_graphs else 0,
             "last_step": dict(self._last_step),
+            **({} if self.lora is None else {"lora": self.lora.stats()}),
             **{f"total_{k}": v for k, v in self._totals.items()},
         }

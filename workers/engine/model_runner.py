@@ -77,6 +77,7 @@ class ModelRunner:
         if self.device.type == "cpu" and self.backend == "torch":
             self._prepare_cpu_kernel()
         self.decode_graphs = None
+        self.lora = None         # the LLMEngine's LoRAManager when adapters are on (max_loras > 0)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = self.make_decode_graphs(capture=True)
 
@@ -168,11 +169,14 @@ class ModelRunner:
         """Compute the batch's new tokens into the cache; return logits [S, V] for the rows that sample.
         Prompt logprobs asked for (SamplingParams.prompt_logprobs) are left in `self.prompt_logprobs`."""
         step = self._prepare(batch)
-        if self._fits_graph(batch):
+        adapters = self.lora is not None and self.lora.begin_step(batch.seqs, batch.num_new_tokens)
+        if self._fits_graph(batch) and not adapters:     # the graphs were captured without adapters
             hidden = self.decode_graphs.run(step["input_ids"], step["positions"], step["slot_mapping"],
                                             step["context_lens"], step["block_tables"])
         else:
             hidden = self._run_eager(step, max(batch.num_new_tokens))
+            if adapters:
+                self.lora.end_step()
         self.prompt_logprobs = self._prompt_logprobs(hidden, step["prompt_rows"]) if step["prompt_rows"] else []
         if not step["sample_rows"]:
             return None

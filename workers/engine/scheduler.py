@@ -70,10 +70,12 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  cost_model=None, sla_targets: dict | None = None, reserve_seats: int = 0, reserve_blocks: int = 0,
                  capacity_policy: str = "max_utilization", max_model_len: int | None = None,
-                 offline_floor: float = 0.5, clock=time.monotonic):
+                 offline_floor: float = 0.5, clock=time.monotonic, admit_gate=None):
         """cost_model: any object with `fixed`, `per_token`, `per_context` (seconds); None: no time bound.
         sla_targets: {class: {"ttft_ms": .., "itl_ms": ..}} for the online classes (itl_ms: the class's pace).
-        offline_floor: the least share of a step's time offline work gets while it waits beside online work."""
+        offline_floor: the least share of a step's time offline work gets while it waits beside online work.
+        admit_gate(seq, running) -> bool: False keeps a sequence out for now without holding up those below it
+        (its LoRA adapter is loading or has no slot: workers.engine.lora.LoRAManager.admissible)."""
         if capacity_policy not in CAPACITY_POLICIES:
             raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, got {capacity_policy!r}")
         if not 0 <= offline_floor < 1:
@@ -92,6 +94,7 @@ class Scheduler:
         self.offline_floor = offline_floor
         self.offline_owed = 0.0                # seconds of step time offline work is owed (see the module docstring)
         self.clock = clock
+        self.admit_gate = admit_gate
         self.waiting: list[Sequence] = []      # WAITING, SUSPENDED and SWAPPED sequences
         self.running: list[Sequence] = []
         self.served: dict[tuple[int, str], float] = defaultdict(float)   # (class rank, tenant) -> tokens / weight
@@ -261,6 +264,8 @@ class Scheduler:
                     time_left < self._step_cost(seq.num_computed_tokens, 1):
                 continue   # not even one more offline token fits in the time bound
             new = seq.status != RUNNING
+            if new and self.admit_gate is not None and not self.admit_gate(seq, self.running):
+                continue
             if new:
                 # Don't admit work that ranks no higher than what this step just evicted.
                 admitting = admitting and not any(p.rank <= seq.rank for p in batch.preempted)

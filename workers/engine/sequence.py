@@ -25,7 +25,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sla_class: str = "interactive", tenant: str = "default", weight: float = 1.0,
-                 cache_namespace: str | None = None):
+                 cache_namespace: str | None = None, lora: str | None = None):
         if sla_class not in CLASS_RANK:
             raise ValueError(f"sla_class must be one of {SLA_CLASSES}, got {sla_class!r}")
         if weight <= 0:
@@ -38,8 +38,11 @@ class Sequence:
         self.rank = CLASS_RANK[sla_class]
         self.tenant = tenant
         self.weight = weight
-        # Seeds the chain hash of the first block: prefix-cache blocks are shared only within one namespace.
-        self.cache_root: int | None = None if cache_namespace is None else hash(("namespace", cache_namespace))
+        self.lora = lora                       # the LoRA adapter's name (workers.engine.lora); None: the base model
+        # Seeds the chain hash of the first block: prefix-cache blocks are shared only within one namespace and
+        # adapter (an adapter's K/V differ from the base model's for the same tokens).
+        self.cache_root: int | None = None if cache_namespace is None and lora is None else \
+            hash(("namespace", cache_namespace)) if lora is None else hash(("namespace", cache_namespace, "lora", lora))
         self.arrival = next(Sequence._arrivals)
         self.arrival_time = time.monotonic()
         self.status = SequenceStatus.WAITING
