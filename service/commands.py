@@ -25,6 +25,19 @@ def register(sub) -> None:
     p.add_argument("prefix")
     p.set_defaults(func=_keys_revoke)
 
+    adapters = sub.add_parser("adapters", help="LoRA adapters over registered models").add_subparsers(
+        dest="adapters_command", required=True)
+    p = adapters.add_parser("register", help="register a PEFT adapter folder; prints it as JSON (a folder that does "
+                            "not fit its base model is refused with the reason)")
+    p.add_argument("name", help="the name requests put in `model`")
+    p.add_argument("--base", required=True, help="the registered model it adapts")
+    p.add_argument("--source", required=True, help="the folder (adapter_config.json, adapter_model.safetensors)")
+    p.add_argument("--tenant", default=None, help="the owning tenant's id (default: shared, per allow-list)")
+    p.add_argument("--pinned", action="store_true", help="never evicted from the workers' adapter slots")
+    p.set_defaults(func=_adapters_register)
+    p = adapters.add_parser("list", help="print the registered adapters as a JSON array")
+    p.set_defaults(func=_adapters_list)
+
     p = sub.add_parser("web", help="run the API alone (werkzeug; use gunicorn 'service.wsgi:app' in production)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -141,6 +154,32 @@ def _db_downgrade(args) -> int:
     from service import migrate
     migrate.downgrade(_config().database_url, args.revision)
     print(json.dumps({"downgraded": args.revision}))
+    return 0
+
+
+def _adapters_register(args) -> int:
+    from pathlib import Path
+
+    from service.ledger import adapters, registry
+    from service.ledger.errors import APIError
+    cfg = _config()
+    with _session() as s:
+        base = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).get(args.base)
+        try:
+            row = adapters.register(s, args.name, args.base, str(Path(args.source).expanduser().resolve()), base,
+                                    cfg.max_lora_rank or adapters.DEFAULT_MAX_LORA_RANK, args.tenant, args.pinned,
+                                    actor="cli")
+        except APIError as exc:
+            return _fail(exc)
+        s.commit()
+        print(json.dumps(adapters.adapter_json(row)))
+    return 0
+
+
+def _adapters_list(args) -> int:
+    from service.ledger import adapters
+    with _session() as s:
+        print(json.dumps([adapters.adapter_json(a) for a in adapters.listing(s)]))
     return 0
 
 

@@ -63,8 +63,10 @@ def count_lines(path: str | Path) -> int:
 
 
 def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path, model_name: str,
-              max_in_flight: int | None = None, progress: bool = True) -> dict:
-    """Returns counts: {"total", "completed", "failed", "generated_tokens", "seconds"}."""
+              max_in_flight: int | None = None, progress: bool = True, adapters: dict | None = None) -> dict:
+    """Returns counts: {"total", "completed", "failed", "generated_tokens", "seconds"}. adapters: LoRARequest by
+    name: a line whose body names one in `model` runs with it."""
+    adapters = adapters or {}
     max_in_flight = max_in_flight or 4 * engine.config.max_num_seqs
     counts = {"total": 0, "completed": 0, "failed": 0, "generated_tokens": 0}
     pending: dict[str, tuple[int, str, str, dict]] = {}   # engine request id -> (input position, custom_id, url, body)
@@ -121,7 +123,8 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                     runs_as = CHAT if url == responses.RESPONSES else url
                     try:
                         prompt = prompt_ids(runs_as, body, engine.tokenizer)
-                        engine.add_request(request_id, prompt, sampling_params(runs_as, body), sla_class="batch")
+                        engine.add_request(request_id, prompt, sampling_params(runs_as, body), sla_class="batch",
+                                           lora=adapters.get(body.get("model")))
                     except ValueError as exc:
                         raise LineError("invalid_request", str(exc), custom_id) from None
                     pending[request_id] = (position, custom_id, url, body)

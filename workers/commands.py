@@ -17,6 +17,8 @@ def register(sub) -> None:
     p.add_argument("--model", default=None, help="model folder (default: $TIDEPOOL_MODEL)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     add_engine_flags(p)
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=DIR",
+                   help="a LoRA adapter (PEFT folder) that lines naming NAME in `model` run with; repeatable")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_batch)
 
@@ -127,7 +129,7 @@ def run_batch(args) -> int:
 
     from service.ledger.config import Config
     from workers.batch_runner import run_batch
-    from workers.engine import EngineConfig, LLMEngine
+    from workers.engine import EngineConfig, LLMEngine, LoRARequest
     from workers.settings import engine_fields
 
     settings = Config.from_env()
@@ -136,11 +138,21 @@ def run_batch(args) -> int:
         print("no model: pass --model DIR or set TIDEPOOL_MODEL", file=sys.stderr)
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    loras = {}
+    for spec in args.adapter:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            print(f"--adapter takes NAME=DIR, got {spec!r}", file=sys.stderr)
+            return 2
+        loras[name] = LoRARequest(name, str(Path(folder).expanduser().resolve()))
+    fields = {**engine_fields(settings, device), **engine_overrides(args)}
+    if loras and not fields.get("max_loras"):
+        fields["max_loras"] = min(len(loras), 8)
     # Only batch lines come through here, as through LLM: no online reserve and no step bounded in time for online work.
     engine = LLMEngine(EngineConfig(model=model, device=device,
-                                    **{**engine_fields(settings, device), **engine_overrides(args),
-                                       "online_reserve": 0.0, "sla_targets": {}}))
+                                    **{**fields, "online_reserve": 0.0, "sla_targets": {}}))
     log.info("run-batch: engine ready; reading %s", args.input)
-    counts = run_batch(engine, args.input, args.output, Path(model).name, progress=not args.no_progress)
+    counts = run_batch(engine, args.input, args.output, Path(model).name, progress=not args.no_progress,
+                       adapters=loras)
     print(json.dumps(counts))
     return 0

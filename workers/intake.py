@@ -16,7 +16,7 @@ from service.ledger.models import ONLINE_CLASSES, cache_namespace
 from service.ledger.wire import job_id as message_job_id, transport_options
 from workers.attempt import Attempts, Inflight, build_request, utc
 from workers.broker import take
-from workers.engine import PromptTooLong
+from workers.engine import LoRARequest, PromptTooLong
 from workers.openai_bodies import echo_text
 from workers.results import Results, requeue
 from workers.streaming import Streaming
@@ -169,7 +169,8 @@ class Intake:
             inf.entered_at = time.time()
             self.engine.add_request(inf.request_id, prompt, params, sla_class=job.sla_class, tenant=job.tenant_id,
                                     weight=job.weight, on_token=partial(self.streaming.on_token, inf),
-                                    cache_namespace=cache_namespace(job.tenant_id, job.cache_group))
+                                    cache_namespace=cache_namespace(job.tenant_id, job.cache_group),
+                                    lora=None if job.adapter is None else LoRARequest(*job.adapter))
         except Exception:
             self.attempts.forget(inf)
             raise

@@ -71,6 +71,15 @@ class EngineMetrics:
                                            ["worker", "kind"], registry=r)
         self.iteration_tokens = Histogram("tidepool:iteration_tokens", "Tokens per engine step.", ["worker"],
                                           buckets=ITERATION_BUCKETS, registry=r)
+        self.lora_adapters = Gauge("tidepool:lora_adapters", "LoRA adapters by state: resident (in a device slot), "
+                                   "loading (being read from disk), host (host copies).", ["worker", "state"],
+                                   registry=r)
+        self.lora_evictions = Counter("tidepool:lora_evictions", "LoRA adapters that lost their device slot.",
+                                      ["worker"], registry=r)
+        self.lora_load_seconds = Counter("tidepool:lora_load_seconds", "Seconds spent reading LoRA adapters from "
+                                         "disk.", ["worker"], registry=r)
+        self.lora_tokens = Counter("tidepool:lora_tokens", "Tokens computed per LoRA adapter.", ["worker", "adapter"],
+                                   registry=r)
         self._last: dict[tuple[str, str], float] = {}     # (worker, stat) → last cumulative value seen
         self._tenants: set[str] = set()
         self._rate: dict[str, tuple[float, int, int]] = {}  # worker → (ts, prompt, generation) at last publish
@@ -119,12 +128,26 @@ class EngineMetrics:
             delta = self._advance(worker, f"preemptions_{kind}", kinds.get(kind, 0))
             if delta:
                 self.preemptions_by_kind.labels(worker, kind).inc(delta)
+        if "lora" in stats:
+            self._update_lora(stats["lora"], worker)
         if self._advance(worker, "total_steps", stats.get("total_steps", 0)):
             self.iteration_tokens.labels(worker).observe(stats.get("last_step", {}).get("tokens", 0))
         now = time.time() if now is None else now
         if self.store is not None and now - self._published.get(worker, 0.0) >= PUBLISH_INTERVAL:
             self.store.put(self.snapshot(stats, worker, now))
             self._published[worker] = now
+
+    def _update_lora(self, lora: dict, worker: str) -> None:
+        for state, key in (("resident", "resident"), ("loading", "loading"), ("host", "host_copies")):
+            self.lora_adapters.labels(worker, state).set(lora.get(key, 0))
+        for key, counter in (("evicted", self.lora_evictions), ("load_s", self.lora_load_seconds)):
+            delta = self._advance(worker, f"lora_{key}", lora.get(key, 0))
+            if delta:
+                counter.labels(worker).inc(delta)
+        for adapter, tokens in lora.get("tokens", {}).items():
+            delta = self._advance(worker, f"lora_tokens:{adapter}", tokens)
+            if delta:
+                self.lora_tokens.labels(worker, adapter).inc(delta)
 
     def _advance(self, worker: str, key: str, value: float) -> float:
         """Delta of a cumulative engine counter since the last call; an engine restart starts from zero."""

@@ -3,7 +3,7 @@ depths."""
 from flask import Blueprint, request
 from sqlalchemy import select
 
-from ..ledger import affinity, registry, tenants
+from ..ledger import adapters, affinity, registry, tenants
 from ..auth import admin_required
 from ..db import session
 from ..ledger.errors import bad_request, not_found
@@ -261,6 +261,56 @@ def revoke_model(tenant_id, name):
     quota = registry.revoke(s, tenant_id, name, list(ext("registry").entries()))
     s.commit()
     return tenants.quota_json(quota)
+
+
+# ---- LoRA adapters -----------------------------------------------------------------------------------------
+
+def _adapter(name: str) -> dict:
+    row = session().get(adapters.Adapter, name)
+    if row is None:
+        raise not_found("adapter", name)
+    return adapters.adapter_json(row)
+
+
+@bp.get("/adapters")
+@admin_required
+def list_adapters():
+    return {"object": "list", "data": [adapters.adapter_json(a) for a in adapters.listing(session())]}
+
+
+@bp.post("/adapters")
+@admin_required
+def register_adapter():
+    """Register a PEFT folder over a registered model ({"name", "base_model", "source", "tenant_id"?, "pinned"?,
+    "enabled"?}); a folder that does not fit the base model is refused with the reason."""
+    body = json_body()
+    unknown = sorted(set(body) - {"name", "base_model", "source", "tenant_id", "pinned", "enabled"})
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
+    base = body.get("base_model")
+    s = session()
+    row = adapters.register(s, body.get("name"), base, body.get("source"),
+                            ext("registry").get(base) if isinstance(base, str) else None,
+                            cfg().max_lora_rank or adapters.DEFAULT_MAX_LORA_RANK, body.get("tenant_id"),
+                            body.get("pinned", False), body.get("enabled", True))
+    s.commit()
+    return _adapter(row.name), 201
+
+
+@bp.get("/adapters/<name>")
+@admin_required
+def get_adapter(name):
+    return _adapter(name)
+
+
+@bp.patch("/adapters/<name>")
+@admin_required
+def update_adapter(name):
+    """Pin or unpin ({"pinned": bool}), enable or disable ({"enabled": bool})."""
+    s = session()
+    adapters.update(s, name, json_body())
+    s.commit()
+    return _adapter(name)
 
 
 @bp.get("/audit")

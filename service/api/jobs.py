@@ -6,7 +6,7 @@ from flask import Blueprint, g, request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, structured, tiers
+from ..ledger import adapters, affinity, bodies, choices, jobs as transitions, logprobs, quotas, structured, tiers
 from ..ledger import openai_shapes
 from .. import admission
 from ..auth import tenant_required
@@ -79,7 +79,7 @@ def create_job():
     if "prompt" in body and "messages" in body:
         raise bad_request("Send either 'prompt' or 'messages', not both.", "messages")
     endpoint = bodies.CHAT if "messages" in body else bodies.COMPLETIONS
-    model = ext("registry").resolve(quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
+    model = adapters.resolve(session(), ext("registry"), quota, g.tenant.id, body.get("model"))  # 404/403
     checked = bodies.check(body, endpoint, served_model=None,
                            max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA,
                            context_len=ext("registry").context_len(model))

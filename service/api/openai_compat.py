@@ -11,12 +11,13 @@ from sqlalchemy.orm import undefer
 
 from service.ledger import token_stream
 
-from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured, tiers
+from ..ledger import adapters, affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured, tiers
 from ..ledger import openai_shapes
 from .. import admission
 from ..auth import tenant_required
 from ..ledger.errors import APIError, bad_request
 from ..ledger.models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
+from ..db import session
 from . import cfg, ext, json_body
 
 bp = Blueprint("openai", __name__)
@@ -32,13 +33,22 @@ def _hub():
 @bp.get("/v1/models")
 @tenant_required
 def list_models():
-    """Exactly the models the calling tenant may use: enabled, and on its allow-list (if it has one)."""
-    return {"object": "list", "data": [registry.public_json(e) for e in ext("registry").allowed(g.quota)]}
+    """Exactly the models the calling tenant may use: enabled, and on its allow-list (if it has one); then its
+    LoRA adapters and the shared ones it may use, each with its base model as `parent`."""
+    allowed = g.quota.allowed_models if g.quota is not None else None
+    return {"object": "list", "data": [registry.public_json(e) for e in ext("registry").allowed(g.quota)]
+            + [adapters.public_json(a) for a in adapters.usable(session(), g.tenant.id, allowed)]}
 
 
 @bp.get("/v1/models/<model_id>")
 @tenant_required
 def get_model(model_id):
+    adapter = adapters.visible(session(), g.tenant.id, model_id) if ext("registry").get(model_id) is None else None
+    if adapter is not None:     # another tenant's adapter is not visible: it falls through to the 404 below
+        allowed = g.quota.allowed_models if g.quota is not None else None
+        if adapter in adapters.usable(session(), g.tenant.id, allowed):
+            return adapters.public_json(adapter)
+        raise APIError(403, f"This tenant may not use the model '{model_id}'.", "model_not_allowed", "model")
     entry = ext("registry").resolve(g.quota, model_id)
     if entry.name is None:      # no model configured or registered at all
         raise APIError(404, f"The model '{model_id}' does not exist.", "model_not_found", "model")
@@ -66,7 +76,7 @@ def _serve(endpoint: str):
     if options is not None and not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object.", "stream_options")
     sla = online_class(body.pop("service_tier", None), body.pop("sla_class", None))
-    model = ext("registry").resolve(g.quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
+    model = adapters.resolve(session(), ext("registry"), g.quota, g.tenant.id, body.get("model"))  # 404/403
     checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
                            context_len=ext("registry").context_len(model))
     if stream and (checked.body.get("best_of") or 1) > (checked.body.get("n") or 1):

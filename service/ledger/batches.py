@@ -5,7 +5,7 @@ from datetime import timedelta
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 
-from . import affinity, anthropic_shapes, bodies, choices, logprobs, quotas, responses
+from . import adapters, affinity, anthropic_shapes, bodies, choices, logprobs, quotas, responses
 from . import openai_shapes
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
@@ -90,8 +90,8 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                 continue
             try:
                 body = item.get("body")
-                entry = None if models is None else \
-                    models.resolve(quota, body.get("model") if isinstance(body, dict) else None)
+                entry = None if models is None else adapters.resolve(   # a batch line may name an adapter too
+                    s, models, quota, batch.tenant_id, body.get("model") if isinstance(body, dict) else None)
                 model = None if entry is None else entry.name
                 checked = check_line(batch.endpoint, body, served_model=served_model if models is None else None,
                                      max_tokens_cap=quota.max_tokens_per_request,

@@ -152,6 +152,14 @@ class Config:
     max_model_len: int | None = setting("TIDEPOOL_MAX_MODEL_LEN", None, "Longest prompt + output; the API also "
                                         "refuses `max_tokens` past it", parse=INT, check=POSITIVE,
                                         shown="the model's context", flag="--max-model-len")
+    max_loras: int | None = setting("TIDEPOOL_MAX_LORAS", None, "LoRA adapter slots on the device (`0`: adapters "
+                                    "off)", parse=INT, check=NON_NEGATIVE, shown="`0`", engine=True)
+    max_lora_rank: int | None = setting("TIDEPOOL_MAX_LORA_RANK", None, "Highest adapter rank the slots hold; a "
+                                        "folder of a higher rank is refused at registration", parse=INT,
+                                        check=POSITIVE, shown="`16`", engine=True)
+    max_cpu_loras: int | None = setting("TIDEPOOL_MAX_CPU_LORAS", None, "Adapters kept in host memory, loaded "
+                                        "ones included", parse=INT, check=POSITIVE, shown="2 × `max_loras`",
+                                        engine=True)
     attention_backend: str | None = setting("TIDEPOOL_ATTENTION_BACKEND", None, "`torch` or `triton`: force the "
                                             "attention implementation", parse=_choice("torch", "triton"),
                                             shown="by device", engine=True)

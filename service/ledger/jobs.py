@@ -8,6 +8,7 @@ from sqlalchemy import case, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from . import adapters
 from .models import Job, JobStatus, Quota, Tenant, Usage, utcnow
 
 Q, R = JobStatus.queued, JobStatus.running
@@ -48,19 +49,20 @@ class Runnable:
     weight: float
     cache_group: str | None
     queue_time: float | None    # seconds between queued and started, once started
+    adapter: tuple[str, str, bool] | None = None   # the LoRA adapter the request names: (name, source, pinned)
 
 
 def runnable(conn, job_id: str) -> Runnable | None:
     """The job's request and its tenant's weight and prefix-cache group, in one read (a Session or a Connection)."""
     row = conn.execute(select(Job.status, Job.endpoint, Job.request, Job.sla_class, Job.tenant_id, Job.queued_at,
-                              Job.started_at, Tenant.weight, Tenant.prefix_cache_group)
+                              Job.started_at, Job.model, Tenant.weight, Tenant.prefix_cache_group)
                        .join(Tenant, Tenant.id == Job.tenant_id).where(Job.id == job_id)).first()
     if row is None:
         return None
     queue_time = ((row.started_at - row.queued_at).total_seconds()
                   if row.started_at is not None and row.queued_at is not None else None)
     return Runnable(row.status, row.endpoint, row.request, row.sla_class.value, row.tenant_id, row.weight or 1.0,
-                    row.prefix_cache_group, queue_time)
+                    row.prefix_cache_group, queue_time, adapters.for_job(conn, row.model, row.request))
 
 
 def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300, token: str | None = None,

@@ -149,6 +149,22 @@ class Model(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class Adapter(Base):
+    """A LoRA adapter over a registered model: a PEFT folder, owned by one tenant or shared (tenant_id NULL; a
+    tenant's allow-list then lists it), checked against its base at registration (service/ledger/adapters.py)."""
+    __tablename__ = "adapters"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(128))
+    source: Mapped[str] = mapped_column(String(1024))
+    tenant_id: Mapped[str | None] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    rank: Mapped[int] = mapped_column(Integer)
+    target_modules: Mapped[list] = mapped_column(JSON)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class File(Base):
     __tablename__ = "files"
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("file-"))
