@@ -9,7 +9,7 @@ from .blueprint import bp, csrf_token
 
 
 def init_app(app) -> None:
-    from . import dashboard, registry_views, views  # noqa: F401  (routes)
+    from . import adapter_views, dashboard, registry_views, views  # noqa: F401  (routes)
 
     cfg = app.config["TIDEPOOL"]
     secret = cfg.secret_key

@@ -78,3 +78,25 @@ def test_register_list_refuse_and_visibility(setup):
     assert leaked.get_json()["error"]["code"] == missing.get_json()["error"]["code"]
     assert client.patch("/v1/admin/adapters/mine-qv", json={"enabled": False}, headers=admin.headers).status_code == 200
     assert "mine-qv" not in listed(mine_h)
+
+
+def test_panel_page_registers_and_shows_the_reason(setup):
+    import re
+    app, client, admin, tmp = setup
+    https = {"base_url": "https://localhost"}
+
+    def csrf(html):
+        return re.search(r'name="csrf_token" value="([^"]+)"', html).group(1)
+    page = client.get("/admin/login", **https)
+    assert client.post("/admin/login", data={"token": ADMIN, "csrf_token": csrf(page.text)}, **https).status_code == 302
+    token = csrf(client.get("/admin/adapters", **https).text)
+    bad = client.post("/admin/adapters", data={"csrf_token": token, "name": "big", "base_model": "base",
+                                               "source": adapter_folder(tmp / "big", 16)}, **https)
+    assert bad.status_code == 400 and "rank 16 exceeds max_lora_rank 8" in bad.text
+    ok = client.post("/admin/adapters", data={"csrf_token": token, "name": "small", "base_model": "base",
+                                              "source": adapter_folder(tmp / "small"), "pinned": "1"}, **https)
+    assert ok.status_code == 303
+    listed = client.get("/admin/adapters", **https).text
+    assert "small" in listed and "unpin" in listed
+    row = client.get("/v1/admin/adapters/small", headers=admin.headers).get_json()
+    assert row["pinned"] is True and row["tenant_id"] is None

@@ -226,16 +226,16 @@ class LoRAManager:
 
     def _add(self, lora: LoRARequest) -> None:
         known = self.adapters.get(lora.name)
-        if known is not None and known.path == lora.path:
+        if known is not None and known.path != lora.path:
+            raise LoRAError(f"adapter {lora.name!r} is already loaded from another folder ({known.path})")
+        if lora.pinned and lora.name not in self.pinned and len(self.pinned) + 1 >= self.max_loras:
+            raise LoRAError(f"pinning {lora.name!r} would leave no slot of max_loras={self.max_loras} to the "
+                            "unpinned adapters")
+        if known is not None:
             if lora.pinned and lora.name not in self.pinned:
                 self._pin(lora.name)
             return
-        if known is not None:
-            raise LoRAError(f"adapter {lora.name!r} is already loaded from another folder ({known.path})")
         spec = check_adapter(lora.path, self.cfg, self.max_rank)
-        if lora.pinned and len(self.pinned) + 1 >= self.max_loras:
-            raise LoRAError(f"pinning {lora.name!r} would leave no slot of max_loras={self.max_loras} to the "
-                            "unpinned adapters")
         self.specs[lora.name] = spec
         self.adapters[lora.name] = lora
         if lora.pinned:
@@ -281,8 +281,8 @@ class LoRAManager:
             self.host[name] = tensors
             self.loads += 1
             self.load_s += seconds
-            if name in self.pinned and name not in self.slot_of:     # a pinned adapter takes its slot at once
-                self._slot(name, self.pinned | {s.lora for s in self.running if s.lora is not None})
+            if name in self.pinned and name not in self.slot_of:     # a pinned adapter takes a slot at once
+                self._slot(name, self.pinned | {s.lora for s in self.running if s.lora is not None})  # if free
 
     def ready(self, name: str) -> bool:
         """Whether the adapter can run now (in a slot or on the host); if not, its load is started (or retried
@@ -322,8 +322,10 @@ class LoRAManager:
         with self._lock:
             if not self._ready(lora):
                 return False
-            used = {s.lora for s in running if s.lora is not None} | self.pinned
-            return lora in used or len(used) < self.max_loras
+            adapters = {s.lora for s in running if s.lora is not None}
+            if lora in adapters or (lora in self.pinned and lora in self.slot_of):
+                return True
+            return len(adapters | self.pinned | {lora}) <= self.max_loras
 
     def begin_step(self, seqs, num_new_tokens) -> bool:
         """Put the step's adapters in slots and plan its per-token products; False when no token has one."""
@@ -339,6 +341,7 @@ class LoRAManager:
         token_slots = []
         for seq, n in zip(seqs, num_new_tokens):
             slot = -1 if seq.lora is None else self._slot(seq.lora, keep)
+            assert slot is not None, "admission leaves a slot for every running adapter"
             token_slots.extend([slot] * n)
             if seq.lora is not None:
                 self.tokens[seq.lora] = self.tokens.get(seq.lora, 0) + n
@@ -348,14 +351,18 @@ class LoRAManager:
     def end_step(self) -> None:
         self.plan = None
 
-    def _slot(self, name: str, keep: set[str]) -> int:
+    def _slot(self, name: str, keep: set[str]) -> int | None:
+        """The adapter's slot, loading it there (from the least recently used adapter outside `keep` when no slot
+        is free); None when every slot holds one of `keep`."""
         if name in self.slot_of:
             self.slot_of.move_to_end(name)
             return self.slot_of[name]
         if None in self.slots:
             slot = self.slots.index(None)
         else:
-            victim = next(n for n in self.slot_of if n not in keep)    # admission leaves one (see admissible)
+            victim = next((n for n in self.slot_of if n not in keep), None)
+            if victim is None:
+                return None
             slot = self.slot_of.pop(victim)
             self.evictions.append(victim)
         if name not in self.host:              # admitted from a slot it has since lost: read it again, now
