@@ -25,9 +25,7 @@ sys.path.insert(0, "/work/shared/bench")
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from workers.engine import LLMEngine, LoRARequest, SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.lora import TARGETS, module_dims  # noqa: E402
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def workload(n: int, vocab: int):
@@ -44,11 +42,17 @@ def workload(n: int, vocab: int):
     return make_workload(n, vocab)
 
 
-def write_adapter(folder: Path, cfg, rank: int, seed: int) -> None:
+def write_adapter_files(folder: Path, cfg, rank: int, seed: int) -> None:
+    """A PEFT folder with random rank-`rank` weights on every projection (also used by lora_peer_vllm.py, so it
+    needs torch and safetensors only); cfg: hidden/intermediate sizes, heads, kv heads, head_dim, layers."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    dims = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+            "up_proj": (h, i), "down_proj": (i, h)}
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for layer in range(cfg.num_hidden_layers):
-        for module, (d_in, d_out) in module_dims(cfg).items():
+        for module, (d_in, d_out) in dims.items():
             part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in ** 0.5
@@ -56,10 +60,12 @@ def write_adapter(folder: Path, cfg, rank: int, seed: int) -> None:
     folder.mkdir(parents=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps(
-        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "bias": "none"}))
+        {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(PROJECTIONS), "bias": "none"}))
 
 
 def run(model: str, requests, loras: list | None, args) -> dict:
+    from workers.engine import LLMEngine, SamplingParams
+    from workers.engine.config import EngineConfig
     engine = LLMEngine(EngineConfig(model=model, device=args.device, max_num_seqs=args.max_num_seqs,
                                     online_reserve=0.0, sla_targets={},
                                     max_loras=args.max_loras if loras else 0, max_lora_rank=args.rank))
@@ -91,12 +97,14 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--many-adapters", type=int, default=32)
     args = ap.parse_args()
+    from workers.engine import LoRARequest
+    from workers.engine.config import EngineConfig
     cfg = EngineConfig(model=args.model).model_config
     requests = workload(args.num_requests, cfg.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         adapters = []
         for i in range(max(args.adapters, args.many_adapters)):
-            write_adapter(Path(tmp) / f"a{i}", cfg, args.rank, seed=i)
+            write_adapter_files(Path(tmp) / f"a{i}", cfg, args.rank, seed=i)
             adapters.append(LoRARequest(f"a{i}", str(Path(tmp) / f"a{i}")))
         results = {"base": run(args.model, requests, None, args),
                    f"lora-{args.adapters}": run(args.model, requests, adapters[:args.adapters], args),
