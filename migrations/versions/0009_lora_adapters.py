@@ -1,15 +1,15 @@
 """lora adapters: PEFT folders over a registered model, per tenant or shared (issue #30)
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0009
+Revises: 0008
 Create Date: 2026-12-01
 """
 from alembic import op
 import sqlalchemy as sa
 
 
-revision = '0008'
-down_revision = '0007'
+revision = '0009'
+down_revision = '0008'
 branch_labels = None
 depends_on = None
 
