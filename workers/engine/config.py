@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from workers.engine.models.config import ModelConfig
+from workers.engine.spec_decode import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -53,6 +54,9 @@ class EngineConfig:
     calibrate: bool = True                      # seed the step cost model with a few timed steps at start
     cpu_kernels: bool | None = None             # native CPU kernels (kernels/cpu_ops.configure); None: as they are
     kernel_cache: str | None = None             # their build folder; None: the user's cache folder
+    # Speculative decoding (spec_decode.SpeculativeConfig): a dict such as {"method": "ngram", "num_tokens": 4},
+    # or text "ngram:4"; None: off.
+    speculative: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
         path = Path(self.model)
@@ -68,6 +72,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         self._resolve_scheduling()
+        self.speculative = SpeculativeConfig.parse(self.speculative)
         self.model_config = ModelConfig.from_dir(path)
         limit = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:

@@ -181,12 +181,16 @@ class Scheduler:
         return c.per_token * n + c.per_context * attended(start, n)
 
     def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float, now: float) -> int:
-        n = min(seq.num_uncomputed_tokens, budget)
+        # Speculative drafts (a decode's extra tokens) count like any new token; a decode with drafts runs with
+        # as many of them as the budget and the time bound leave (schedule() trims the rest).
+        n = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
         if limit is None:
             return n
         fit = self._tokens_within(time_left, seq.num_computed_tokens, n)
         if not seq.is_online:
             return fit
+        if seq.draft_token_ids:
+            return max(1, min(n, fit))
         if n <= 1:
             return n          # an online decode always runs: it is what the bound is for
         # An online prompt runs in this step; it gets at least the share that still meets its ttft target.
@@ -249,6 +253,7 @@ class Scheduler:
             if new:
                 self._start(seq)
                 offline_running += not seq.is_online
+            del seq.draft_token_ids[n - 1:]
             scheduled.add(id(seq))
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
@@ -394,7 +399,7 @@ class Scheduler:
         """Advance computed counts; returns the sequences whose whole context is now computed (they sample)."""
         ready = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)    # drafts count once verified (engine)
             self.block_manager.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 ready.append(seq)
