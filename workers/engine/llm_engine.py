@@ -14,7 +14,7 @@ from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
-from workers.engine.spec_decode import Speculator
+from workers.engine.spec_decode import Speculator, make_drafter
 from workers.engine.structured import StructuredDecoding
 from workers.engine.swap import HostKVPool, copy_blocks
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -116,7 +116,7 @@ class LLMEngine:
             reserve_blocks=max(0, reserve_blocks), capacity_policy=config.capacity_policy,
             max_model_len=self.max_model_len)
         self.sampler = Sampler(self.runner.device)
-        self.speculator = Speculator(config.speculative)
+        self.speculator = Speculator(config.speculative, make_drafter(config))
         self.eos_token_ids = set(config.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}

@@ -28,7 +28,7 @@ so speculation raises predicted throughput or does not happen; the cost model is
 """
 from dataclasses import dataclass
 
-from workers.engine.drafters import Drafter, NgramDrafter
+from workers.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
 
 METHODS = ("none", "ngram", "draft")
@@ -42,6 +42,7 @@ class SpeculativeConfig:
     method: str = "none"             # none | ngram | draft
     num_tokens: int = 4              # most draft tokens per sequence and step (k)
     draft_model: str | None = None   # method draft: a model folder sharing the target's tokenizer
+    draft_kv_blocks: int | None = None   # method draft: its own KV pool; None: 4 blocks per max_num_seqs seat
     min_n: int = 1                   # ngram: shortest suffix looked up
     max_n: int = 4                   # ngram: longest suffix looked up
     adaptive: bool = True            # False: every eligible sequence drafts num_tokens (tests, benchmarks)
@@ -96,6 +97,15 @@ class _Tally:
     def __init__(self):
         self.drafted = self.accepted = self.verify_steps = 0
         self.tried = 0          # draft positions the target looked at: accepted ones and the first rejected
+
+
+def make_drafter(engine_config) -> Drafter | None:
+    spec = engine_config.speculative
+    if spec.method == "ngram":
+        return NgramDrafter(spec.min_n, spec.max_n)
+    if spec.method == "draft":
+        return DraftModelDrafter(engine_config, spec.draft_model, spec.draft_kv_blocks)
+    return None
 
 
 class Speculator:
