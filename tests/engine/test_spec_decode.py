@@ -289,10 +289,15 @@ def test_online_drafts_are_trimmed_to_the_step_time_bound():
     assert sched.block_manager.allocate(seq, 0)           # the blocks of its computed tokens
     seq.draft_token_ids = [1, 2, 3, 4, 5, 6]
     batch = sched.schedule()
-    # 40 ms fixed + 4 ms a token within 50 ms: the decode and one draft
-    assert batch.num_new_tokens == [2] and seq.draft_token_ids == [1]
+    # 40 ms fixed + 4 ms a token within 50 ms, and 10% of it that online drafts may add: the decode, two drafts
+    assert batch.num_new_tokens == [3] and seq.draft_token_ids == [1, 2]
     sched.postprocess(batch)
-    assert seq.num_computed_tokens == seq.num_tokens      # the draft counts only once the engine verified it
+    assert seq.num_computed_tokens == seq.num_tokens      # drafts count only once the engine verified them
+    # A step already past its bound (60 ms fixed): drafts get only the slack, 5 ms (one draft token).
+    sched.cost_model = CostModel(fixed=0.060, per_token=0.004, per_context=0.0)
+    seq.token_ids.append(7)
+    seq.draft_token_ids = [1, 2, 3]
+    assert sched.schedule().num_new_tokens == [2] and seq.draft_token_ids == [1]
 
 
 # -- draft model ------------------------------------------------------------------------------------

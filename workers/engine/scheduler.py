@@ -28,6 +28,7 @@ from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
 
 CAPACITY_POLICIES = ("max_utilization", "no_evict")
 PREEMPTION_KINDS = ("suspend", "swap", "recompute")
+DRAFT_SLACK = 0.1       # share of the itl bound online speculative drafts may add to a step (spec_decode)
 
 RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
 SUSPENDED, SWAPPED = SequenceStatus.SUSPENDED, SequenceStatus.SWAPPED
@@ -81,6 +82,7 @@ class Scheduler:
         self.served: dict[tuple[int, str], float] = defaultdict(float)   # (class rank, tenant) -> tokens / weight
         self.preemptions = dict.fromkeys(PREEMPTION_KINDS, 0)
         self.recomputed_tokens = 0             # computed tokens thrown away by recompute and computed again
+        self._draft_slack = 0.0                # this step's time online drafts may still add past its bound
         # Without online work a step stays within what lets an online prompt arriving mid-step still meet its
         # ttft: wait for this step, then one step (<= itl) of its own. None: no class has both targets.
         idle = [t["ttft_ms"] - t["itl_ms"] for t in self.sla_targets.values() if "ttft_ms" in t and "itl_ms" in t]
@@ -190,6 +192,13 @@ class Scheduler:
         if not seq.is_online:
             return fit
         if seq.draft_token_ids:
+            # An online sequence's drafts pay for themselves in its own tokens (spec_decode chose k so): they may
+            # take the step past its bound by at most DRAFT_SLACK of it, shared by the step's online drafts.
+            room = max(time_left, self._step_cost(seq.num_computed_tokens, 1))    # the decode itself always runs
+            fit = self._tokens_within(room + self._draft_slack, seq.num_computed_tokens, n)
+            over = self._step_cost(seq.num_computed_tokens, fit) - room
+            if fit > 1 and over > 0:
+                self._draft_slack = max(0.0, self._draft_slack - over)
             return max(1, min(n, fit))
         if n <= 1:
             return n          # an online decode always runs: it is what the bound is for
@@ -211,6 +220,7 @@ class Scheduler:
         if limit is None and self.idle_limit_s is not None:
             limit = batch.idle_limit_s = self.idle_limit_s
         time_used = self.cost_model.fixed if self.cost_model is not None else 0.0
+        self._draft_slack = DRAFT_SLACK * (batch.time_limit_s or 0.0)
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         offline_running = sum(not s.is_online for s in self.running)    # kept current: O(1) per admission
