@@ -163,7 +163,7 @@ def main():
         if (default / "config.json").is_file():
             args.model = str(default)
         else:
-            from workers.engine.tiny_model import make_tiny_model
+            from workers.tools.tiny_model import make_tiny_model
             args.model = str(make_tiny_model(tempfile.mkdtemp(prefix="tiny-") + "/tiny", seed=1))
     spec = args.speculative
     print(f"model {args.model} on {args.device}; speculative {spec} vs none", flush=True)

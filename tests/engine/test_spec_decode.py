@@ -13,7 +13,8 @@ from workers.engine.cost_model import CostModel
 from workers.engine.drafters import NgramDrafter
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
-from workers.engine.spec_decode import SpeculativeConfig, Speculator
+from workers.engine.config import SpeculativeConfig
+from workers.engine.spec_decode import Speculator
 
 FORCED = {"method": "ngram", "num_tokens": 4, "adaptive": False}     # every eligible decode drafts
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -307,7 +308,7 @@ def test_online_drafts_are_trimmed_to_the_step_time_bound():
 def test_draft_model_drafter_keeps_greedy_outputs(tiny_model_dir, tmp_path, draft):
     """A draft model of the same tokenizer: the target itself (drafts almost always accepted) or a smaller random
     one (mostly rejected); a pool of 12 blocks makes shadows get dropped and catch up again."""
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
     model_dir = tiny_model_dir("llama-gqa")
     draft_dir = model_dir if draft == "itself" else str(make_tiny_model(tmp_path / "draft", seed=5, init_std=0.08,
                                                                         hidden_size=32, num_hidden_layers=1))
@@ -329,7 +330,7 @@ def test_draft_model_drafter_keeps_greedy_outputs(tiny_model_dir, tmp_path, draf
 
 
 def test_draft_model_must_share_the_tokenizer(tiny_model_dir, tmp_path):
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
     other = make_tiny_model(tmp_path / "other", seed=1, vocab_size=600)
     with pytest.raises(ValueError, match="tokenizer"):
         LLMEngine(EngineConfig(model=tiny_model_dir("llama-gqa"),

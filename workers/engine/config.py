@@ -6,7 +6,6 @@ from pathlib import Path
 import torch
 
 from workers.engine.models.config import ModelConfig
-from workers.engine.spec_decode import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -28,6 +27,58 @@ def sla_targets_for(device: str = "cpu", overrides: dict | None = None) -> dict:
     for cls, values in (overrides or {}).items():
         targets.setdefault(cls, {}).update(values)
     return targets
+
+
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "none"             # none | ngram | draft
+    num_tokens: int = 4              # most draft tokens per sequence and step (k)
+    draft_model: str | None = None   # method draft: a model folder sharing the target's tokenizer
+    draft_kv_blocks: int | None = None   # method draft: its own KV pool; None: 4 blocks per max_num_seqs seat
+    min_n: int = 1                   # ngram: shortest suffix looked up
+    max_n: int = 4                   # ngram: longest suffix looked up
+    adaptive: bool = True            # False: every eligible sequence drafts num_tokens (tests, benchmarks)
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not isinstance(self.num_tokens, int) or not 1 <= self.num_tokens <= 32:
+            raise ValueError("speculative num_tokens must be an integer in [1, 32]")
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError("speculative ngram sizes need 1 <= min_n <= max_n")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model (a model folder)")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig":
+        """None, a SpeculativeConfig, a dict of its fields, or text 'method[:num_tokens[:draft_model]]'."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            method, _, rest = value.strip().partition(":")
+            num, _, draft = rest.partition(":")
+            value = {"method": method or "none"}
+            if num:
+                if not num.isdigit():
+                    raise ValueError(f"speculative num_tokens must be an integer, got {num!r}")
+                value["num_tokens"] = int(num)
+            if draft:
+                value["draft_model"] = draft
+        if not isinstance(value, dict):
+            raise ValueError("speculative must be a dict such as {'method': 'ngram', 'num_tokens': 4}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative has unknown field {unknown[0]!r}")
+        return cls(**value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
 
 
 @dataclass
@@ -54,7 +105,7 @@ class EngineConfig:
     calibrate: bool = True                      # seed the step cost model with a few timed steps at start
     cpu_kernels: bool | None = None             # native CPU kernels (kernels/cpu_ops.configure); None: as they are
     kernel_cache: str | None = None             # their build folder; None: the user's cache folder
-    # Speculative decoding (spec_decode.SpeculativeConfig): a dict such as {"method": "ngram", "num_tokens": 4},
+    # Speculative decoding (SpeculativeConfig above; workers/engine/spec_decode.py): a dict such as {"method": "ngram", "num_tokens": 4},
     # or text "ngram:4"; None: off.
     speculative: SpeculativeConfig | dict | str | None = None
 

@@ -7,6 +7,13 @@ alone (see spec_decode). Another drafter (suffix trees, EAGLE heads, a draft mod
 """
 from array import array
 
+import torch
+
+from kernels.layer_ops import argmax_rows
+from workers.engine.block_manager import BlockManager
+from workers.engine.config import EngineConfig
+from workers.engine.model_runner import ModelRunner
+from workers.engine.scheduler import ScheduledBatch
 from workers.engine.sequence import Sequence
 
 
@@ -62,9 +69,6 @@ class DraftModelDrafter(Drafter):
     method = "draft"
 
     def __init__(self, engine_config, draft_model: str, num_blocks: int | None = None):
-        from workers.engine.block_manager import BlockManager
-        from workers.engine.config import EngineConfig
-        from workers.engine.model_runner import ModelRunner
         target = engine_config
         with open(f"{target.model}/tokenizer.json", "rb") as a, open(f"{draft_model}/tokenizer.json", "rb") as b:
             if a.read() != b.read():
@@ -109,10 +113,6 @@ class DraftModelDrafter(Drafter):
         return True
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        import torch
-
-        from kernels.layer_ops import argmax_rows
-        from workers.engine.scheduler import ScheduledBatch
         drafts: list[list[int]] = [[] for _ in seqs]
         active = []                                   # (index, shadow, k)
         keep = {(s.request_id, s.index) for s in seqs}

@@ -26,64 +26,13 @@ Offline sequences speculate only while the engine is not full (nothing waits for
 as long as each one's expected extra tokens per extra second beat the batch's predicted tokens per second,
 so speculation raises predicted throughput or does not happen; the cost model is fitted from measured steps.
 """
-from dataclasses import dataclass
-
+from workers.engine.config import SpeculativeConfig
 from workers.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
 from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
 
-METHODS = ("none", "ngram", "draft")
 PRIOR_ACCEPTANCE = 0.5      # a class's acceptance before anything was verified
 DECAY = 0.7                 # per verify step, for a sequence's acceptance
 RETRY_EVERY = 8             # a sequence not worth drafting for tries one draft token this often
-
-
-@dataclass
-class SpeculativeConfig:
-    method: str = "none"             # none | ngram | draft
-    num_tokens: int = 4              # most draft tokens per sequence and step (k)
-    draft_model: str | None = None   # method draft: a model folder sharing the target's tokenizer
-    draft_kv_blocks: int | None = None   # method draft: its own KV pool; None: 4 blocks per max_num_seqs seat
-    min_n: int = 1                   # ngram: shortest suffix looked up
-    max_n: int = 4                   # ngram: longest suffix looked up
-    adaptive: bool = True            # False: every eligible sequence drafts num_tokens (tests, benchmarks)
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"speculative method must be one of {METHODS}, got {self.method!r}")
-        if not isinstance(self.num_tokens, int) or not 1 <= self.num_tokens <= 32:
-            raise ValueError("speculative num_tokens must be an integer in [1, 32]")
-        if not 1 <= self.min_n <= self.max_n:
-            raise ValueError("speculative ngram sizes need 1 <= min_n <= max_n")
-        if self.method == "draft" and not self.draft_model:
-            raise ValueError("speculative method 'draft' needs draft_model (a model folder)")
-
-    @classmethod
-    def parse(cls, value) -> "SpeculativeConfig":
-        """None, a SpeculativeConfig, a dict of its fields, or text 'method[:num_tokens[:draft_model]]'."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            method, _, rest = value.strip().partition(":")
-            num, _, draft = rest.partition(":")
-            value = {"method": method or "none"}
-            if num:
-                if not num.isdigit():
-                    raise ValueError(f"speculative num_tokens must be an integer, got {num!r}")
-                value["num_tokens"] = int(num)
-            if draft:
-                value["draft_model"] = draft
-        if not isinstance(value, dict):
-            raise ValueError("speculative must be a dict such as {'method': 'ngram', 'num_tokens': 4}")
-        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ValueError(f"speculative has unknown field {unknown[0]!r}")
-        return cls(**value)
-
-    @property
-    def enabled(self) -> bool:
-        return self.method != "none"
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
