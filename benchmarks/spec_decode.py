@@ -125,7 +125,8 @@ def part_one(args) -> dict:
 def part_two(args) -> dict:
     """hybrid_sla.py's (a), (b), (c) with grounded realtime prompts, without and with speculation."""
     import hybrid_sla
-    h = argparse.Namespace(model=args.model, device=args.device, offline=args.offline, offline_tokens=args.offline_tokens,
+    h = argparse.Namespace(model=args.model, device=args.device, offline=args.offline,
+                           offline_tokens=args.offline_tokens,
                            rt_rate=args.rt_rate, rt_tokens=args.rt_tokens, rt_duration=None, max_num_seqs=64,
                            low_water=8, rt_ttft_ms=None, rt_itl_ms=None, steps_out=None,
                            rt_body=lambda i: {"messages": grounded_messages(i, seed=1)})
@@ -137,7 +138,8 @@ def part_two(args) -> dict:
         h.rt_duration = max(2.0, args.offline * args.offline_tokens / a["offline_tok_s"])
         b = hybrid_sla.scenario(f"b realtime alone [{mode}]", h, offline=False, realtime=True)
         c = hybrid_sla.scenario(f"c both [{mode}]", h, offline=True, realtime=True)
-        out[mode] = {"goodput_ratio": c["total_tok_s"] / a["total_tok_s"], "ttft_p99_ratio": c["ttft_p99"] / b["ttft_p99"],
+        out[mode] = {"goodput_ratio": c["total_tok_s"] / a["total_tok_s"],
+                     "ttft_p99_ratio": c["ttft_p99"] / b["ttft_p99"],
                      "itl_p99_ratio": c["itl_p99"] / b["itl_p99"], "rt_itl_p50_b": b["itl_p50"],
                      "rt_itl_p50_c": c["itl_p50"], "offline_tok_s_a": a["offline_tok_s"],
                      "offline_tok_s_c": c["offline_tok_s"], "total_tok_s_c": c["total_tok_s"]}
@@ -180,7 +182,8 @@ def main():
             print(f"{name:<10}{mode:<10}{r['itl_p50']:>9.1f}{r['itl_p99']:>9.1f}{r['gap_p50']:>9.1f}"
                   f"{r['gap_p99']:>9.1f}{r.get('acceptance', float('nan')):>8.2f}"
                   f"{r.get('mean_accepted_length', float('nan')):>9.2f}{r['tokens']:>8}{same_text:>9}")
-        result[name] = {"itl_p50_ratio": on["itl_p50"] / off["itl_p50"], "itl_p99_ratio": on["itl_p99"] / off["itl_p99"],
+        result[name] = {"itl_p50_ratio": on["itl_p50"] / off["itl_p50"],
+                        "itl_p99_ratio": on["itl_p99"] / off["itl_p99"],
                         "itl_p50_ms": [round(off["itl_p50"], 1), round(on["itl_p50"], 1)],
                         "acceptance": round(on.get("acceptance", 0.0), 3),
                         "mean_accepted_length": round(on.get("mean_accepted_length", 0.0), 2),
@@ -190,7 +193,8 @@ def main():
     if not args.no_hybrid:
         two = part_two(args)
         print(f"\n(2) hybrid_sla (a, b, c), grounded realtime prompts, {args.offline} offline x {args.offline_tokens}")
-        print(f"{'mode':<10}{'goodput':>9}{'TTFT p99':>10}{'ITL p99':>9}{'rt ITL p50 b/c ms':>19}{'offline tok/s a/c':>19}")
+        print(f"{'mode':<10}{'goodput':>9}{'TTFT p99':>10}{'ITL p99':>9}{'rt ITL p50 b/c ms':>19}"
+              f"{'offline tok/s a/c':>19}")
         for mode, r in two.items():
             print(f"{mode:<10}{r['goodput_ratio']:>9.2f}{r['ttft_p99_ratio']:>10.2f}{r['itl_p99_ratio']:>9.2f}"
                   f"{r['rt_itl_p50_b']:>9.1f}/{r['rt_itl_p50_c']:<9.1f}{r['offline_tok_s_a']:>9.1f}/"

@@ -103,7 +103,8 @@ def main():
         a, b = off[name], on[name]
         result[name] = {"ms_per_token": [round(a["ms_per_token"], 1), round(b["ms_per_token"], 1)],
                         "ratio": round(b["ms_per_token"] / a["ms_per_token"], 3),
-                        "same_outputs": f"{sum(x == y for x, y in zip(a['outputs'], b['outputs']))}/{len(a['outputs'])}"}
+                        "same_outputs": f"{sum(x == y for x, y in zip(a['outputs'], b['outputs']))}/"
+                                        f"{len(a['outputs'])}"}
     print(json.dumps(result))
 
 

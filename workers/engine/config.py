@@ -105,8 +105,8 @@ class EngineConfig:
     calibrate: bool = True                      # seed the step cost model with a few timed steps at start
     cpu_kernels: bool | None = None             # native CPU kernels (kernels/cpu_ops.configure); None: as they are
     kernel_cache: str | None = None             # their build folder; None: the user's cache folder
-    # Speculative decoding (SpeculativeConfig above; workers/engine/spec_decode.py): a dict such as {"method": "ngram", "num_tokens": 4},
-    # or text "ngram:4"; None: off.
+    # Speculative decoding (SpeculativeConfig above; workers/engine/spec_decode.py): a dict such as
+    # {"method": "ngram", "num_tokens": 4}, or text "ngram:4"; None: off.
     speculative: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
