@@ -55,6 +55,8 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     engine_kw = {"max_num_seqs": args.max_num_seqs}
     if args.offline_floor is not None:
         engine_kw["offline_floor"] = args.offline_floor
+    if getattr(args, "speculative", None):
+        engine_kw["speculative"] = args.speculative
     targets = {k: v for k, v in (("ttft_ms", args.rt_ttft_ms), ("itl_ms", args.rt_itl_ms)) if v is not None}
     if targets:
         from workers.engine.config import sla_targets_for
@@ -70,8 +72,9 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     headers = {"Authorization": f"Bearer {key}"}
 
     def submit(sla, prompt, tokens):
+        body = prompt if isinstance(prompt, dict) else {"prompt": prompt}
         r = client.post("/v1/jobs", headers=headers, json={
-            "prompt": prompt, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "sla_class": sla})
+            **body, "max_tokens": tokens, "ignore_eos": True, "temperature": 0, "sla_class": sla})
         assert r.status_code == 202, r.get_json()
         return r.get_json()["id"]
 
@@ -91,7 +94,8 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
         for i in range(n):
             target = t0 + i / args.rt_rate
             time.sleep(max(0.0, target - time.time()))
-            rt_ids.append(submit("realtime" if priority else "batch", f"Question {i}: what is up?", args.rt_tokens))
+            prompt = args.rt_body(i) if getattr(args, "rt_body", None) else f"Question {i}: what is up?"
+            rt_ids.append(submit("realtime" if priority else "batch", prompt, args.rt_tokens))
     _wait(app, offline_ids + rt_ids)
     with Session(app.extensions["tidepool.db"]) as s:
         rows = {j.id: j for j in s.scalars(select(Job).where(Job.id.in_(offline_ids + rt_ids)))}

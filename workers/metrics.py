@@ -80,6 +80,17 @@ class EngineMetrics:
                                          "disk.", ["worker"], registry=r)
         self.lora_tokens = Counter("tidepool:lora_tokens", "Tokens computed per LoRA adapter.", ["worker", "adapter"],
                                    registry=r)
+        labels = ["worker", "sla_class", "method"]
+        self.spec_drafted = Counter("tidepool:spec_decode_num_draft_tokens", "Speculative draft tokens verified.",
+                                    labels, registry=r)
+        self.spec_accepted = Counter("tidepool:spec_decode_num_accepted_tokens", "Speculative draft tokens the "
+                                     "target accepted.", labels, registry=r)
+        self.spec_steps = Counter("tidepool:spec_decode_num_verify_steps", "Sequence steps that verified drafts.",
+                                  labels, registry=r)
+        self.spec_rate = Gauge("tidepool:spec_decode_acceptance_rate", "Accepted / drafted tokens since start.",
+                               labels, registry=r)
+        self.spec_length = Gauge("tidepool:spec_decode_mean_accepted_length", "Tokens emitted per verify step "
+                                 "(accepted drafts + the target's own) since start.", labels, registry=r)
         self._last: dict[tuple[str, str], float] = {}     # (worker, stat) → last cumulative value seen
         self._tenants: set[str] = set()
         self._rate: dict[str, tuple[float, int, int]] = {}  # worker → (ts, prompt, generation) at last publish
@@ -132,6 +143,16 @@ class EngineMetrics:
             self._update_lora(stats["lora"], worker)
         if self._advance(worker, "total_steps", stats.get("total_steps", 0)):
             self.iteration_tokens.labels(worker).observe(stats.get("last_step", {}).get("tokens", 0))
+        for method, by_cls in stats.get("spec_decode", {}).items():
+            for cls, t in by_cls.items():
+                for key, counter in (("drafted", self.spec_drafted), ("accepted", self.spec_accepted),
+                                     ("verify_steps", self.spec_steps)):
+                    delta = self._advance(worker, f"spec_{method}_{cls}_{key}", t.get(key, 0))
+                    if delta:
+                        counter.labels(worker, cls, method).inc(delta)
+                if t.get("verify_steps"):
+                    self.spec_rate.labels(worker, cls, method).set(t.get("acceptance_rate", 0.0))
+                    self.spec_length.labels(worker, cls, method).set(t.get("mean_accepted_length", 0.0))
         now = time.time() if now is None else now
         if self.store is not None and now - self._published.get(worker, 0.0) >= PUBLISH_INTERVAL:
             self.store.put(self.snapshot(stats, worker, now))

@@ -11,7 +11,8 @@ from service.ledger.openai_shapes import CHAT, COMPLETIONS  # noqa: F401 (the wo
 from workers.engine import RequestOutput, SamplingParams
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "n", "best_of")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "n", "best_of",
+                    "speculate")
 
 
 def sampling_params(endpoint: str, body: dict) -> SamplingParams:

@@ -28,7 +28,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
            "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "n", "user", "stream",
-           "response_format"}
+           "response_format", "speculate"}
 ALLOWED = {COMPLETIONS: _COMMON | {"prompt", "logprobs", "echo", "best_of"},
            CHAT: _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                             "parallel_tool_calls"}}
@@ -258,6 +258,8 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
     _check_stop(body)
     if not _one_of(body.get("ignore_eos"), True, False):
         raise bad_request("'ignore_eos' must be a boolean.", "ignore_eos")
+    if not _one_of(body.get("speculate"), True, False):
+        raise bad_request("'speculate' must be a boolean.", "speculate")
     _number(body, "n", 1, MAX_CHOICES, integer=True)
     if not _one_of(body.get("stream"), False):
         raise bad_request("'stream' is not supported for queued jobs.", "stream", "unsupported_value")

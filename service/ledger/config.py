@@ -37,6 +37,23 @@ def _choice(*options):
     return parse
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+def _speculative(text: str) -> str:
+    """`method[:num_tokens[:draft_model]]` (the engine's SpeculativeConfig text form), checked here so a bad value
+    fails at start-up naming the variable."""
+    method, _, rest = text.strip().partition(":")
+    num, _, draft = rest.partition(":")
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"expected method[:num_tokens[:draft_model]] with method one of {', '.join(SPECULATIVE_METHODS)}")
+    if num and (not num.isdigit() or not 1 <= int(num) <= 32):
+        raise ValueError("num_tokens must be an integer in [1, 32]")
+    if method == "draft" and not draft:
+        raise ValueError("method draft needs a draft model folder: draft:<num_tokens>:<folder>")
+    return text.strip()
+
+
 def _level(text: str) -> str:
     if text.strip().upper() not in LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}")
@@ -198,6 +215,11 @@ class Config:
                                 "and oneDNN-prepacked linears", parse=_bool, shown="`1`", engine=True)
     kernel_cache: str | None = setting("TIDEPOOL_KERNEL_CACHE", None, "Where the native CPU kernel is built and "
                                        "cached", shown="`~/.cache/tidepool/kernels`", engine=True)
+    speculative: str | None = setting(
+        "TIDEPOOL_SPECULATIVE", None, "Speculative decoding as `method[:num_tokens[:draft_model]]`: `ngram:4` drafts "
+        "up to 4 tokens a step by prompt lookup for sequences where the cost model predicts it pays (online ones "
+        "first; offline ones only while it raises throughput); `none` turns it off. A request opts out with "
+        "`speculate: false`", parse=_speculative, shown="`none`", engine=True)
     # ---- logs -----------------------------------------------------------------------------------------------
     log_level: str = setting("TIDEPOOL_LOG_LEVEL", "INFO", "Log level (`DEBUG` also lets werkzeug, Celery, kombu "
                              "and alembic speak below WARNING)", parse=_level, check=(lambda v: v in LOG_LEVELS,

@@ -1,5 +1,6 @@
 """Hypothesis state machine over the block manager: no block leaked or double-owned, prefix hits exact, and
-with forks (n / best_of) copy-on-write keeps what every sequence reads through its block table its own."""
+with forks (n / best_of) copy-on-write keeps what every sequence reads through its block table its own; a
+speculative verify step's rollback gives back its rejected positions and leaves nothing unverified cached."""
 from collections import Counter
 
 from hypothesis import settings
@@ -96,6 +97,30 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.commit(seq)
 
     @precondition(lambda self: self.live)
+    @rule(data=st.data(), token=st.integers(1, 3), drafts=st.lists(st.integers(1, 3), min_size=1, max_size=9),
+          accepted=st.integers(0, 9))
+    def verify_drafts_and_roll_back(self, data, token, drafts, accepted):
+        """A speculative verify step: the last token and k drafts are written in one go, the first `accepted`
+        drafts are kept and the rest rolled back."""
+        seq = data.draw(st.sampled_from(self.live))
+        seq.token_ids.append(token)
+        if not self.bm.allocate(seq, 1 + len(drafts)):
+            seq.token_ids.pop()
+            return
+        start = seq.num_computed_tokens
+        for src, dst in self.bm.take_copies():
+            self.kv[dst] = dict(self.kv.get(src, {}))
+        for p, t in enumerate(seq.token_ids[start:] + drafts, start):
+            self.kv.setdefault(seq.block_table[p // BLOCK], {})[p % BLOCK] = t
+        seq.num_computed_tokens = start + 1
+        self.bm.commit(seq)
+        kept = min(accepted, len(drafts))
+        seq.token_ids.extend(drafts[:kept])
+        seq.num_computed_tokens += kept
+        self.bm.rollback(seq)
+        self.bm.commit(seq)
+
+    @precondition(lambda self: self.live)
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(self.live))
@@ -123,6 +148,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def hash_index_points_at_matching_blocks(self):
         for h, block_id in self.bm.hash_to_block.items():
             assert self.bm.blocks[block_id].hash == h
+
+    @invariant()
+    def cached_blocks_hold_only_their_tokens(self):
+        """What a prefix hit would read is what the block's hash says: never a rolled-back draft."""
+        for block in self.bm.blocks:
+            if block.hash is not None:
+                assert tuple(self.kv[block.block_id].get(i) for i in range(BLOCK)) == block.token_ids
 
 
 TestBlockManager = BlockManagerMachine.TestCase

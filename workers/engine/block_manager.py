@@ -172,6 +172,16 @@ class BlockManager:
             raise MemoryError("no free KV block")
         return self._copy_on_write(seq)
 
+    def rollback(self, seq: Sequence) -> None:
+        """Give back the blocks past seq's computed tokens: a verify step wrote draft positions the target
+        rejected. Those blocks were never committed (commit registers only computed tokens), so nothing
+        unverified is ever found in the prefix cache; stale slots left in the kept tail block sit past the
+        context and are overwritten before anything reads them."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1

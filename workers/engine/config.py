@@ -29,6 +29,58 @@ def sla_targets_for(device: str = "cpu", overrides: dict | None = None) -> dict:
     return targets
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str = "none"             # none | ngram | draft
+    num_tokens: int = 4              # most draft tokens per sequence and step (k)
+    draft_model: str | None = None   # method draft: a model folder sharing the target's tokenizer
+    draft_kv_blocks: int | None = None   # method draft: its own KV pool; None: 4 blocks per max_num_seqs seat
+    min_n: int = 1                   # ngram: shortest suffix looked up
+    max_n: int = 4                   # ngram: longest suffix looked up
+    adaptive: bool = True            # False: every eligible sequence drafts num_tokens (tests, benchmarks)
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not isinstance(self.num_tokens, int) or not 1 <= self.num_tokens <= 32:
+            raise ValueError("speculative num_tokens must be an integer in [1, 32]")
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError("speculative ngram sizes need 1 <= min_n <= max_n")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model (a model folder)")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig":
+        """None, a SpeculativeConfig, a dict of its fields, or text 'method[:num_tokens[:draft_model]]'."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            method, _, rest = value.strip().partition(":")
+            num, _, draft = rest.partition(":")
+            value = {"method": method or "none"}
+            if num:
+                if not num.isdigit():
+                    raise ValueError(f"speculative num_tokens must be an integer, got {num!r}")
+                value["num_tokens"] = int(num)
+            if draft:
+                value["draft_model"] = draft
+        if not isinstance(value, dict):
+            raise ValueError("speculative must be a dict such as {'method': 'ngram', 'num_tokens': 4}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative has unknown field {unknown[0]!r}")
+        return cls(**value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -57,6 +109,9 @@ class EngineConfig:
     max_loras: int = 0                          # LoRA adapter slots on the device (workers.engine.lora); 0: no LoRA
     max_lora_rank: int = 16                     # every slot is padded to this rank; a higher-rank adapter is refused
     max_cpu_loras: int | None = None            # host copies of adapters kept; None: 2 x max_loras
+    # Speculative decoding (SpeculativeConfig above; workers/engine/spec_decode.py): a dict such as
+    # {"method": "ngram", "num_tokens": 4}, or text "ngram:4"; None: off.
+    speculative: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self):
         path = Path(self.model)
@@ -78,6 +133,7 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         self._resolve_scheduling()
+        self.speculative = SpeculativeConfig.parse(self.speculative)
         self.model_config = ModelConfig.from_dir(path)
         limit = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:

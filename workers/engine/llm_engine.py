@@ -10,10 +10,12 @@ from workers.engine.calibration import calibrate
 from workers.engine.cost_model import CostModel
 from workers.engine.lora import LoRAManager, LoRARequest
 from workers.engine.model_runner import ModelRunner
+from kernels.layer_ops import argmax_rows
 from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
+from workers.engine.spec_decode import Speculator, make_drafter
 from workers.engine.structured import StructuredDecoding
 from workers.engine.swap import HostKVPool, copy_blocks
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -82,6 +84,7 @@ class _Request:
             None if seq.params.prompt_logprobs is None else [None] * seq.num_prompt_tokens
         self.arrival_time = arrival
         self.first_token_time: float | None = None
+        self.quiet = False          # while a verify step emits several tokens: on_token gets them in one output
 
     @property
     def seq(self) -> Sequence:
@@ -121,6 +124,7 @@ class LLMEngine:
         if self.lora is not None:
             self.lora.running, self.lora.waiting = self.scheduler.running, self.scheduler.waiting
         self.sampler = Sampler(self.runner.device)
+        self.speculator = Speculator(config.speculative, make_drafter(config))
         self.eos_token_ids = set(config.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
@@ -211,8 +215,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         t0 = time.perf_counter()
+        drafted = self.speculator.propose(self.scheduler, self.cost_model, self.max_model_len)
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
+        if drafted:
+            in_batch = {id(s) for s in batch.seqs}
+            for seq in drafted:
+                if id(seq) not in in_batch:
+                    seq.draft_token_ids = []
         if not batch:
             return outputs
         prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
@@ -228,12 +238,17 @@ class LLMEngine:
             self.requests[seq.request_id].prompt_logprobs[position + 1] = entry
         t2 = time.perf_counter()
         ready = self.scheduler.postprocess(batch)
+        verify = []
+        if drafted and ready:
+            ready, logits, verify = self._split_verified(ready, logits)
         if ready:
             ready, logits = self._fork(ready, logits)
             tokens, logprobs = self.sampler(logits, ready, self.structured.bitmask([s.grammar for s in ready]))
             for seq, token, lp in zip(ready, tokens, logprobs):
                 request = self.requests[seq.request_id]
                 outputs.append(self._append_token(request, request.choices[seq.index], token, lp))
+        for seq, rows in verify:
+            outputs.append(self._verify(seq, rows))
         t3 = time.perf_counter()
         self.cost_model.observe(batch.num_tokens, batch.attended, t3 - t0)
         self._record(batch, prompt_tokens, t1 - t0, t2 - t1, t3 - t2)
@@ -263,6 +278,60 @@ class LLMEngine:
         if len(seqs) == len(ready):
             return ready, logits
         return seqs, logits[rows]
+
+    @staticmethod
+    def _split_verified(ready: list[Sequence], logits):
+        """Sequences that sample one row, their logits, and (sequence, its k + 1 rows) for those with drafts."""
+        plain, rows, verify, at = [], [], [], 0
+        for seq in ready:
+            if seq.draft_token_ids:
+                width = len(seq.draft_token_ids) + 1
+                verify.append((seq, logits[at:at + width]))
+                at += width
+            else:
+                plain.append(seq)
+                rows.append(at)
+                at += 1
+        return plain, (logits[rows] if plain else None), verify
+
+    def _verify(self, seq: Sequence, rows) -> RequestOutput:
+        """Emit the target's tokens over a verify step's rows: row i is sampled as a decode step would after the
+        i tokens before it, and the walk stops after the first token that differs from its draft (or when the
+        sequence finishes). The accepted drafts' KV stays, the rest is rolled back. One output carries them all."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        request = self.requests[seq.request_id]
+        choice = request.choices[seq.index]
+        p = seq.params
+        fast = seq.grammar is None and p.greedy and not p.has_penalties and not p.needs_logprob
+        targets = argmax_rows(rows).tolist() if fast else None
+        start = seq.num_computed_tokens
+        accepted, events = 0, []
+        request.quiet = True
+        try:
+            for i in range(len(drafts) + 1):
+                if fast:
+                    token, lp = targets[i], None
+                else:
+                    tokens, lps = self.sampler(rows[i:i + 1], [seq], self.structured.bitmask([seq.grammar]))
+                    token, lp = tokens[0], lps[0]
+                events.append(self._append_token(request, choice, token, lp))
+                if choice.finish_reason is not None or i == len(drafts) or token != drafts[i]:
+                    break
+                accepted += 1
+        finally:
+            request.quiet = False
+        if choice.finish_reason is None:
+            seq.num_computed_tokens = start + accepted
+            self.block_manager.rollback(seq)
+            self.block_manager.commit(seq)
+        self.speculator.record(seq, len(drafts), accepted)
+        out = events[-1]
+        if len(events) > 1:
+            out.new_token_ids = [t for e in events for t in e.new_token_ids]
+            out.delta_text = "".join(e.delta_text for e in events)
+        if request.on_token is not None:
+            request.on_token(out)
+        return out
 
     def _append_token(self, request: _Request, choice: _Choice, token: int, logprob: dict | None) -> RequestOutput:
         seq, params = choice.seq, choice.seq.params
@@ -316,7 +385,7 @@ class LLMEngine:
             outputs=self._outputs(request) if finished else [],
             generated_tokens=sum(c.seq.num_output_tokens for c in request.choices),
             prompt_logprobs=request.prompt_logprobs)
-        if request.on_token is not None:
+        if request.on_token is not None and not request.quiet:
             request.on_token(out)
         return out
 
@@ -339,6 +408,7 @@ class LLMEngine:
                 c.finish_reason = c.seq.finish_reason = reason
                 self.scheduler.remove(c.seq)
                 self.sampler.forget(c.seq.request_id, c.seq.index)
+                self.speculator.forget(c.seq)
         choice = choice or request.choices[0]
         done = all(c.finish_reason is not None for c in request.choices) and \
             (len(request.choices) == request.seq.params.num_seqs or reason == "abort")
@@ -390,6 +460,7 @@ class LLMEngine:
             "cow_copies": bm.cow_copies,
             "structured_mask_s": self.structured.mask_s,
             "structured_masked_rows": self.structured.masked_rows,
+            "spec_decode": self.speculator.stats(),
             "decode_graph_replays": self.runner.decode_graphs.replays if self.runner.decode_graphs else 0,
             "last_step": dict(self._last_step),
             **({} if self.lora is None else {"lora": self.lora.stats()}),

@@ -119,14 +119,17 @@ class ModelRunner:
                 row0 = step["cu_seqlens_q"][-1]
                 step["prompt_rows"].extend((row0 + p - start, seq, p)
                                            for p in range(start, min(end, seq.num_prompt_tokens - 1)))
-            step["input_ids"].extend(seq.token_ids[start:end])
+            drafts = seq.draft_token_ids
+            tokens = seq.token_ids + drafts if drafts else seq.token_ids
+            step["input_ids"].extend(tokens[start:end])
             step["positions"].extend(range(start, end))
             table = seq.block_table
             step["slot_mapping"].extend(table[p // bs] * bs + p % bs for p in range(start, end))
             step["context_lens"].append(end)
             step["cu_seqlens_q"].append(step["cu_seqlens_q"][-1] + n)
-            if end == seq.num_tokens:
-                step["sample_rows"].append(step["cu_seqlens_q"][-1] - 1)
+            if end == len(tokens):       # with drafts, every one of the k + 1 positions is verified
+                last = step["cu_seqlens_q"][-1]
+                step["sample_rows"].extend(range(last - 1 - len(drafts), last))
         return step
 
     def _run_eager(self, step: dict, max_seqlen_q: int) -> torch.Tensor:
@@ -166,7 +169,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
-        """Compute the batch's new tokens into the cache; return logits [S, V] for the rows that sample.
+        """Compute the batch's new tokens into the cache; return logits [S, V] for the rows that sample (k + 1
+        consecutive rows for a sequence with k drafts).
         Prompt logprobs asked for (SamplingParams.prompt_logprobs) are left in `self.prompt_logprobs`."""
         step = self._prepare(batch)
         adapters = self.lora is not None and self.lora.begin_step(batch.seqs, batch.num_new_tokens)

@@ -62,6 +62,7 @@ class SamplingParams:
                                         # and sequence i samples with seed + i.
     prompt_logprobs: int | None = None  # top-N log-probabilities of each prompt token after the first (computed
                                         # in prefill; such a prompt bypasses the prefix cache, as in vLLM)
+    speculate: bool = True              # False: never draft for this request (speculative decoding opt-out)
 
     def __post_init__(self):
         if isinstance(self.structured, dict):

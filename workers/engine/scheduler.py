@@ -223,8 +223,9 @@ class Scheduler:
         return c.per_token * n + c.per_context * attended(start, n)
 
     def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float) -> int:
-        """Online work runs whole (a prompt up to the token budget); offline tokens fit in the time left."""
-        n = min(seq.num_uncomputed_tokens, budget)
+        """Online work runs whole (a prompt up to the token budget; a decode with its speculative drafts, which
+        spec_decode sized to pay for themselves); offline tokens, drafts included, fit in the time left."""
+        n = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
         if limit is None or seq.is_online:
             return n
         return self._tokens_within(time_left, seq.num_computed_tokens, n)
@@ -288,6 +289,7 @@ class Scheduler:
             if new:
                 self._start(seq)
                 offline_running += not seq.is_online
+            del seq.draft_token_ids[n - 1:]
             scheduled.add(id(seq))
             batch.seqs.append(seq)
             batch.num_new_tokens.append(n)
@@ -439,7 +441,7 @@ class Scheduler:
         ready = []
         now = self.clock()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.draft_token_ids)    # drafts count once verified (engine)
             self.block_manager.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 ready.append(seq)

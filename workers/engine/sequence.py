@@ -58,6 +58,7 @@ class Sequence:
         self.index = 0                         # which of its request's sequences (n / best_of > 1) this is
         self.cumulative_logprob = 0.0          # of the sampled tokens (kept when they are computed)
         self.first_token_s: float | None = None   # scheduler clock when its first token was sampled (pace)
+        self.draft_token_ids: list[int] = []   # this step's speculative guesses past token_ids (spec_decode)
 
     def fork(self, index: int) -> "Sequence":
         """A sibling for choice `index`: same prompt, output and place in line; no blocks yet (the block
@@ -69,6 +70,7 @@ class Sequence:
         child.num_computed_tokens = child.num_cached_tokens = 0
         child.num_preemptions = child.num_lost_tokens = 0
         child.grammar, child.index = None, index
+        child.draft_token_ids = []
         return child
 
     def __len__(self) -> int:
