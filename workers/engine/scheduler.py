@@ -59,7 +59,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  cost_model=None, sla_targets: dict | None = None, reserve_seats: int = 0, reserve_blocks: int = 0,
                  capacity_policy: str = "max_utilization", max_model_len: int | None = None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, kv_cache: bool = True):
         """cost_model: any object with `fixed`, `per_token`, `per_context` (seconds); None: no time bound.
         sla_targets: {class: {"ttft_ms": .., "itl_ms": ..}} for the online classes."""
         if capacity_policy not in CAPACITY_POLICIES:
@@ -76,6 +76,7 @@ class Scheduler:
         self.capacity_policy = capacity_policy
         self.max_model_len = max_model_len
         self.clock = clock
+        self.kv_cache = kv_cache               # False: an encoder's engine (embedding inputs take no blocks)
         self.waiting: list[Sequence] = []      # WAITING, SUSPENDED and SWAPPED sequences
         self.running: list[Sequence] = []
         self.served: dict[tuple[int, str], float] = defaultdict(float)   # (class rank, tenant) -> tokens / weight
@@ -180,7 +181,14 @@ class Scheduler:
         c = self.cost_model
         return c.per_token * n + c.per_context * attended(start, n)
 
-    def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float, now: float) -> int:
+    def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float, now: float,
+                 first: bool = False) -> int:
+        if seq.pooling is not None:    # an embedding input runs whole or waits; an online one goes in this step
+            n = seq.num_uncomputed_tokens
+            if n > budget or (limit is not None and not seq.is_online and not first
+                              and self._tokens_within(time_left, 0, n) < n):
+                return 0
+            return n
         n = min(seq.num_uncomputed_tokens, budget)
         if limit is None:
             return n
@@ -240,7 +248,7 @@ class Scheduler:
             else:
                 n = self._num_new(seq, budget, limit, time_left, now)
             if n == 0:
-                continue
+                continue      # (an embedding input too long for what is left: smaller ones behind it may fit)
             if not self._make_room(seq, n, scheduled, batch):
                 if new:
                     self._unadmit(seq)
@@ -288,7 +296,7 @@ class Scheduler:
         (0: nothing fits in the time bound), None when memory (or the capacity policy) keeps it out."""
         bm = self.block_manager
         keep = 0 if seq.is_online else self.reserve_blocks
-        if seq.status == WAITING:
+        if seq.status == WAITING and seq.pooling is None:
             bm.match_prefix(seq)
             if self.capacity_policy == "no_evict" and \
                     self._blocks_to_finish(seq) > bm.num_free_blocks - keep - self._future_blocks():
@@ -302,7 +310,7 @@ class Scheduler:
                 self._evict(victim, batch)
             batch.swap_in.extend(bm.swap_in(seq))
             seq.status = SUSPENDED
-        n = self._num_new(seq, budget, limit, time_left, now)
+        n = self._num_new(seq, budget, limit, time_left, now, first=not batch.seqs)
         if n == 0 and seq.status == WAITING:
             bm.free_sequence(seq)
         return n
@@ -325,6 +333,8 @@ class Scheduler:
 
     # -- memory -------------------------------------------------------------------------------------
     def _make_room(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+        if seq.pooling is not None and not self.kv_cache:
+            return True        # an encoder: no KV at all
         keep = 0 if seq.is_online else self.reserve_blocks
         while not self.block_manager.allocate(seq, num_new, keep):
             if self.capacity_policy == "no_evict":
@@ -395,7 +405,8 @@ class Scheduler:
         ready = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
+            if seq.pooling is None:
+                self.block_manager.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 ready.append(seq)
         return ready
