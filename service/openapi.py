@@ -1,8 +1,8 @@
 """OpenAPI 3 document for every route; tests/service/test_openapi.py keeps it equal to the URL map."""
 import json
 
-from .ledger import bodies, structured
-from .ledger.bodies import ALLOWED, CHAT, COMPLETIONS
+from .ledger import bodies, embeddings, structured
+from .ledger.bodies import ALLOWED, CHAT, COMPLETIONS, EMBEDDINGS
 from .ledger.models import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, BatchStatus, JobStatus
 
 # (method, path, summary, security, request schema, success status, response schema)
@@ -56,6 +56,8 @@ ROUTES = [
      "CompletionCreate", 200, "Completion"),
     ("post", "/v1/chat/completions", "OpenAI chat completion (stream: true for server-sent events)", "apiKey",
      "ChatCreate", 200, "Completion"),
+    ("post", "/v1/embeddings", "OpenAI embeddings (one vector per input)", "apiKey", "EmbeddingCreate", 200,
+     "EmbeddingList"),
     ("get", "/v1/models", "The models this tenant may use", "apiKey", None, 200, "List"),
     ("get", "/v1/models/{model_id}", "Get a model this tenant may use (404 unknown, 403 not allowed)", "apiKey",
      None, 200, "Model"),
@@ -67,7 +69,8 @@ _ERROR_CODES = {"400": "Bad input", "401": "Bad or revoked key", "403": "Not all
 _EXTRA_CODES = {"/v1/files": {"415": "Not multipart/form-data"},
                 "/readyz": {},
                 "/v1/completions": {"500": "The job failed", "504": "Timed out or expired"},
-                "/v1/chat/completions": {"500": "The job failed", "504": "Timed out or expired"}}
+                "/v1/chat/completions": {"500": "The job failed", "504": "Timed out or expired"},
+                "/v1/embeddings": {"500": "The job failed", "504": "Timed out or expired"}}
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
 _NUM = {"type": "number"}
@@ -142,6 +145,21 @@ _METADATA = _nullable({"type": "object", "maxProperties": 16, "propertyNames": {
                        "additionalProperties": {"type": "string", "maxLength": 512}})
 
 
+def _embedding_request(extra: dict) -> dict:
+    """The body embeddings.check accepts."""
+    ids = {"type": "array", "minItems": 1, "maxItems": embeddings.MAX_INPUT_TOKEN_IDS, "items": _TOKEN_ID}
+    text = {"type": "string", "minLength": 1, "maxLength": embeddings.MAX_INPUT_CHARS}
+    many = {"minItems": 1, "maxItems": embeddings.MAX_INPUTS}
+    return {"type": "object", "additionalProperties": False, "required": ["input"], "properties": {
+        "model": _nullable(_NAME), "user": _nullable(_NAME),
+        "input": {"oneOf": [text, ids, {"type": "array", **many, "items": text},
+                            {"type": "array", **many, "items": ids}]},
+        "encoding_format": _nullable({"enum": list(embeddings.FORMATS)}),
+        "dimensions": _nullable({**_int(1, (1 << 31) - 1), "description": "only models with Matryoshka dimensions"}),
+        "truncate": _nullable({**_BOOL, "description": "cut inputs past the model's max_seq_length (else a 400)"}),
+        **extra}}
+
+
 def _request(endpoint: str, extra: dict, stream=None) -> dict:
     """The body schema of one endpoint: exactly the fields bodies.check allows, plus extra."""
     props = {name: _nullable(_FIELDS[name]) for name in sorted(ALLOWED[endpoint]) if name in _FIELDS}
@@ -181,7 +199,8 @@ SCHEMAS = {
     "List": {"type": "object", "required": ["object", "data"], "properties": _LIST_FIELDS},
     "Deleted": {"type": "object", "properties": {"id": _STR, "object": _STR, "deleted": _BOOL}},
     "JobCreate": {"oneOf": [_request(COMPLETIONS, _JOB_EXTRA, stream=_nullable({"const": False})),
-                            _request(CHAT, _JOB_EXTRA, stream=_nullable({"const": False}))]},
+                            _request(CHAT, _JOB_EXTRA, stream=_nullable({"const": False})),
+                            _embedding_request(_JOB_EXTRA)]},
     "Job": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "job"}, "status": {"enum": [s.value for s in JobStatus]},
         "sla_class": {"enum": list(SLA_CLASSES)}, "model": _NULL_STR, "endpoint": _STR, "request": {"type": "object"},
@@ -201,7 +220,7 @@ SCHEMAS = {
                                               "expires_at": {"type": "null"}}},
     "BatchCreate": {"type": "object", "additionalProperties": False,
                     "required": ["input_file_id", "endpoint", "completion_window"],
-                    "properties": {"input_file_id": _STR, "endpoint": {"enum": [COMPLETIONS, CHAT]},
+                    "properties": {"input_file_id": _STR, "endpoint": {"enum": [COMPLETIONS, CHAT, EMBEDDINGS]},
                                    "completion_window": {"const": "24h"}, "metadata": _METADATA,
                                    "sla_class": {"enum": list(OFFLINE_CLASSES), "default": "batch"}}},
     "Batch": {"type": "object", "properties": {
@@ -240,6 +259,12 @@ SCHEMAS = {
         "tier": _TIER, "enabled": _BOOL, "registered": _BOOL}},
     "CompletionCreate": _request(COMPLETIONS, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
     "ChatCreate": _request(CHAT, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
+    "EmbeddingCreate": _embedding_request({"sla_class": _nullable({"enum": list(ONLINE_CLASSES)})}),
+    "EmbeddingList": {"type": "object", "properties": {
+        "object": {"const": "list"}, "model": _NULL_STR, "data": {"type": "array", "items": {
+            "type": "object", "properties": {"object": {"const": "embedding"}, "index": _INT, "embedding": {
+                "oneOf": [{"type": "array", "items": _NUM}, {"type": "string", "description": "base64 float32"}]}}}},
+        "usage": {"type": "object", "properties": {"prompt_tokens": _INT, "total_tokens": _INT}}}},
     "Completion": {"type": "object", "description": "text_completion or chat.completion; with stream: true, "
                    "text/event-stream chunks ending in 'data: [DONE]'", "properties": {
                        "id": _STR, "object": _STR, "created": _INT, "model": _NULL_STR, "choices": {"type": "array"},
@@ -315,7 +340,8 @@ def _served_model(schemas: dict) -> dict:
         if isinstance(schema, list):
             return [fix(v) for v in schema]
         return schema
-    return {**schemas, **{n: fix(schemas[n]) for n in ("JobCreate", "CompletionCreate", "ChatCreate")}}
+    return {**schemas, **{n: fix(schemas[n]) for n in ("JobCreate", "CompletionCreate", "ChatCreate",
+                                                         "EmbeddingCreate")}}
 
 
 _NO_NUL = "^[^\\u0000]*$"   # no string of a request may hold NUL (nor a lone surrogate, which JSON Schema cannot say)
@@ -334,7 +360,7 @@ def _no_nul(schema):
     return schema
 
 
-for _name in ("JobCreate", "CompletionCreate", "ChatCreate", "BatchCreate", "TenantCreate", "TenantUpdate",
+for _name in ("JobCreate", "CompletionCreate", "ChatCreate", "EmbeddingCreate", "BatchCreate", "TenantCreate", "TenantUpdate",
               "Quota"):
     SCHEMAS[_name] = _no_nul(SCHEMAS[_name])
 

@@ -9,10 +9,12 @@ import time
 import uuid
 from pathlib import Path
 
-from service.ledger.bodies import ENDPOINTS, check
+from service.ledger.bodies import EMBEDDINGS, ENDPOINTS, check
 from service.ledger.errors import APIError
+from service.ledger.registry import folder_kind
 from workers.engine import LLMEngine, RequestOutput
-from workers.openai_bodies import prompt_ids, response_body, sampling_params
+from workers.attempt import build_request
+from workers.openai_bodies import response_body
 
 
 def _error_line(custom_id, code: str, message: str, line: int) -> dict:
@@ -26,7 +28,7 @@ class LineError(ValueError):
         self.code, self.message, self.custom_id = code, message, custom_id
 
 
-def _parse(raw: str, line: int, seen: set[str]) -> tuple[str, str, dict]:
+def _parse(raw: str, line: int, seen: set[str], kind: str = "generate") -> tuple[str, str, dict]:
     """-> (custom_id, url, checked body); raises LineError (carrying the custom_id once it could be read)."""
     try:
         item = json.loads(raw)
@@ -45,6 +47,9 @@ def _parse(raw: str, line: int, seen: set[str]) -> tuple[str, str, dict]:
     url = item.get("url")
     if url not in ENDPOINTS:
         raise LineError("invalid_url", f"'url' must be one of {list(ENDPOINTS)}", custom_id)
+    if (url == EMBEDDINGS) != (kind == "embed"):
+        raise LineError("model_not_supported", f"this model {'embeds' if kind == 'embed' else 'generates'} only: "
+                        f"{url} lines cannot run on it", custom_id)
     try:
         body = check(item.get("body"), url, served_model=None, max_tokens_cap=None).body
     except APIError as exc:
@@ -67,6 +72,7 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
     done: dict[int, dict] = {}                        # finished lines waiting for the ones before them
     next_out = 0                                      # input position of the next line to write
     seen: set[str] = set()
+    kind = folder_kind(engine.config.model)
     started = time.perf_counter()
     bar = None
     if progress:
@@ -105,11 +111,11 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                 position = counts["total"]
                 counts["total"] += 1
                 try:
-                    custom_id, url, body = _parse(raw, line_no, seen)
+                    custom_id, url, body = _parse(raw, line_no, seen, kind)
                     request_id = f"req-{line_no}"
                     try:
-                        prompt = prompt_ids(url, body, engine.tokenizer)
-                        engine.add_request(request_id, prompt, sampling_params(url, body), sla_class="batch")
+                        prompt, params = build_request(engine.tokenizer, url, body)
+                        engine.add_request(request_id, prompt, params, sla_class="batch")
                     except ValueError as exc:
                         raise LineError("invalid_request", str(exc), custom_id) from None
                     pending[request_id] = (position, custom_id, url, body)

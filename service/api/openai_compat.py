@@ -11,7 +11,7 @@ from sqlalchemy.orm import undefer
 
 from service.ledger import token_stream
 
-from ..ledger import affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured
+from ..ledger import affinity, bodies, choices, embeddings, jobs as transitions, logprobs, quotas, registry, structured
 from ..ledger import openai_shapes
 from .. import admission
 from ..auth import tenant_required
@@ -56,24 +56,43 @@ def chat_completions():
     return _serve(bodies.CHAT)
 
 
-def _serve(endpoint: str):
+@bp.post("/v1/embeddings")
+@tenant_required
+def create_embeddings():
+    """One ledger job for all the request's inputs, answered when the worker has written its vectors."""
     marks = {"recv": time.time()}
     body = json_body()
-    stream, options = body.pop("stream", None), body.pop("stream_options", None)
-    if stream not in (None, True, False):
-        raise bad_request("'stream' must be a boolean.", "stream")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("'stream_options' must be an object.", "stream_options")
-    sla = body.pop("sla_class", None) or g.tenant.default_sla_class or "interactive"
+    sla = _online_class(body)
+    model = ext("registry").resolve(g.quota, body.get("model") if isinstance(body, dict) else None)
+    ext("registry").check_endpoint(model, bodies.EMBEDDINGS)
+    checked = bodies.check(body, bodies.EMBEDDINGS, served_model=None, max_tokens_cap=None,
+                           dimensions_allowed=ext("registry").dimensions(model))
+    job, waiter = _submit(bodies.EMBEDDINGS, sla, model, checked, marks)
+    try:
+        final = waiter.finish()
+    except LedgerUnavailable:
+        waiter.close()
+        raise
+    except BaseException:
+        waiter.close(cancel=True)
+        raise
+    if final.status != JobStatus.completed:
+        raise _job_error(final)
+    return embeddings.response_body(final.output, final.request, model.name or body.get("model"), final.prompt_tokens)
+
+
+def _online_class(body) -> str:
+    sla = (body.pop("sla_class", None) if isinstance(body, dict) else None) or g.tenant.default_sla_class \
+        or "interactive"
     if sla not in ONLINE_CLASSES:
         raise bad_request(f"'sla_class' must be one of {list(ONLINE_CLASSES)} here; queue other classes with "
                           "/v1/jobs or /v1/batches.", "sla_class")
-    quota, conf = g.quota, cfg()
-    model = ext("registry").resolve(quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
-    checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=quota.max_tokens_per_request,
-                           context_len=ext("registry").context_len(model))
-    if stream and (checked.body.get("best_of") or 1) > (checked.body.get("n") or 1):
-        raise bad_request("'best_of' above 'n' cannot be streamed (the best are known only at the end).", "best_of")
+    return sla
+
+
+def _submit(endpoint: str, sla: str, model, checked, marks: dict):
+    """Admit a checked online request as a job (quotas, rate, ledger), subscribe to its stream and dispatch it."""
+    quota = g.quota
     quotas.check_class(quota, sla)
     quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
     marks["valid"] = time.time()
@@ -88,7 +107,27 @@ def _serve(endpoint: str):
                                   prefix=affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, endpoint,
                                                                  checked.body))
     marks["publish"] = time.time()
-    waiter = _Waiter(ext("sessions"), sub, job.id, conf.online_timeout, marks)
+    return job, _Waiter(ext("sessions"), sub, job.id, cfg().online_timeout, marks)
+
+
+def _serve(endpoint: str):
+    marks = {"recv": time.time()}
+    body = json_body()
+    stream, options = body.pop("stream", None), body.pop("stream_options", None)
+    if stream not in (None, True, False):
+        raise bad_request("'stream' must be a boolean.", "stream")
+    if options is not None and not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object.", "stream_options")
+    sla = _online_class(body)
+    quota = g.quota
+    model = ext("registry").resolve(quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
+    ext("registry").check_endpoint(model, endpoint)
+    checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=quota.max_tokens_per_request,
+                           context_len=ext("registry").context_len(model))
+    if stream and (checked.body.get("best_of") or 1) > (checked.body.get("n") or 1):
+        raise bad_request("'best_of' above 'n' cannot be streamed (the best are known only at the end).", "best_of")
+    job, waiter = _submit(endpoint, sla, model, checked, marks)
+    now = job.created_at
     fmt = _Format(endpoint, job.id, int(now.timestamp()), model.name or body.get("model"),
                   bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body), checked.body)
     try:
@@ -191,8 +230,8 @@ def _job_error(job: Job) -> APIError:
             err.get("message", ""):     # the grammar library refused the schema (the API checked its keywords)
         return APIError(400, err["message"], "invalid_response_format", "response_format")
     if job.status == JobStatus.failed and err.get("code") in ("context_length_exceeded", "invalid_prompt"):
-        return APIError(400, err.get("message", "Invalid request."), err["code"], "messages"
-                        if job.endpoint == bodies.CHAT else "prompt")
+        return APIError(400, err.get("message", "Invalid request."), err["code"],
+                        {bodies.CHAT: "messages", bodies.EMBEDDINGS: "input"}.get(job.endpoint, "prompt"))
     if job.status == JobStatus.cancelled:
         return APIError(409, "The request was cancelled.", "cancelled")
     if job.status == JobStatus.expired:

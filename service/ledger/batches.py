@@ -5,7 +5,7 @@ from datetime import timedelta
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 
-from . import affinity, bodies, choices, logprobs, quotas
+from . import affinity, bodies, choices, embeddings, logprobs, quotas
 from . import openai_shapes
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
@@ -29,7 +29,7 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
     seen: set[str] = set()
     rows: list[dict] = []
     created: list[tuple] = []
-    tokens = 0
+    tokens = inputs = 0
     now = utcnow()
     sla = batch.sla_class.value
     with storage.open(batch.input_file_id) as fh:
@@ -78,9 +78,18 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                 entry = None if models is None else \
                     models.resolve(quota, body.get("model") if isinstance(body, dict) else None)
                 model = None if entry is None else entry.name
+                if entry is not None:
+                    models.check_endpoint(entry, batch.endpoint)
                 checked = bodies.check(body, batch.endpoint, served_model=served_model if models is None else None,
                                        max_tokens_cap=quota.max_tokens_per_request,
-                                       context_len=None if entry is None else models.context_len(entry))
+                                       context_len=None if entry is None else models.context_len(entry),
+                                       dimensions_allowed=None if entry is None else models.dimensions(entry))
+                if batch.endpoint == bodies.EMBEDDINGS:
+                    inputs += embeddings.count(checked.body)
+                    if inputs > embeddings.MAX_BATCH_INPUTS:
+                        return [_line_error(lineno, "too_many_inputs", f"A batch may hold at most "
+                                            f"{embeddings.MAX_BATCH_INPUTS} embedding inputs in all.",
+                                            "body.input")], []
             except Exception as exc:  # APIError carries message and param
                 errors.append(_line_error(lineno, getattr(exc, "code", None) or "invalid_body",
                                           getattr(exc, "message", str(exc)), f"body.{getattr(exc, 'param', '')}"))
@@ -133,6 +142,10 @@ def cancel(s: Session, batch: Batch) -> None:
 def _result_line(job: Job, model: str | None) -> str:
     model = job.model or model     # the line's own model; rows older than the registry ran on the default
     created = int(job.finished_at.timestamp()) if job.finished_at else None
+    if job.endpoint == bodies.EMBEDDINGS:
+        body = embeddings.response_body(job.output, job.request, model, job.prompt_tokens)
+        return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id,
+                           "response": {"status_code": 200, "request_id": job.id, "body": body}, "error": None})
     usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
     picked = openai_shapes.choice_objects(job.endpoint, choices.of_job(job), job.request, job.id,
                                           logprobs.requested(job.endpoint, job.request))

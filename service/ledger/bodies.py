@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from . import structured
 from .errors import bad_request
 
-from .openai_shapes import CHAT, COMPLETIONS, ENDPOINTS  # noqa: F401 (bodies.CHAT & co. for its callers)
+from .openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS  # noqa: F401 (bodies.CHAT & co. for callers)
 
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: 512}
 # Bounds on every list and string of a request (README "Request limits"); beyond them, a 400 naming the field.
@@ -213,7 +213,10 @@ def parse_deadline(value) -> datetime | None:
 
 
 def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int | None,
-          extra_allowed=frozenset(), context_len: int | None = None) -> Checked:
+          extra_allowed=frozenset(), context_len: int | None = None, dimensions_allowed=None) -> Checked:
+    if endpoint == EMBEDDINGS:
+        from . import embeddings
+        return embeddings.check(body, extra_allowed, dimensions_allowed)
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
     check_text(body, "")

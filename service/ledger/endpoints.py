@@ -1,4 +1,5 @@
-"""The generation endpoints' paths, as requests, batch lines and the workers name them."""
+"""The endpoints' paths (generation and embeddings), as requests, batch lines and the workers name them."""
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
-ENDPOINTS = (COMPLETIONS, CHAT)
+EMBEDDINGS = "/v1/embeddings"          # service/ledger/embeddings.py
+ENDPOINTS = (COMPLETIONS, CHAT, EMBEDDINGS)
