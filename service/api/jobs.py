@@ -87,7 +87,7 @@ def create_job():
     checked = bodies.check(body, endpoint, served_model=None,
                            max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA,
                            context_len=ext("registry").context_len(model),
-                           dimensions_allowed=ext("registry").dimensions(model))
+                           embed_model=ext("registry").embed_model(model))
     sla = body.get("sla_class", "interactive")
     if sla not in SLA_CLASSES:
         raise bad_request(f"'sla_class' must be one of {list(SLA_CLASSES)}.", "sla_class")

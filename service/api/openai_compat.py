@@ -66,7 +66,7 @@ def create_embeddings():
     model = ext("registry").resolve(g.quota, body.get("model") if isinstance(body, dict) else None)
     ext("registry").check_endpoint(model, bodies.EMBEDDINGS)
     checked = bodies.check(body, bodies.EMBEDDINGS, served_model=None, max_tokens_cap=None,
-                           dimensions_allowed=ext("registry").dimensions(model))
+                           embed_model=ext("registry").embed_model(model))
     job, waiter = _submit(bodies.EMBEDDINGS, sla, model, checked, marks)
     try:
         final = waiter.finish()

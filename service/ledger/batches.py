@@ -83,7 +83,7 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                 checked = bodies.check(body, batch.endpoint, served_model=served_model if models is None else None,
                                        max_tokens_cap=quota.max_tokens_per_request,
                                        context_len=None if entry is None else models.context_len(entry),
-                                       dimensions_allowed=None if entry is None else models.dimensions(entry))
+                                       embed_model=None if entry is None else models.embed_model(entry))
                 if batch.endpoint == bodies.EMBEDDINGS:
                     inputs += embeddings.count(checked.body)
                     if inputs > embeddings.MAX_BATCH_INPUTS:

@@ -213,10 +213,11 @@ def parse_deadline(value) -> datetime | None:
 
 
 def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int | None,
-          extra_allowed=frozenset(), context_len: int | None = None, dimensions_allowed=None) -> Checked:
+          extra_allowed=frozenset(), context_len: int | None = None, embed_model=None) -> Checked:
+    """embed_model: for /v1/embeddings, the model's embeddings.EmbedModel (None: not checked against it)."""
     if endpoint == EMBEDDINGS:
         from . import embeddings
-        return embeddings.check(body, extra_allowed, dimensions_allowed)
+        return embeddings.check(body, extra_allowed, embed_model)
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
     check_text(body, "")

@@ -6,6 +6,7 @@ import base64
 import json
 import sys
 from array import array
+from pathlib import Path
 
 from .errors import bad_request
 from .endpoints import EMBEDDINGS
@@ -60,9 +61,51 @@ def estimate(items: list) -> int:
     return sum((len(i.encode()) + 3) // 4 + 2 if isinstance(i, str) else len(i) for i in items)
 
 
-def check(body, extra_allowed=frozenset(), dimensions_allowed=None):
-    """A checked embeddings body (bodies.Checked). dimensions_allowed: the model's Matryoshka dimensions; None
-    when unknown here (not checked), empty when it has none (then `dimensions` is a 400)."""
+class EmbedModel:
+    """What the API checks against an embedding model's folder: the `dimensions` it accepts (config.json's
+    matryoshka_dimensions) and its tokenizer and max_seq_length, so inputs are counted exactly and an over-long
+    one is a 400 before anything is written (the engine applies the same limit)."""
+
+    def __init__(self, folder: str):
+        from tokenizers import Tokenizer
+        path = Path(folder)
+        raw = _read(path / "config.json") or {}
+        self.dimensions = tuple(d for d in raw.get("matryoshka_dimensions") or () if isinstance(d, int))
+        self.max_len = (_read(path / "sentence_bert_config.json") or {}).get("max_seq_length") \
+            or raw.get("max_position_embeddings")
+        self.tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+
+    def count(self, items: list, truncate: bool) -> int:
+        """Input tokens of the request (each cut to max_len when truncate); a 400 naming the over-long input."""
+        texts = [(i, t) for i, t in enumerate(items) if isinstance(t, str)]
+        lengths = [len(t) for t in items]
+        for (i, _), enc in zip(texts, self.tokenizer.encode_batch([t for _, t in texts]) if texts else []):
+            lengths[i] = len(enc.ids)
+        total = 0
+        for i, n in enumerate(lengths):
+            if self.max_len and n > self.max_len:
+                if not truncate:
+                    where = f"input[{i}]" if len(items) > 1 else "input"
+                    raise bad_request(f"'{where}' has {n} tokens; this model embeds at most {self.max_len} "
+                                      f"(send truncate: true to cut it).", where, "context_length_exceeded")
+                n = self.max_len
+            total += n
+        return total
+
+
+def _read(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check(body, extra_allowed=frozenset(), embed_model: EmbedModel | None = None):
+    """A checked embeddings body (bodies.Checked); with the model's EmbedModel, `dimensions` and the inputs'
+    lengths are checked and the token estimate is exact."""
+    dimensions_allowed = None if embed_model is None else embed_model.dimensions
     from .bodies import Checked, check_text
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
@@ -92,7 +135,8 @@ def check(body, extra_allowed=frozenset(), dimensions_allowed=None):
     if "user" in body and (not isinstance(body["user"], str) or len(body["user"]) > 256):
         raise bad_request("'user' must be a string of at most 256 characters.", "user")
     clean = {k: v for k, v in body.items() if k not in extra_allowed and v is not None}
-    return Checked(EMBEDDINGS, clean, estimate(items))
+    tokens = estimate(items) if embed_model is None else embed_model.count(items, bool(body.get("truncate")))
+    return Checked(EMBEDDINGS, clean, tokens)
 
 
 def count(body: dict) -> int:

@@ -230,15 +230,6 @@ def folder_kind(folder: str | None) -> str:
         return "generate"
 
 
-def folder_dimensions(folder: str | None) -> tuple[int, ...]:
-    """The `dimensions` an embedding model accepts: its config.json's matryoshka_dimensions (none for most)."""
-    try:
-        dims = json.loads((Path(folder) / "config.json").read_text()).get("matryoshka_dimensions")
-    except (OSError, ValueError, TypeError):
-        return ()
-    return tuple(d for d in dims or () if isinstance(d, int))
-
-
 def folder_context_len(folder: str | None, max_model_len: int | None = None) -> int | None:
     """Longest prompt + output for a model folder: max_model_len (TIDEPOOL_MAX_MODEL_LEN) when set, else its
     config.json (capped at a sliding window); None when the folder cannot be read here."""
@@ -338,13 +329,18 @@ class Registry:
         raise bad_request(f"The model '{entry.name}' does not serve /v1/embeddings: it generates text.", "model",
                           "model_not_supported")
 
-    def dimensions(self, entry: Entry) -> tuple[int, ...] | None:
-        """The `dimensions` the model accepts (see folder_dimensions); None when unknown here."""
-        if entry.name is None:
+    def embed_model(self, entry: Entry):
+        """The embedding model's embeddings.EmbedModel (dimensions, tokenizer, max_seq_length); None for a model
+        that does not embed or whose folder cannot be read here (then the worker checks the inputs)."""
+        if entry.name is None or self.kind(entry) != "embed":
             return None
-        key = ("dims", entry.name, entry.source)
+        key = ("embed", entry.name, entry.source)
         if key not in self._context:
-            self._context[key] = folder_dimensions(entry.source)
+            from .embeddings import EmbedModel
+            try:
+                self._context[key] = EmbedModel(entry.source)
+            except Exception:     # noqa: BLE001 - no tokenizer here: the worker refuses what it cannot run
+                self._context[key] = None
         return self._context[key]
 
     def context_len(self, entry: Entry) -> int | None:
