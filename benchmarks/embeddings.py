@@ -4,6 +4,7 @@ all-MiniLM-L6-v2, side by side in one run on the same sentences and threads.
 Workload: `--n` sentences (default 10,000), seeded: each a window of 6-254 tokens of the engine's corpus, decoded
 to text, so with [CLS] and [SEP] it is 8-256 tokens. Engines, one after the other:
   engine     LLM.embed (every input its own request, packed per step; fp32)
+  engine-bf16  the same in bfloat16 (--bf16; its cosine to the fp32 vectors is printed)
   run-batch  the same sentences as a Batch JSONL file through workers.batch_runner.run_batch (the CLI's path)
   st         SentenceTransformer.encode (batch size --st-batch-size, its length-sorted batching)
   vllm       vLLM's pooling runner in the peer venv ($PEER_DIR/vllm, see shared/bench/README.md), a subprocess
@@ -66,7 +67,11 @@ def sentences(n: int, tokenizer, seed: int = 0) -> list[str]:
     for _ in range(n):
         k = rng.randint(6, 254)
         start = rng.randrange(0, len(ids) - k)
-        out.append(tokenizer.decode(ids[start:start + k]))
+        text = tokenizer.decode(ids[start:start + k])
+        while len(tokenizer.encode(text)) > 256:       # decoded text can split into more tokens: every peer
+            k -= 4                                     # sees whole inputs (no truncation anywhere)
+            text = tokenizer.decode(ids[start:start + k])
+        out.append(text)
     return out
 
 
@@ -75,9 +80,10 @@ def cosine_min(a, b) -> float:
     return torch.nn.functional.cosine_similarity(a, b).min().item()
 
 
-def run_engine(args, texts):
+def run_engine(args, texts, dtype: str = "float32"):
     t0 = time.perf_counter()
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              dtype=dtype)
     load = time.perf_counter() - t0
     llm.embed(texts[:32])
     before = llm.engine.stats()["total_embedded_tokens"]
@@ -145,6 +151,7 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--st-batch-size", type=int, default=64)
     ap.add_argument("--vllm-timeout", type=int, default=1800)
+    ap.add_argument("--bf16", action="store_true", help="also run the engine in bfloat16")
     ap.add_argument("--skip", default="", help="comma-separated: run-batch,st,vllm")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -156,6 +163,9 @@ def main() -> int:
     if "run-batch" not in skip:
         rows["run-batch"] = run_batch_file(args, texts, llm)
     del llm
+    if args.bf16:
+        rows["engine-bf16"], bf16_vectors, _ = run_engine(args, texts, "bfloat16")
+        rows["engine-bf16"]["min_cosine_vs_engine"] = round(cosine_min(bf16_vectors, vectors), 6)
     if "st" not in skip:
         rows["st"], st_vectors = run_st(args, texts)
         rows["st"]["min_cosine_vs_engine"] = round(cosine_min(st_vectors, vectors), 6)
@@ -178,6 +188,8 @@ def main() -> int:
     for name in ("st", "vllm"):
         if "inputs_s" in rows.get(name, {}):
             out[f"engine_vs_{name}"] = round(rows["engine"]["inputs_s"] / rows[name]["inputs_s"], 3)
+            if "engine-bf16" in rows:
+                out[f"engine_bf16_vs_{name}"] = round(rows["engine-bf16"]["inputs_s"] / rows[name]["inputs_s"], 3)
     if "inputs_s" in rows.get("run-batch", {}):
         out["run_batch_vs_engine"] = round(rows["run-batch"]["inputs_s"] / rows["engine"]["inputs_s"], 3)
     print(json.dumps(out))
