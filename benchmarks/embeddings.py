@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from workers.engine import LLM  # noqa: E402
 from workers.engine.pooling import PoolingParams  # noqa: E402
 
-CORPUS = Path(__file__).resolve().parent.parent / "workers" / "engine" / "data" / "corpus.txt"
+CORPUS = Path(__file__).resolve().parent.parent / "workers" / "tools" / "data" / "corpus.txt"
 PEERS = Path(os.environ.get("PEER_DIR", "/tmp/peers"))
 
 VLLM_SCRIPT = textwrap.dedent("""

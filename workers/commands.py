@@ -101,10 +101,13 @@ def models_pull(args) -> int:
         return 2
     folder = pull_model(args.name, _models_dir())
     if args.name in FOLDER_ZIPS:
-        from service.commands import _session
+        from sqlalchemy.orm import Session
+
         from service.ledger import registry
+        from service.ledger.config import Config
+        from service.ledger.db import make_engine
         try:
-            with _session() as s:
+            with Session(make_engine(Config.from_env().database_url)) as s:
                 if s.get(registry.Model, args.name) is None:
                     registry.register(s, args.name, str(folder.resolve()), actor="cli")
                     s.commit()

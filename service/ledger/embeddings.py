@@ -9,7 +9,6 @@ from array import array
 from pathlib import Path
 
 from .errors import bad_request
-from .endpoints import EMBEDDINGS
 
 MAX_INPUTS = 2048              # inputs in one request (OpenAI's limit)
 MAX_BATCH_INPUTS = 50_000      # inputs across the lines of one batch (OpenAI's limit)
@@ -102,14 +101,11 @@ def _read(path: Path):
         return None
 
 
-def check(body, extra_allowed=frozenset(), embed_model: EmbedModel | None = None):
-    """A checked embeddings body (bodies.Checked); with the model's EmbedModel, `dimensions` and the inputs'
-    lengths are checked and the token estimate is exact."""
+def check(body: dict, extra_allowed=frozenset(), embed_model: EmbedModel | None = None) -> tuple[dict, int]:
+    """(the normalised body, its input-token estimate) of an embeddings body whose strings bodies.check has
+    checked; with the model's EmbedModel, `dimensions` and the inputs' lengths are checked and the estimate is
+    exact."""
     dimensions_allowed = None if embed_model is None else embed_model.dimensions
-    from .bodies import Checked, check_text
-    if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.", None, "invalid_body")
-    check_text(body, "")
     unknown = sorted(set(body) - ALLOWED - set(extra_allowed))
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
@@ -136,7 +132,7 @@ def check(body, extra_allowed=frozenset(), embed_model: EmbedModel | None = None
         raise bad_request("'user' must be a string of at most 256 characters.", "user")
     clean = {k: v for k, v in body.items() if k not in extra_allowed and v is not None}
     tokens = estimate(items) if embed_model is None else embed_model.count(items, bool(body.get("truncate")))
-    return Checked(EMBEDDINGS, clean, tokens)
+    return clean, tokens
 
 
 def count(body: dict) -> int:
