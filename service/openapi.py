@@ -256,7 +256,8 @@ SCHEMAS = {
                    "properties": {"model": _MODEL_NAME}},
     "RegisteredModel": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "source": _NULL_STR,
-        "tier": _TIER, "enabled": _BOOL, "registered": _BOOL}},
+        "tier": _TIER, "enabled": _BOOL, "registered": _BOOL,
+        "kind": {"enum": ["generate", "embed"], "description": "embed: a sentence-transformers folder or BERT"}}},
     "CompletionCreate": _request(COMPLETIONS, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
     "ChatCreate": _request(CHAT, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
     "EmbeddingCreate": _embedding_request({"sla_class": _nullable({"enum": list(ONLINE_CLASSES)})}),
