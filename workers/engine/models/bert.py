@@ -84,16 +84,15 @@ class AttentionPlan:
             self.groups.append((torch.tensor(gather, device=device), torch.tensor(real, device=device),
                                 len(members), width, mask))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q, k, v [T, H, D] -> [T, H, D]."""
-        out = torch.empty_like(q)
+    def attend(self, qkv: torch.Tensor, scale: float) -> torch.Tensor:
+        """qkv [T, 3, H, D] -> attention output [T, H, D]; each group padded once (q, k and v together)."""
+        out = qkv.new_empty(qkv.shape[0], *qkv.shape[2:])
         for rows, real, g, width, mask in self.groups:
-            def padded(x):
-                buf = x.new_zeros(g * width, *x.shape[1:])
-                buf[real] = x[rows]
-                return buf.view(g, width, *x.shape[1:]).transpose(1, 2)          # [G, H, L, D]
-            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask, scale=scale)
-            out[rows] = o.transpose(1, 2).reshape(g * width, *q.shape[1:])[real]
+            buf = qkv.new_zeros(g * width, *qkv.shape[1:])
+            buf[real] = qkv[rows]
+            q, k, v = buf.view(g, width, *qkv.shape[1:]).permute(2, 0, 3, 1, 4).unbind(0)   # [G, H, L, D] each
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            out[rows] = o.transpose(1, 2).reshape(g * width, *out.shape[1:])[real]
         return out
 
 
@@ -111,8 +110,8 @@ class BertLayer(nn.Module):
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
 
     def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(-1, 3, self.heads, self.head_dim).unbind(1)   # [T, H, D] each
-        a = plan.attend(q, k, v, self.scale).reshape(x.shape)
+        qkv = self.qkv(x).view(-1, 3, self.heads, self.head_dim)                # [T, 3, H, D]
+        a = plan.attend(qkv, self.scale).reshape(x.shape)
         x = self.attn_norm(self.attn_out(a) + x)
         return self.out_norm(self.output(self.act(self.intermediate(x))) + x)
 
