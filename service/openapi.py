@@ -1,8 +1,8 @@
 """OpenAPI 3 document for every route; tests/service/test_openapi.py keeps it equal to the URL map."""
 import json
 
-from .ledger import anthropic_shapes, bodies, responses, structured, tiers
-from .ledger.bodies import ALLOWED, CHAT, COMPLETIONS
+from .ledger import anthropic_shapes, bodies, embeddings, responses, structured, tiers
+from .ledger.bodies import ALLOWED, CHAT, COMPLETIONS, EMBEDDINGS
 from .ledger.models import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, BatchStatus, JobStatus
 
 # (method, path, summary, security, request schema, success status, response schema)
@@ -62,6 +62,8 @@ ROUTES = [
      "CompletionCreate", 200, "Completion"),
     ("post", "/v1/chat/completions", "OpenAI chat completion (stream: true for server-sent events)", "apiKey",
      "ChatCreate", 200, "Completion"),
+    ("post", "/v1/embeddings", "OpenAI embeddings (one vector per input)", "apiKey", "EmbeddingCreate", 200,
+     "EmbeddingList"),
     ("get", "/v1/models", "The models this tenant may use", "apiKey", None, 200, "List"),
     ("post", "/v1/responses", "OpenAI Responses API (stream: true for its events; background: true answers at once "
      "with the queued response)", "apiKey", "ResponseCreate", 200, "Response"),
@@ -95,7 +97,8 @@ _EXTRA_CODES = {"/v1/files": {"415": "Not multipart/form-data"},
                 "/v1/completions": {"500": "The job failed", "504": "Timed out or expired"},
                 "/v1/chat/completions": {"500": "The job failed", "504": "Timed out or expired"},
                 "/v1/responses": {"500": "The job failed", "504": "Timed out or expired"},
-                "/v1/messages": {"500": "The job failed", "504": "Timed out or expired"}}
+                "/v1/messages": {"500": "The job failed", "504": "Timed out or expired"},
+                "/v1/embeddings": {"500": "The job failed", "504": "Timed out or expired"}}
 _INT = {"type": "integer"}
 _STR = {"type": "string"}
 _NUM = {"type": "number"}
@@ -168,6 +171,21 @@ _PROMPT = {"oneOf": [{"type": "string", "minLength": 1, "maxLength": bodies.MAX_
 _MESSAGES = {"type": "array", "minItems": 1, "maxItems": bodies.MAX_MESSAGES, "items": _MESSAGE}
 _METADATA = _nullable({"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
                        "additionalProperties": {"type": "string", "maxLength": 512}})
+
+
+def _embedding_request(extra: dict) -> dict:
+    """The body embeddings.check accepts."""
+    ids = {"type": "array", "minItems": 1, "maxItems": embeddings.MAX_INPUT_TOKEN_IDS, "items": _TOKEN_ID}
+    text = {"type": "string", "minLength": 1, "maxLength": embeddings.MAX_INPUT_CHARS}
+    many = {"minItems": 1, "maxItems": embeddings.MAX_INPUTS}
+    return {"type": "object", "additionalProperties": False, "required": ["input"], "properties": {
+        "model": _nullable(_NAME), "user": _nullable(_NAME),
+        "input": {"oneOf": [text, ids, {"type": "array", **many, "items": text},
+                            {"type": "array", **many, "items": ids}]},
+        "encoding_format": _nullable({"enum": list(embeddings.FORMATS)}),
+        "dimensions": _nullable({**_int(1, (1 << 31) - 1), "description": "only models with Matryoshka dimensions"}),
+        "truncate": _nullable({**_BOOL, "description": "cut inputs past the model's max_seq_length (else a 400)"}),
+        **extra}}
 
 
 def _request(endpoint: str, extra: dict, stream=None) -> dict:
@@ -269,7 +287,8 @@ SCHEMAS = {
     "List": {"type": "object", "required": ["object", "data"], "properties": _LIST_FIELDS},
     "Deleted": {"type": "object", "properties": {"id": _STR, "object": _STR, "deleted": _BOOL}},
     "JobCreate": {"oneOf": [_request(COMPLETIONS, _JOB_EXTRA, stream=_nullable({"const": False})),
-                            _request(CHAT, _JOB_EXTRA, stream=_nullable({"const": False}))]},
+                            _request(CHAT, _JOB_EXTRA, stream=_nullable({"const": False})),
+                            _embedding_request(_JOB_EXTRA)]},
     "Job": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "job"}, "status": {"enum": [s.value for s in JobStatus]},
         "sla_class": {"enum": list(SLA_CLASSES)}, "model": _NULL_STR, "endpoint": _STR, "request": {"type": "object"},
@@ -289,7 +308,8 @@ SCHEMAS = {
                                               "expires_at": {"type": "null"}}},
     "BatchCreate": {"type": "object", "additionalProperties": False,
                     "required": ["input_file_id", "endpoint", "completion_window"],
-                    "properties": {"input_file_id": _STR, "endpoint": {"enum": [COMPLETIONS, CHAT, responses.RESPONSES]},
+                    "properties": {"input_file_id": _STR,
+                                   "endpoint": {"enum": [COMPLETIONS, CHAT, EMBEDDINGS, responses.RESPONSES]},
                                    "completion_window": {"const": "24h"}, "metadata": _METADATA,
                                    "sla_class": {"enum": list(OFFLINE_CLASSES), "default": "batch"}}},
     "Batch": {"type": "object", "properties": {
@@ -325,7 +345,8 @@ SCHEMAS = {
                    "properties": {"model": _MODEL_NAME}},
     "RegisteredModel": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "source": _NULL_STR,
-        "tier": _TIER, "enabled": _BOOL, "registered": _BOOL}},
+        "tier": _TIER, "enabled": _BOOL, "registered": _BOOL,
+        "kind": {"enum": ["generate", "embed"], "description": "embed: a sentence-transformers folder or BERT"}}},
     "AdapterCreate": {"type": "object", "additionalProperties": False, "required": ["name", "base_model", "source"],
                       "properties": {"name": _MODEL_NAME, "base_model": _MODEL_NAME,
                                      "source": {"type": "string", "minLength": 1, "maxLength": 1024},
@@ -338,6 +359,12 @@ SCHEMAS = {
         "created": _INT}},
     "CompletionCreate": _request(COMPLETIONS, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
     "ChatCreate": _request(CHAT, _ONLINE_EXTRA, stream=_nullable(_BOOL)),
+    "EmbeddingCreate": _embedding_request({"sla_class": _nullable({"enum": list(ONLINE_CLASSES)})}),
+    "EmbeddingList": {"type": "object", "properties": {
+        "object": {"const": "list"}, "model": _NULL_STR, "data": {"type": "array", "items": {
+            "type": "object", "properties": {"object": {"const": "embedding"}, "index": _INT, "embedding": {
+                "oneOf": [{"type": "array", "items": _NUM}, {"type": "string", "description": "base64 float32"}]}}}},
+        "usage": {"type": "object", "properties": {"prompt_tokens": _INT, "total_tokens": _INT}}}},
     "Completion": {"type": "object", "description": "text_completion or chat.completion; with stream: true, "
                    "text/event-stream chunks ending in 'data: [DONE]'", "properties": {
                        "id": _STR, "object": _STR, "created": _INT, "model": _NULL_STR, "choices": {"type": "array"},
@@ -441,7 +468,8 @@ def _served_model(schemas: dict) -> dict:
         if isinstance(schema, list):
             return [fix(v) for v in schema]
         return schema
-    return {**schemas, **{n: fix(schemas[n]) for n in ("JobCreate", "CompletionCreate", "ChatCreate")}}
+    return {**schemas, **{n: fix(schemas[n]) for n in ("JobCreate", "CompletionCreate", "ChatCreate",
+                                                         "EmbeddingCreate")}}
 
 
 _NO_NUL = "^[^\\u0000]*$"   # no string of a request may hold NUL (nor a lone surrogate, which JSON Schema cannot say)
@@ -460,8 +488,8 @@ def _no_nul(schema):
     return schema
 
 
-for _name in ("JobCreate", "CompletionCreate", "ChatCreate", "BatchCreate", "TenantCreate", "TenantUpdate",
-              "Quota", "ResponseCreate", "MessageCreate", "MessageBatchCreate"):
+for _name in ("JobCreate", "CompletionCreate", "ChatCreate", "EmbeddingCreate", "BatchCreate", "TenantCreate",
+              "TenantUpdate", "Quota", "ResponseCreate", "MessageCreate", "MessageBatchCreate"):
     SCHEMAS[_name] = _no_nul(SCHEMAS[_name])
 
 

@@ -67,3 +67,11 @@ def pg_url(pg_databases):
     url = pg_databases.create()
     yield url
     pg_databases.drop(url)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory):
+    """all-MiniLM-L6-v2 as `tidepool models pull all-minilm-l6-v2` writes it (from the installed wheel of the dev
+    extra: no download)."""
+    from workers.tools.model_pull import pull_model
+    return str(pull_model("all-minilm-l6-v2", tmp_path_factory.mktemp("models"), log=lambda *_: None))

@@ -5,8 +5,8 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from service.ledger.openai_shapes import CHAT
-from workers.openai_bodies import prompt_ids, sampling_params
+from service.ledger.openai_shapes import CHAT, EMBEDDINGS
+from workers.openai_bodies import embedding_request, prompt_ids, sampling_params
 
 @dataclass
 class Inflight:
@@ -89,7 +89,10 @@ def ledger_text(text: str) -> str:
 
 
 def build_request(tokenizer, endpoint: str, body: dict):
-    """A ledger job's normalised request body -> (prompt token ids, SamplingParams). Raises ValueError."""
+    """A ledger job's normalised request body -> (prompt token ids, SamplingParams), or for an embedding job
+    (its inputs, PoolingParams). Raises ValueError."""
+    if endpoint == EMBEDDINGS:
+        return embedding_request(body)
     try:
         prompt = prompt_ids(endpoint, body, tokenizer)
     except Exception as exc:  # template errors (jinja raise_exception) are the caller's input

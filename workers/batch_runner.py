@@ -13,9 +13,12 @@ from types import SimpleNamespace
 
 from service.ledger import responses
 from service.ledger.batches import ENDPOINTS, check_line
+from service.ledger.bodies import EMBEDDINGS
 from service.ledger.errors import APIError
+from service.ledger.registry import folder_kind
 from workers.engine import LLMEngine, RequestOutput
-from workers.openai_bodies import CHAT, ledger_result, prompt_ids, response_body, sampling_params
+from workers.attempt import build_request
+from workers.openai_bodies import CHAT, ledger_result, response_body
 
 
 def _error_line(custom_id, code: str, message: str, line: int) -> dict:
@@ -29,7 +32,7 @@ class LineError(ValueError):
         self.code, self.message, self.custom_id = code, message, custom_id
 
 
-def _parse(raw: str, line: int, seen: set[str]) -> tuple[str, str, dict]:
+def _parse(raw: str, line: int, seen: set[str], kind: str = "generate") -> tuple[str, str, dict]:
     """-> (custom_id, url, checked body); raises LineError (carrying the custom_id once it could be read). A
     /v1/responses body is checked as the chat body it stands for."""
     try:
@@ -49,6 +52,9 @@ def _parse(raw: str, line: int, seen: set[str]) -> tuple[str, str, dict]:
     url = item.get("url")
     if url not in ENDPOINTS:
         raise LineError("invalid_url", f"'url' must be one of {list(ENDPOINTS)}", custom_id)
+    if (url == EMBEDDINGS) != (kind == "embed"):
+        raise LineError("model_not_supported", f"this model {'embeds' if kind == 'embed' else 'generates'} only: "
+                        f"{url} lines cannot run on it", custom_id)
     try:
         body = check_line(url, item.get("body"), served_model=None, max_tokens_cap=None).body
     except APIError as exc:
@@ -67,6 +73,7 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
     """Returns counts: {"total", "completed", "failed", "generated_tokens", "seconds"}. adapters: LoRARequest by
     name: a line whose body names one in `model` runs with it."""
     adapters = adapters or {}
+    kind = folder_kind(engine.config.model)
     max_in_flight = max_in_flight or 4 * engine.config.max_num_seqs
     counts = {"total": 0, "completed": 0, "failed": 0, "generated_tokens": 0}
     pending: dict[str, tuple[int, str, str, dict]] = {}   # engine request id -> (input position, custom_id, url, body)
@@ -118,12 +125,12 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                 position = counts["total"]
                 counts["total"] += 1
                 try:
-                    custom_id, url, body = _parse(raw, line_no, seen)
+                    custom_id, url, body = _parse(raw, line_no, seen, kind)
                     request_id = f"req-{line_no}"
                     runs_as = CHAT if url == responses.RESPONSES else url
                     try:
-                        prompt = prompt_ids(runs_as, body, engine.tokenizer)
-                        engine.add_request(request_id, prompt, sampling_params(runs_as, body), sla_class="batch",
+                        prompt, params = build_request(engine.tokenizer, runs_as, body)
+                        engine.add_request(request_id, prompt, params, sla_class="batch",
                                            lora=adapters.get(body.get("model")))
                     except ValueError as exc:
                         raise LineError("invalid_request", str(exc), custom_id) from None

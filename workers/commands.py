@@ -1,4 +1,5 @@
 """Engine-side subcommands of the `tidepool` CLI. Imports of torch and the engine stay inside the handlers."""
+import json
 import sys
 
 from service.ledger.config import engine_flags
@@ -93,12 +94,30 @@ def make_tiny_model(args) -> int:
 
 
 def models_pull(args) -> int:
-    from workers.tools.model_pull import MODELS, pull_model
+    """Pull a known model; an embedding model is also registered under its name (kind embed, from its folder),
+    when the ledger is reachable and it is not registered yet."""
+    from workers.tools.model_pull import FOLDER_ZIPS, MODELS, pull_model
 
     if args.name not in MODELS:
         print(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))}", file=sys.stderr)
         return 2
-    pull_model(args.name, _models_dir())
+    folder = pull_model(args.name, _models_dir())
+    if args.name in FOLDER_ZIPS:
+        from sqlalchemy.orm import Session
+
+        from service.ledger import registry
+        from service.ledger.config import Config
+        from service.ledger.db import make_engine
+        try:
+            with Session(make_engine(Config.from_env().database_url)) as s:
+                if s.get(registry.Model, args.name) is None:
+                    registry.register(s, args.name, str(folder.resolve()), actor="cli")
+                    s.commit()
+            print(json.dumps({"registered": args.name, "source": str(folder.resolve()),
+                              "kind": registry.folder_kind(str(folder))}))
+        except Exception as exc:      # noqa: BLE001 - no ledger yet: the folder is there, register it later
+            print(f"{args.name}: not registered ({exc.__class__.__name__}); run `tidepool db upgrade` and "
+                  f"`tidepool models register {args.name} {folder}`", file=sys.stderr)
     return 0
 
 

@@ -56,6 +56,10 @@ class EngineMetrics:
                                      ["sla_class", "tenant"], registry=r)
         self.generation_tokens = Counter("tidepool:generation_tokens", "Generation tokens produced.",
                                          ["sla_class", "tenant"], registry=r)
+        self.embedded_inputs = Counter("tidepool:embedded_inputs", "Inputs embedded (/v1/embeddings).",
+                                       ["sla_class", "tenant", "model"], registry=r)
+        self.embedded_tokens = Counter("tidepool:embedded_tokens", "Tokens of the inputs embedded.",
+                                       ["sla_class", "tenant", "model"], registry=r)
         self.success = Counter("tidepool:request_success", "Finished requests by finish reason.",
                                ["sla_class", "finish_reason"], registry=r)
         self.running = Gauge("tidepool:num_requests_running", "Sequences in the running batch.",
@@ -111,6 +115,10 @@ class EngineMetrics:
         self.prompt_tokens.labels(sla_class, tenant).inc(len(output.prompt_token_ids))
         self.generation_tokens.labels(sla_class, tenant).inc(output.generated_tokens or n_out)   # every choice
         self.success.labels(sla_class, output.finish_reason or "unknown").inc()
+        if getattr(output, "embeddings", None) is not None:
+            model = str(self.model).rstrip("/").rsplit("/", 1)[-1] if self.model else "default"
+            self.embedded_inputs.labels(sla_class, tenant, model).inc(len(output.embeddings))
+            self.embedded_tokens.labels(sla_class, tenant, model).inc(len(output.prompt_token_ids))
         if output.first_token_time is not None:
             self.ttft.labels(sla_class).observe(max(0.0, output.first_token_time - output.arrival_time))
             if output.finished_time is not None and n_out > 1:

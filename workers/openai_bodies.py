@@ -5,10 +5,11 @@ Bodies arrive already validated and normalised by `service.ledger.bodies.check`.
 import time
 from types import SimpleNamespace
 
-from service.ledger import choices, logprobs, structured
+from service.ledger import choices, embeddings, logprobs, structured
 from service.ledger import openai_shapes
-from service.ledger.openai_shapes import CHAT, COMPLETIONS  # noqa: F401 (the workers' import point)
+from service.ledger.openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS  # noqa: F401 (the workers' import point)
 from workers.engine import RequestOutput, SamplingParams
+from workers.engine.pooling import PoolingParams
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "n", "best_of",
@@ -25,6 +26,12 @@ def sampling_params(endpoint: str, body: dict) -> SamplingParams:
         if body.get("echo"):        # the echoed prompt's tokens carry logprobs too (the first one null)
             kwargs["prompt_logprobs"] = body["logprobs"]
     return SamplingParams(**kwargs, structured=structured.grammar(body))
+
+
+def embedding_request(body: dict) -> tuple[list, PoolingParams]:
+    """An embeddings body (checked by service.embeddings.check) -> (its inputs, PoolingParams)."""
+    return embeddings.inputs(body["input"]), PoolingParams(truncate=bool(body.get("truncate")),
+                                                           dimensions=body.get("dimensions"))
 
 
 def prompt_ids(endpoint: str, body: dict, tokenizer) -> list[int]:
@@ -80,6 +87,9 @@ def ledger_result(out: RequestOutput, tokenizer, text=lambda t: t, echo: str | N
     """A finished request as service.ledger.jobs.complete's keyword arguments: the first choice in output & co., the
     others in `choices` (service/ledger/choices.py reads them back). `text` makes a text storable (ledger_text);
     `echo` (echo_text) goes before each choice's text, and its prompt logprobs before the choice's."""
+    if out.embeddings is not None:
+        return dict(output=embeddings.stored(out.embeddings), output_token_ids=None, finish_reason="stop",
+                    prompt_tokens=len(out.prompt_token_ids), completion_tokens=0, logprobs=None, choices=None)
     first, more = (out.outputs[0], out.outputs[1:]) if out.outputs else (out, [])
     head = prompt_entries(tokenizer, out) if echo is not None and out.prompt_logprobs else []
 
@@ -143,6 +153,8 @@ def logprob_entries(tokenizer, raw: list[dict] | None) -> list[dict] | None:
 def response_body(endpoint: str, request_id: str, model: str, out: RequestOutput, tokenizer,
                   created: int | None = None, body: dict | None = None) -> dict:
     created = created or int(time.time())
+    if endpoint == EMBEDDINGS:
+        return embeddings.response_body(embeddings.stored(out.embeddings), body, model, len(out.prompt_token_ids))
     stored = ledger_result(out, tokenizer, echo=echo_text(endpoint, body or {}, tokenizer, out.prompt_token_ids))
     picked = openai_shapes.choice_objects(endpoint, choices.of_job(SimpleNamespace(**stored)), body, request_id,
                                           logprobs.requested(endpoint, body))

@@ -20,7 +20,7 @@ class Streaming:
     def on_token(self, inf: Inflight, out) -> None:
         if not self.attempts.current(inf):
             return
-        if inf.first_token_at is None and out.token_ids:
+        if inf.first_token_at is None and (out.token_ids or out.embeddings):
             inf.first_token_at = out.first_token_time or time.time()
             if inf.online:    # offline first tokens go into the completion transaction instead
                 self.attempts.firsts.put(inf)

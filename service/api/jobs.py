@@ -6,7 +6,8 @@ from flask import Blueprint, g, request
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from ..ledger import adapters, affinity, bodies, choices, jobs as transitions, logprobs, quotas, structured, tiers
+from ..ledger import (adapters, affinity, bodies, choices, embeddings, jobs as transitions, logprobs, quotas,
+                      structured, tiers)
 from ..ledger import openai_shapes
 from .. import admission
 from ..auth import tenant_required
@@ -39,7 +40,8 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
     """A job as JSON; with_logprobs (one job's GET) adds output.logprobs when the request asked for them."""
     usage = None
     if job.prompt_tokens is not None:
-        usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
+        usage = embeddings.usage(job.prompt_tokens) if job.endpoint == bodies.EMBEDDINGS else \
+            openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
     return {"id": job.id, "object": "job", "status": job.status.value, "sla_class": job.sla_class.value,
             "service_tier": tiers.tier(job.sla_class),
             "model": job.model, "endpoint": job.endpoint, "request": job.request, "metadata": job.metadata_,
@@ -49,6 +51,7 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
             "first_token_at": ts(job.first_token_at), "finished_at": ts(job.finished_at),
             "attempts": job.attempts, "worker": job.worker, "usage": usage,
             "output": None if job.status != JobStatus.completed else
+            {"data": embeddings.data(job.output, job.request)} if job.endpoint == bodies.EMBEDDINGS else
             {"text": job.output, "token_ids": job.output_token_ids, **_tool_calls(job), **_choices(job, with_logprobs),
              **({"logprobs": logprobs.shaped(job.endpoint, job.logprobs)}
                 if with_logprobs and logprobs.requested(job.endpoint, job.request) else {})},
@@ -78,11 +81,15 @@ def create_job():
     quota, conf = g.quota, cfg()
     if "prompt" in body and "messages" in body:
         raise bad_request("Send either 'prompt' or 'messages', not both.", "messages")
-    endpoint = bodies.CHAT if "messages" in body else bodies.COMPLETIONS
+    if "input" in body and ("prompt" in body or "messages" in body):
+        raise bad_request("Send one of 'input' (embeddings), 'prompt' or 'messages'.", "input")
+    endpoint = bodies.EMBEDDINGS if "input" in body else bodies.CHAT if "messages" in body else bodies.COMPLETIONS
     model = adapters.resolve(session(), ext("registry"), quota, g.tenant.id, body.get("model"))  # 404/403
+    ext("registry").check_endpoint(model, endpoint)
     checked = bodies.check(body, endpoint, served_model=None,
                            max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA,
-                           context_len=ext("registry").context_len(model))
+                           context_len=ext("registry").context_len(model),
+                           embed_model=ext("registry").embed_model(model))
     sla = tiers.sla_class(body.get("service_tier"), body.get("sla_class"),
                           g.tenant.default_sla_class or "interactive" if body.get("service_tier") == "auto"
                           else "interactive")

@@ -11,7 +11,8 @@ from sqlalchemy.orm import undefer
 
 from service.ledger import token_stream
 
-from ..ledger import adapters, affinity, bodies, choices, jobs as transitions, logprobs, quotas, registry, structured, tiers
+from ..ledger import (adapters, affinity, bodies, choices, embeddings, jobs as transitions, logprobs, quotas,
+                      registry, structured, tiers)
 from ..ledger import openai_shapes
 from .. import admission
 from ..auth import tenant_required
@@ -67,6 +68,31 @@ def chat_completions():
     return _serve(bodies.CHAT)
 
 
+@bp.post("/v1/embeddings")
+@tenant_required
+def create_embeddings():
+    """One ledger job for all the request's inputs, answered when the worker has written its vectors."""
+    marks = {"recv": time.time()}
+    body = json_body()
+    sla = online_class(body.pop("service_tier", None), body.pop("sla_class", None))
+    model = ext("registry").resolve(g.quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
+    ext("registry").check_endpoint(model, bodies.EMBEDDINGS)
+    checked = bodies.check(body, bodies.EMBEDDINGS, served_model=None, max_tokens_cap=None,
+                           embed_model=ext("registry").embed_model(model))
+    job, waiter = submit(checked, sla, model, marks)
+    try:
+        final = waiter.finish()
+    except LedgerUnavailable:
+        waiter.close()
+        raise
+    except BaseException:
+        waiter.close(cancel=True)
+        raise
+    if final.status != JobStatus.completed:
+        raise _job_error(final)
+    return embeddings.response_body(final.output, final.request, model.name or body.get("model"), final.prompt_tokens)
+
+
 def _serve(endpoint: str):
     marks = {"recv": time.time()}
     body = json_body()
@@ -77,6 +103,7 @@ def _serve(endpoint: str):
         raise bad_request("'stream_options' must be an object.", "stream_options")
     sla = online_class(body.pop("service_tier", None), body.pop("sla_class", None))
     model = adapters.resolve(session(), ext("registry"), g.quota, g.tenant.id, body.get("model"))  # 404/403
+    ext("registry").check_endpoint(model, endpoint)
     checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
                            context_len=ext("registry").context_len(model))
     if stream and (checked.body.get("best_of") or 1) > (checked.body.get("n") or 1):
@@ -250,8 +277,8 @@ def _job_error(job: Job) -> APIError:
             err.get("message", ""):     # the grammar library refused the schema (the API checked its keywords)
         return APIError(400, err["message"], "invalid_response_format", "response_format")
     if job.status == JobStatus.failed and err.get("code") in ("context_length_exceeded", "invalid_prompt"):
-        return APIError(400, err.get("message", "Invalid request."), err["code"], "messages"
-                        if job.endpoint == bodies.CHAT else "prompt")
+        return APIError(400, err.get("message", "Invalid request."), err["code"],
+                        {bodies.CHAT: "messages", bodies.EMBEDDINGS: "input"}.get(job.endpoint, "prompt"))
     if job.status == JobStatus.cancelled:
         return APIError(409, "The request was cancelled.", "cancelled")
     if job.status == JobStatus.expired:

@@ -5,7 +5,7 @@ from datetime import timedelta
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 
-from . import adapters, affinity, anthropic_shapes, bodies, choices, logprobs, quotas, responses
+from . import adapters, affinity, anthropic_shapes, bodies, choices, embeddings, logprobs, quotas, responses
 from . import openai_shapes
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
@@ -44,7 +44,7 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
     seen: set[str] = set()
     rows: list[dict] = []
     created: list[tuple] = []
-    tokens = 0
+    tokens = inputs = 0
     now = utcnow()
     sla = batch.sla_class.value
     with storage.open(batch.input_file_id) as fh:
@@ -93,9 +93,18 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                 entry = None if models is None else adapters.resolve(   # a batch line may name an adapter too
                     s, models, quota, batch.tenant_id, body.get("model") if isinstance(body, dict) else None)
                 model = None if entry is None else entry.name
+                if entry is not None:
+                    models.check_endpoint(entry, batch.endpoint)
                 checked = check_line(batch.endpoint, body, served_model=served_model if models is None else None,
                                      max_tokens_cap=quota.max_tokens_per_request,
-                                     context_len=None if entry is None else models.context_len(entry))
+                                     context_len=None if entry is None else models.context_len(entry),
+                                     embed_model=None if entry is None else models.embed_model(entry))
+                if batch.endpoint == bodies.EMBEDDINGS:
+                    inputs += embeddings.count(checked.body)
+                    if inputs > embeddings.MAX_BATCH_INPUTS:
+                        return [_line_error(lineno, "too_many_inputs", f"A batch may hold at most "
+                                            f"{embeddings.MAX_BATCH_INPUTS} embedding inputs in all.",
+                                            "body.input")], []
             except Exception as exc:  # APIError carries message and param
                 errors.append(_line_error(lineno, getattr(exc, "code", None) or "invalid_body",
                                           getattr(exc, "message", str(exc)), f"body.{getattr(exc, 'param', '')}"))
@@ -154,6 +163,8 @@ def result_body(job: Job, model: str | None, endpoint: str) -> dict:
                                 service_tier="flex", store=False)
     if endpoint == anthropic_shapes.MESSAGES:
         return anthropic_shapes.message(anthropic_shapes.message_id(job.id), model, job)
+    if job.endpoint == bodies.EMBEDDINGS:
+        return embeddings.response_body(job.output, job.request, model, job.prompt_tokens)
     usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
     picked = openai_shapes.choice_objects(job.endpoint, choices.of_job(job), job.request, job.id,
                                           logprobs.requested(job.endpoint, job.request))

@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
-from . import structured
+from . import embeddings, structured
 from .errors import bad_request
 
-from .openai_shapes import CHAT, COMPLETIONS, ENDPOINTS  # noqa: F401 (bodies.CHAT & co. for its callers)
+from .openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS  # noqa: F401 (bodies.CHAT & co. for callers)
 
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: 512}
 # Bounds on every list and string of a request (README "Request limits"); beyond them, a 400 naming the field.
@@ -213,10 +213,13 @@ def parse_deadline(value) -> datetime | None:
 
 
 def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int | None,
-          extra_allowed=frozenset(), context_len: int | None = None) -> Checked:
+          extra_allowed=frozenset(), context_len: int | None = None, embed_model=None) -> Checked:
+    """embed_model: for /v1/embeddings, the model's embeddings.EmbedModel (None: not checked against it)."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
     check_text(body, "")
+    if endpoint == EMBEDDINGS:
+        return Checked(EMBEDDINGS, *embeddings.check(body, extra_allowed, embed_model))
     unknown = sorted(set(body) - ALLOWED[endpoint] - set(extra_allowed))
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")

@@ -1,7 +1,7 @@
 """OpenAI's shapes that the online API, /v1/jobs, batch result files and the workers' offline runner share:
 the endpoint paths, the usage object, a completion body's head, its choice objects. Flask- and torch-free."""
 from . import logprobs, structured
-from .endpoints import CHAT, COMPLETIONS, ENDPOINTS  # noqa: F401 (the workers' import point)
+from .endpoints import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS  # noqa: F401 (the workers' import point)
 
 
 def usage(prompt_tokens: int | None, completion_tokens: int | None) -> dict:

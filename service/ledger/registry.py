@@ -67,7 +67,7 @@ UNCHECKED = Entry(None, None, ModelTier.hot.value, True, 0, False)
 
 def entry_json(e: Entry) -> dict:
     return {"id": e.name, "object": "model", "created": e.created, "owned_by": "tidepool", "source": e.source,
-            "tier": e.tier, "enabled": e.enabled, "registered": e.registered}
+            "tier": e.tier, "enabled": e.enabled, "registered": e.registered, "kind": folder_kind(e.source)}
 
 
 def public_json(e: Entry) -> dict:
@@ -213,6 +213,23 @@ def folder_created(folder: str | None) -> int:
         return int(time.time())
 
 
+KINDS = ("generate", "embed")
+
+
+def folder_kind(folder: str | None) -> str:
+    """What a model folder serves: "embed" for a sentence-transformers folder (modules.json) or a BERT encoder,
+    else "generate" (also when the folder cannot be read here)."""
+    if not folder:
+        return "generate"
+    path = Path(folder)
+    if (path / "modules.json").is_file():
+        return "embed"
+    try:
+        return "embed" if json.loads((path / "config.json").read_text()).get("model_type") == "bert" else "generate"
+    except (OSError, ValueError):
+        return "generate"
+
+
 def folder_context_len(folder: str | None, max_model_len: int | None = None) -> int | None:
     """Longest prompt + output for a model folder: max_model_len (TIDEPOOL_MAX_MODEL_LEN) when set, else its
     config.json (capped at a sliding window); None when the folder cannot be read here."""
@@ -237,7 +254,7 @@ class Registry:
         self.max_model_len = max_model_len     # TIDEPOOL_MAX_MODEL_LEN: caps every model's context
         self._cached: tuple[int, float, dict[str, Entry]] | None = None
         self._default_created = folder_created(default_source) if default_name else 0
-        self._context: dict[str, int | None] = {}
+        self._context: dict = {}      # per model: context length, kind, dimensions
 
     def entries(self) -> dict[str, Entry]:
         """Every model by name, enabled or not."""
@@ -289,6 +306,42 @@ class Registry:
         if not self.permits(quota, entry.name):
             raise APIError(403, f"This tenant may not use the model '{requested}'.", "model_not_allowed", "model")
         return entry
+
+    def kind(self, entry: Entry) -> str | None:
+        """"generate" or "embed" (registry.folder_kind); None when there is no model to ask (UNCHECKED)."""
+        if entry.name is None:
+            return None
+        key = ("kind", entry.name, entry.source)
+        if key not in self._context:
+            self._context[key] = folder_kind(entry.source)
+        return self._context[key]
+
+    def check_endpoint(self, entry: Entry, endpoint: str) -> None:
+        """A 400 naming `model` when the model cannot serve the endpoint (an embedding model asked to generate,
+        a generation model asked to embed)."""
+        from .openai_shapes import EMBEDDINGS
+        kind = self.kind(entry)
+        if kind is None or (kind == "embed") == (endpoint == EMBEDDINGS):
+            return
+        if kind == "embed":
+            raise bad_request(f"The model '{entry.name}' is an embedding model: use /v1/embeddings with it.", "model",
+                              "model_not_supported")
+        raise bad_request(f"The model '{entry.name}' does not serve /v1/embeddings: it generates text.", "model",
+                          "model_not_supported")
+
+    def embed_model(self, entry: Entry):
+        """The embedding model's embeddings.EmbedModel (dimensions, tokenizer, max_seq_length); None for a model
+        that does not embed or whose folder cannot be read here (then the worker checks the inputs)."""
+        if entry.name is None or self.kind(entry) != "embed":
+            return None
+        key = ("embed", entry.name, entry.source)
+        if key not in self._context:
+            from .embeddings import EmbedModel
+            try:
+                self._context[key] = EmbedModel(entry.source)
+            except Exception:     # noqa: BLE001 - no tokenizer here: the worker refuses what it cannot run
+                self._context[key] = None
+        return self._context[key]
 
     def context_len(self, entry: Entry) -> int | None:
         if entry.name is None:

@@ -7,11 +7,12 @@ from flask import abort, flash, redirect, render_template, request, send_file, s
 from sqlalchemy import func, select
 from werkzeug.exceptions import HTTPException
 
-from ..ledger import batches as ledger, jobs as transitions, tenants
+from ..ledger import batches as ledger, embeddings, jobs as transitions, tenants
 from ..api import cfg, ext
 from ..db import session as db
 from ..ledger.errors import APIError
 from ..ledger.logging import log_job
+from ..ledger.endpoints import EMBEDDINGS
 from ..ledger.models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, Usage
 from ..ledger.quotas import period
 from .blueprint import bp, check_token, sign_in, signed_in
@@ -354,8 +355,11 @@ def timeline(job: Job) -> list[dict]:
 @bp.get("/jobs/<job_id>")
 def job_page(job_id):
     job = _job_or_404(job_id)
+    vectors = None
+    if job.endpoint == EMBEDDINGS and job.output is not None:    # base64 in the ledger: shown as numbers
+        vectors = [d["embedding"] for d in embeddings.data(job.output, {})]
     return render_template("job.html", job=job, steps=timeline(job), tenant=db().get(Tenant, job.tenant_id),
-                           cancellable=job.status in (JobStatus.queued, JobStatus.running))
+                           cancellable=job.status in (JobStatus.queued, JobStatus.running), vectors=vectors)
 
 
 @bp.post("/jobs/<job_id>/cancel")

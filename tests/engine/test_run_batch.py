@@ -36,7 +36,7 @@ def test_run_batch_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert len(out) == 9
     errors = [o for o in out if o["error"]]
     codes = sorted(o["error"]["code"] for o in errors)
-    assert codes == sorted(["invalid_json", "missing_custom_id", "invalid_url", "invalid_value",
+    assert codes == sorted(["invalid_json", "missing_custom_id", "model_not_supported", "invalid_value",
                             "duplicate_custom_id", "invalid_request"])
     assert all(o["response"] is None and "line " in o["error"]["message"] for o in errors)
 

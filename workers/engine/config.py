@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from workers.engine.models.config import ModelConfig
+from workers.engine.models.config import load_config
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -134,7 +134,7 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be >= 1")
         self._resolve_scheduling()
         self.speculative = SpeculativeConfig.parse(self.speculative)
-        self.model_config = ModelConfig.from_dir(path)
+        self.model_config = load_config(path)
         limit = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
             limit = min(limit, self.model_config.sliding_window)   # no sliding-window attention: stay inside it

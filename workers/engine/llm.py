@@ -1,6 +1,7 @@
 """LLM: the offline entry point. Submit a list of prompts, get their outputs back in order."""
 from workers.engine.config import EngineConfig
 from workers.engine.llm_engine import LLMEngine, RequestOutput
+from workers.engine.pooling import PoolingParams
 from workers.engine.sampling_params import SamplingParams
 
 
@@ -54,6 +55,25 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[i] for i in ids]
+
+    def embed(self, inputs: list[str] | list[list[int]] | str, pooling_params: PoolingParams | None = None,
+              per_request: int = 1) -> list[list[float]]:
+        """One vector per input (text or token ids), in order; `per_request` inputs share one engine request."""
+        if isinstance(inputs, str) or (inputs and isinstance(inputs[0], int)):
+            inputs = [inputs]
+        params = pooling_params or PoolingParams()
+        ids = []
+        for start in range(0, len(inputs), per_request):
+            request_id = f"emb-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(request_id, inputs[start:start + per_request], params, sla_class="batch")
+            ids.append(request_id)
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [vector for i in ids for vector in results[i].embeddings]
 
     def chat(self, conversations: list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:

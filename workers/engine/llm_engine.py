@@ -8,8 +8,10 @@ from workers.engine.block_manager import BlockManager
 from workers.engine.config import EngineConfig
 from workers.engine.calibration import calibrate
 from workers.engine.cost_model import CostModel
+from workers.engine.encoder_runner import EncoderRunner
 from workers.engine.lora import LoRAManager, LoRARequest
 from workers.engine.model_runner import ModelRunner
+from workers.engine.pooling import PoolingParams
 from kernels.layer_ops import argmax_rows
 from workers.engine.sampler import Sampler
 from workers.engine.sampling_params import SamplingParams
@@ -60,6 +62,8 @@ class RequestOutput:
     generated_tokens: int = 0
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, then {"token_id", "logprob", "top"}
     prompt_logprobs: list[dict | None] | None = None
+    # An embedding request: one vector per input, in order (prompt_token_ids: every input's tokens, concatenated)
+    embeddings: list[list[float]] | None = None
 
 
 class _Choice:
@@ -91,15 +95,34 @@ class _Request:
         return self.choices[0].seq
 
 
+class _EmbedRequest:
+    """An embedding request: one prefill-only sequence per input (seq.index), a vector each when computed."""
+
+    def __init__(self, seqs: list[Sequence], on_token, arrival: float):
+        self.seqs = seqs
+        self.vectors: list[list[float] | None] = [None] * len(seqs)
+        self.left = len(seqs)
+        self.on_token = on_token
+        self.arrival_time = arrival
+
+    @property
+    def seq(self) -> Sequence:
+        return self.seqs[0]
+
+
+EMBED_SAMPLING = SamplingParams(max_tokens=1)    # what the scheduler's capacity checks read of an embedding input
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.tokenizer = Tokenizer(config.model)
-        self.runner = ModelRunner(config, config.model_config)
+        self.is_encoder = config.model_config.is_encoder
+        self.runner = (EncoderRunner if self.is_encoder else ModelRunner)(config, config.model_config)
         # A sequence may never outgrow the whole pool, or it could never be scheduled again.
         self.max_model_len = min(config.max_model_len, self.runner.num_kv_blocks * config.block_size)
         num_blocks = self.runner.num_kv_blocks
-        num_host_blocks = int(config.swap_space_gib * 2**30 // self.runner.bytes_per_block)
+        num_host_blocks = int(config.swap_space_gib * 2**30 // self.runner.bytes_per_block) if self.runner.kv_cache else 0
         self.host_pool = HostKVPool(self.runner.model.layers, num_host_blocks) if num_host_blocks else None
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_host_blocks=num_host_blocks)
@@ -119,7 +142,7 @@ class LLMEngine:
             sla_targets=config.sla_targets, reserve_seats=min(int(config.online_reserve * config.max_num_seqs),
                                                               config.max_num_seqs - 1),
             reserve_blocks=max(0, reserve_blocks), capacity_policy=config.capacity_policy,
-            max_model_len=self.max_model_len, offline_floor=config.offline_floor,
+            max_model_len=self.max_model_len, offline_floor=config.offline_floor, kv_cache=self.runner.kv_cache,
             admit_gate=None if self.lora is None else lambda seq, running: self.lora.admissible(seq.lora, running))
         if self.lora is not None:
             self.lora.running, self.lora.waiting = self.scheduler.running, self.scheduler.waiting
@@ -136,7 +159,8 @@ class LLMEngine:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)    # notified by add_request
         self._totals = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,
-                        "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "finished": 0, "aborted": 0}
+                        "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "finished": 0, "aborted": 0,
+                        "embedded_inputs": 0, "embedded_tokens": 0}
         self._last_step = {"tokens": 0, "seqs": 0, "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
 
     # -- requests -------------------------------------------------------------------------------
@@ -146,7 +170,13 @@ class LLMEngine:
                     cache_namespace: str | None = None, lora: LoRARequest | None = None) -> None:
         """Queue a request (thread-safe). Raises ValueError for a prompt the engine cannot run.
         Prefix-cache blocks are shared only between requests of the same cache_namespace (and adapter).
-        lora: run it through this LoRA adapter (LoRAError, a ValueError, if it does not fit the model)."""
+        lora: run it through this LoRA adapter (LoRAError, a ValueError, if it does not fit the model).
+        With PoolingParams it is an embedding request: `prompt` is a list of inputs (texts or token-id lists),
+        one vector each in the finished output's `embeddings`."""
+        if isinstance(params, PoolingParams):
+            return self._add_embed(request_id, prompt, params, sla_class, tenant, weight, on_token)
+        if self.is_encoder:
+            raise ValueError("this is an embedding model: it cannot generate")
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -166,11 +196,53 @@ class LLMEngine:
             seq.grammar = self.structured.matcher(params.structured)
         request = _Request(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens), on_token,
                            time.time())
+        self._queue(request)
+
+    def _queue(self, request) -> None:
         with self._lock:
-            if request_id in self.requests or any(r.seq.request_id == request_id for r in self._inbox):
-                raise ValueError(f"request id {request_id!r} is already in use")
+            if request.seq.request_id in self.requests or \
+                    any(r.seq.request_id == request.seq.request_id for r in self._inbox):
+                raise ValueError(f"request id {request.seq.request_id!r} is already in use")
             self._inbox.append(request)
             self._work.notify_all()
+
+    @property
+    def max_embed_len(self) -> int:
+        """The most tokens one embedding input may have: the model's max_seq_length, within one step's budget."""
+        return min(self.runner.pooling.max_seq_length or self.max_model_len, self.max_model_len,
+                   self.config.max_num_batched_tokens)
+
+    def embed_ids(self, inputs: list, params: PoolingParams) -> list[list[int]]:
+        """Each input (text or token ids) as the token ids the model embeds: truncated to max_embed_len when
+        params.truncate, else refused (PromptTooLong) when longer. Raises ValueError for an input it cannot run."""
+        limit, vocab = self.max_embed_len, self.config.model_config.vocab_size
+        if not inputs:
+            raise ValueError("input is empty")
+        out = []
+        for i, item in enumerate(inputs):
+            if isinstance(item, str):
+                ids = self.tokenizer.encode(item, max_length=limit if params.truncate else None)
+            else:
+                ids = list(item)[:limit] if params.truncate else list(item)
+            if not ids:
+                raise ValueError(f"input {i} is empty")
+            if len(ids) > limit:
+                raise PromptTooLong(f"input {i} has {len(ids)} tokens; this model embeds at most {limit} "
+                                    f"(truncate them with truncate=true)")
+            if any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"input {i}: token ids must be in [0, {vocab})")
+            out.append(ids)
+        return out
+
+    def _add_embed(self, request_id: str, inputs: list, params: PoolingParams, sla_class: str, tenant: str,
+                   weight: float, on_token) -> None:
+        seqs = []
+        for i, ids in enumerate(self.embed_ids(inputs, params)):
+            seq = Sequence(request_id, ids, EMBED_SAMPLING, sla_class=sla_class, tenant=tenant, weight=weight,
+                           pooling=params)
+            seq.index = i
+            seqs.append(seq)
+        self._queue(_EmbedRequest(seqs, on_token, time.time()))
 
     def abort(self, request_id: str) -> None:
         """Stop a request (thread-safe); it finishes with reason "abort" at the next step."""
@@ -201,7 +273,8 @@ class LLMEngine:
             self._inbox, self._aborts = [], []
         for request in inbox:
             self.requests[request.seq.request_id] = request
-            self.scheduler.add(request.seq)
+            for seq in getattr(request, "seqs", None) or [request.seq]:
+                self.scheduler.add(seq)
         outputs = []
         for request_id in aborts:
             request = self.requests.get(request_id)
@@ -238,6 +311,9 @@ class LLMEngine:
             self.requests[seq.request_id].prompt_logprobs[position + 1] = entry
         t2 = time.perf_counter()
         ready = self.scheduler.postprocess(batch)
+        if self.runner.embeddings:
+            ready = [s for s in ready if s.pooling is None]
+            outputs.extend(self._embedded(self.runner.embeddings))
         verify = []
         if drafted and ready:
             ready, logits, verify = self._split_verified(ready, logits)
@@ -399,10 +475,43 @@ class LLMEngine:
         return [CompletionOutput(i, c.text, c.seq.output_token_ids, c.finish_reason, c.logprobs,
                                  c.seq.cumulative_logprob) for i, c in enumerate(choices)]
 
+    def _embedded(self, vectors: list) -> list[RequestOutput]:
+        """Inputs pooled this step leave the scheduler; a request whose inputs all have theirs finishes."""
+        outputs = []
+        for seq, vector in vectors:
+            request = self.requests[seq.request_id]
+            request.vectors[seq.index] = vector
+            request.left -= 1
+            self.scheduler.remove(seq)
+            self._totals["embedded_inputs"] += 1
+            self._totals["embedded_tokens"] += seq.num_tokens
+            if request.left == 0:
+                outputs.append(self._finish_embed(request, "stop"))
+        return outputs
+
+    def _finish_embed(self, request: _EmbedRequest, reason: str) -> RequestOutput:
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+            seq.finish_reason = reason
+        del self.requests[request.seq.request_id]
+        self._totals["aborted" if reason == "abort" else "finished"] += 1
+        now = time.time()
+        out = RequestOutput(
+            request_id=request.seq.request_id, prompt_token_ids=[t for s in request.seqs for t in s.token_ids],
+            token_ids=[], text="", finished=True, finish_reason=reason, arrival_time=request.arrival_time,
+            first_token_time=now, finished_time=now,
+            embeddings=request.vectors if reason != "abort" else None)
+        if request.on_token is not None:
+            request.on_token(out)
+        return out
+
     def _finish(self, request: _Request, reason: str, new_tokens: list[int] | None = None,
                 choice: _Choice | None = None) -> RequestOutput:
         """Finish one choice (without one: every unfinished choice, an abort). The request is finished when
         all its choices are (before the fork, an abort finishes it at once)."""
+        if isinstance(request, _EmbedRequest):
+            return self._finish_embed(request, reason)
         for c in [choice] if choice is not None else request.choices:
             if c.finish_reason is None:
                 c.finish_reason = c.seq.finish_reason = reason

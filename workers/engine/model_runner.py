@@ -13,6 +13,7 @@ from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.engine.models.config import ModelConfig
 from workers.engine.models.llama import AttentionContext
 from workers.engine.models.loader import load_model
+from workers.engine.pooling import PoolingSpec, embed_rows
 from workers.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
 
 
 class ModelRunner:
+    kv_cache = True
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.config = config
         self.model_config = model_config
@@ -78,6 +81,8 @@ class ModelRunner:
             self._prepare_cpu_kernel()
         self.decode_graphs = None
         self.lora = None         # the LLMEngine's LoRAManager when adapters are on (max_loras > 0)
+        self.embeddings: list = []       # [(seq, vector)] of the embedding inputs the last run computed
+        self._pooling: PoolingSpec | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = self.make_decode_graphs(capture=True)
 
@@ -89,6 +94,13 @@ class ModelRunner:
         sizes = sizes or graph_batch_sizes(self.config.max_num_seqs)
         return DecodeGraphs(self.model, self.backend, sizes, max_blocks,
                             self.model_config.hidden_size, self.dtype, self.device, capture=capture)
+
+    @property
+    def pooling(self) -> PoolingSpec:
+        """How this decoder embeds (read from its folder when first needed)."""
+        if self._pooling is None:
+            self._pooling = PoolingSpec.from_dir(self.config.model, encoder=False)
+        return self._pooling
 
     @property
     def bytes_per_block(self) -> int:
@@ -111,7 +123,8 @@ class ModelRunner:
         """The step's inputs as host lists: new tokens flattened over sequences, and per-sequence tables."""
         bs = self.config.block_size
         step = dict(input_ids=[], positions=[], slot_mapping=[], context_lens=[], cu_seqlens_q=[0],
-                    block_tables=[seq.block_table for seq in batch.seqs], sample_rows=[], prompt_rows=[])
+                    block_tables=[seq.block_table for seq in batch.seqs], sample_rows=[], prompt_rows=[],
+                    pool_rows=[])
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
             end = start + n
@@ -127,7 +140,9 @@ class ModelRunner:
             step["slot_mapping"].extend(table[p // bs] * bs + p % bs for p in range(start, end))
             step["context_lens"].append(end)
             step["cu_seqlens_q"].append(step["cu_seqlens_q"][-1] + n)
-            if end == len(tokens):       # with drafts, every one of the k + 1 positions is verified
+            if seq.pooling is not None:      # computed whole in this step (the scheduler never chunks it)
+                step["pool_rows"].append((seq, step["cu_seqlens_q"][-2]))
+            elif end == len(tokens):       # with drafts, every one of the k + 1 positions is verified
                 last = step["cu_seqlens_q"][-1]
                 step["sample_rows"].extend(range(last - 1 - len(drafts), last))
         return step
@@ -182,6 +197,7 @@ class ModelRunner:
             if adapters:
                 self.lora.end_step()
         self.prompt_logprobs = self._prompt_logprobs(hidden, step["prompt_rows"]) if step["prompt_rows"] else []
+        self.embeddings = embed_rows(hidden, step["pool_rows"], self.pooling) if step["pool_rows"] else []
         if not step["sample_rows"]:
             return None
         rows = torch.tensor(step["sample_rows"], device=self.device)

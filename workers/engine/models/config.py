@@ -3,11 +3,21 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+SUPPORTED = ("llama", "mistral", "qwen2")    # and "bert" (models/bert.py, an encoder)
+
+
+def load_config(model_dir: str | Path):
+    """The model's config: BertConfig for an encoder (model_type bert), else ModelConfig (Llama family)."""
+    path = Path(model_dir) / "config.json"
+    if path.is_file() and json.loads(path.read_text()).get("model_type") == "bert":
+        from workers.engine.models.bert import BertConfig
+        return BertConfig.from_dir(model_dir)
+    return ModelConfig.from_dir(model_dir)
 
 
 @dataclass
 class ModelConfig:
+    is_encoder = False          # (not a field) BertConfig's is True
     model_type: str
     vocab_size: int
     hidden_size: int

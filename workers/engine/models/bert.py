@@ -1,0 +1,178 @@
+"""BERT-family encoder (BertModel: absolute positions, token types, GELU, post-LayerNorm) over a packed batch of
+variable-length inputs: the linear layers see only real tokens (no padding); attention is bidirectional within
+each input and masked between inputs. No KV cache: an input is computed whole in one step.
+
+Weights keep Hugging Face names (a `bert.` prefix is dropped) except that query/key/value are stacked into one
+matmul (`qkv`); the pooler is not used (sentence-transformers pools the last hidden states itself)."""
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+               "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+ATTENTION_GROUP = 16      # inputs of similar length padded together for attention (only there)
+
+
+@dataclass
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    torch_dtype: str | None
+    model_type: str = "bert"
+    sliding_window: None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    is_encoder: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.num_attention_heads
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "BertConfig":
+        if raw.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError("only absolute position embeddings are supported for BERT models")
+        if raw.get("hidden_act", "gelu") not in ACTIVATIONS:
+            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+        return cls(vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
+                   intermediate_size=raw["intermediate_size"], num_hidden_layers=raw["num_hidden_layers"],
+                   num_attention_heads=raw["num_attention_heads"],
+                   max_position_embeddings=raw.get("max_position_embeddings", 512),
+                   type_vocab_size=raw.get("type_vocab_size", 2), layer_norm_eps=raw.get("layer_norm_eps", 1e-12),
+                   hidden_act=raw.get("hidden_act", "gelu"), torch_dtype=raw.get("dtype") or raw.get("torch_dtype"))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "BertConfig":
+        return cls.from_raw(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+class AttentionPlan:
+    """Per step: how the packed rows [T] map into padded groups of similar-length inputs, for attention only."""
+
+    def __init__(self, lens: list[int], device: torch.device):
+        order = sorted(range(len(lens)), key=lambda i: lens[i])
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        self.groups = []      # (rows of the packed batch in padded order [G*L], index of real rows [R], G, L, mask)
+        for g in range(0, len(order), ATTENTION_GROUP):
+            members = order[g:g + ATTENTION_GROUP]
+            width = lens[members[-1]]
+            gather, real = [], []
+            for slot, i in enumerate(members):
+                gather.extend(range(starts[i], starts[i] + lens[i]))
+                real.extend(range(slot * width, slot * width + lens[i]))
+            mask = None
+            if any(lens[i] != width for i in members):
+                mask = torch.tensor([[j < lens[i] for j in range(width)] for i in members], device=device)
+                mask = mask[:, None, None, :]                                    # [G, 1, 1, L]
+            self.groups.append((torch.tensor(gather, device=device), torch.tensor(real, device=device),
+                                len(members), width, mask))
+
+    def attend(self, qkv: torch.Tensor, scale: float) -> torch.Tensor:
+        """qkv [T, 3, H, D] -> attention output [T, H, D]; each group padded once (q, k and v together)."""
+        out = qkv.new_empty(qkv.shape[0], *qkv.shape[2:])
+        for rows, real, g, width, mask in self.groups:
+            buf = qkv.new_zeros(g * width, *qkv.shape[1:])
+            buf[real] = qkv[rows]
+            q, k, v = buf.view(g, width, *qkv.shape[1:]).permute(2, 0, 3, 1, 4).unbind(0)   # [G, H, L, D] each
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            out[rows] = o.transpose(1, 2).reshape(g * width, *out.shape[1:])[real]
+        return out
+
+
+class BertLayer(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.attn_out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.attn_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.intermediate = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.output = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.out_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        qkv = self.qkv(x).view(-1, 3, self.heads, self.head_dim)                # [T, 3, H, D]
+        a = plan.attend(qkv, self.scale).reshape(x.shape)
+        x = self.attn_norm(self.attn_out(a) + x)
+        return self.out_norm(self.output(self.act(self.intermediate(x))) + x)
+
+
+class BertModel(nn.Module):
+    STACKED = {"attention.self.query": 0, "attention.self.key": 1, "attention.self.value": 2}
+    RENAMED = {"attention.output.dense": "attn_out", "attention.output.LayerNorm": "attn_norm",
+               "intermediate.dense": "intermediate", "output.dense": "output", "output.LayerNorm": "out_norm"}
+
+    def __init__(self, cfg: BertConfig, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.embed_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.layers = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        """input_ids, positions [T] of packed inputs (token type 0) -> last hidden states [T, hidden]."""
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + self.token_type_embeddings.weight[0]
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x, plan)
+        return x
+
+    def _target(self, name: str) -> tuple[str, int | None] | None:
+        """Checkpoint name -> (parameter name, stacked shard or None); None for weights not used."""
+        name = name.removeprefix("bert.")
+        if name.startswith("pooler.") or name.endswith("position_ids") or name.startswith("cls."):
+            return None
+        if name.startswith("embeddings."):
+            name = name.removeprefix("embeddings.")
+            return ("embed_norm." + name.split(".")[-1] if name.startswith("LayerNorm") else name), None
+        if not name.startswith("encoder.layer."):
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        index, rest = name.removeprefix("encoder.layer.").split(".", 1)
+        module, leaf = rest.rsplit(".", 1)
+        if module in self.STACKED:
+            return f"layers.{index}.qkv.{leaf}", self.STACKED[module]
+        if module not in self.RENAMED:
+            raise ValueError(f"unexpected weight {name!r} in checkpoint")
+        return f"layers.{index}.{self.RENAMED[module]}.{leaf}", None
+
+    @torch.no_grad()
+    def load_weights(self, weights) -> None:
+        params = dict(self.named_parameters())
+        loaded = set()
+        size = self.cfg.hidden_size
+        for name, tensor in weights:
+            target = self._target(name)
+            if target is None:
+                continue
+            pname, shard = target
+            if shard is None:
+                params[pname].copy_(tensor)
+            else:
+                params[pname][shard * size:(shard + 1) * size].copy_(tensor)
+            loaded.add(pname if shard is None else f"{pname}#{shard}")
+        expected = {f"{n}#{i}" for n in params if ".qkv." in n for i in range(3)} | \
+            {n for n in params if ".qkv." not in n}
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {sorted(missing)[:3]}")
