@@ -4,6 +4,12 @@ import os
 
 import psycopg
 import pytest
+import torch
+
+# Without CUDA the kernel tests run the Triton kernels on CPU tensors, which only works under Triton's interpreter,
+# and it must be on before anything imports triton: transformers and peft may, when test modules are collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from service import migrate
 

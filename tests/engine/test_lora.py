@@ -154,8 +154,10 @@ def test_eviction_is_lru_and_pinned_adapters_stay(lora_setup):
     assert engine.lora.evictions == ["a-qv-r4", "b-all-r8", "d-kgu-r2"]
     assert stats["resident"] == 3 and "c-od-r16" in stats["resident_adapters"] and stats["pinned"] == ["c-od-r16"]
     assert stats["host_copies"] <= 3 and stats["evicted"] == 3
-    with pytest.raises(LoRAError, match="no slot"):     # a second pin would leave nothing to the others
-        engine.add_request("x", [3], GREEDY, lora=LoRARequest("b-all-r8", loras["b-all-r8"].path, pinned=True))
+    # a second pin leaves one of the three slots to the unpinned adapters; a third would leave none
+    engine.add_request("x", [3], GREEDY, lora=LoRARequest("b-all-r8", loras["b-all-r8"].path, pinned=True))
+    with pytest.raises(LoRAError, match="no slot"):
+        engine.add_request("y", [3], GREEDY, lora=LoRARequest("a-qv-r4", loras["a-qv-r4"].path, pinned=True))
 
 
 def test_a_loading_adapter_holds_up_no_one(lora_setup):

@@ -219,7 +219,7 @@ def test_the_mask_admits_only_token_bytes_that_stay_valid_utf8(tiny_model_dir):
     spec = StructuredOutput(json_schema=NAME_AGE)
 
     one = {raw[0]: t for t, raw in enumerate(vocab) if len(raw) == 1}     # the byte-level vocabulary's byte tokens
-    grammar = sd.matcher(spec, [one[b] for b in b'{"name":"'] + [one[0xED]])
+    grammar = sd.matcher(spec, [one[b] for b in b'{"name": "'] + [one[0xED]])
     allowed = set(_allowed(sd, grammar, size))
     assert one[0x80] in allowed and one[0x9F] in allowed
     assert not allowed & {one[b] for b in range(0xA0, 0x100)} and not allowed & {one[b] for b in range(0x80)}

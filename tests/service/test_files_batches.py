@@ -91,7 +91,7 @@ def test_batch_request_errors(app, live_server):
     with pytest.raises(openai.NotFoundError):
         oa.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
     with pytest.raises(openai.BadRequestError):
-        oa.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        oa.batches.create(input_file_id=f.id, endpoint="/v1/moderations", completion_window="24h")
     with pytest.raises(openai.BadRequestError):
         oa.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="1h")
     with pytest.raises(openai.PermissionDeniedError):

@@ -26,7 +26,7 @@ MODEL = "all-minilm-l6-v2"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, minilm_dir):
-    from workers.engine.tiny_model import make_tiny_model
+    from workers.tools.tiny_model import make_tiny_model
     tmp = tmp_path_factory.mktemp("serve")
     models = tmp / "models"
     tiny = str(make_tiny_model(str(models / "tiny"), seed=1))
