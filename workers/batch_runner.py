@@ -126,7 +126,7 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                 counts["total"] += 1
                 try:
                     custom_id, url, body = _parse(raw, line_no, seen, kind)
-                    request_id = f"req-{line_no}"
+                    request_id = f"line-{line_no}"     # the input line, as error lines name it
                     runs_as = CHAT if url == responses.RESPONSES else url
                     try:
                         prompt, params = build_request(engine.tokenizer, runs_as, body)
