@@ -318,6 +318,9 @@ SCHEMAS = {
         "status": {"enum": [s.value for s in BatchStatus]}, "errors": {"type": ["object", "null"]},
         "output_file_id": _NULL_STR, "error_file_id": _NULL_STR, "request_counts": {"type": "object", "properties": {
             "total": _INT, "completed": _INT, "failed": _INT}}, "metadata": {"type": ["object", "null"]},
+        "model": _NULL_STR, "usage": {"type": "object", "properties": {
+            "input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT,
+            "output_tokens_details": {"type": "object", "properties": {"reasoning_tokens": _INT}}}},
         **{f: _TS for f in ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
                             "failed_at", "expired_at", "cancelling_at", "cancelled_at")}}},
     "TenantCreate": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {

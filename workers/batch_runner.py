@@ -32,7 +32,8 @@ class LineError(ValueError):
         self.code, self.message, self.custom_id = code, message, custom_id
 
 
-def _parse(raw: str, line: int, seen: set[str], kind: str = "generate") -> tuple[str, str, dict]:
+def _parse(raw: str, line: int, seen: set[str], kind: str = "generate",
+           context_len: int | None = None) -> tuple[str, str, dict]:
     """-> (custom_id, url, checked body); raises LineError (carrying the custom_id once it could be read). A
     /v1/responses body is checked as the chat body it stands for."""
     try:
@@ -56,7 +57,7 @@ def _parse(raw: str, line: int, seen: set[str], kind: str = "generate") -> tuple
         raise LineError("model_not_supported", f"this model {'embeds' if kind == 'embed' else 'generates'} only: "
                         f"{url} lines cannot run on it", custom_id)
     try:
-        body = check_line(url, item.get("body"), served_model=None, max_tokens_cap=None).body
+        body = check_line(url, item.get("body"), served_model=None, max_tokens_cap=None, context_len=context_len).body
     except APIError as exc:
         raise LineError(exc.code or "invalid_request", exc.message, custom_id) from None
     return custom_id, url, body
@@ -125,8 +126,8 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                 position = counts["total"]
                 counts["total"] += 1
                 try:
-                    custom_id, url, body = _parse(raw, line_no, seen, kind)
-                    request_id = f"req-{line_no}"
+                    custom_id, url, body = _parse(raw, line_no, seen, kind, engine.max_model_len)
+                    request_id = f"line-{line_no}"     # the input line, as error lines name it
                     runs_as = CHAT if url == responses.RESPONSES else url
                     try:
                         prompt, params = build_request(engine.tokenizer, runs_as, body)

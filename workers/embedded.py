@@ -73,12 +73,15 @@ def main(args) -> int:
     var = Path("var")
     var.mkdir(exist_ok=True)
     cfg = Config.from_env()
+    token_file = None if cfg.admin_token else var / "admin_token"
     # the default model and a kept admin token fill in what the environment leaves unset
     cfg = dataclasses.replace(cfg, model=_ensure_model(cfg), admin_token=cfg.admin_token or _secret_file(
         var / "admin_token", lambda: secrets.token_urlsafe(24)))
     model = cfg.model
     migrate.upgrade(cfg.database_url)
     app = create_app(cfg)
+    if token_file is not None:       # the token is the one kept in var/: the sign-in page says where
+        app.config["TIDEPOOL_ADMIN_TOKEN_FILE"] = str(token_file)
     key = _default_key(app, var)
 
     device = args.device or default_device()

@@ -15,7 +15,8 @@ FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "sla_cla
 
 def batch_json(b: Batch) -> dict:
     errors = {"object": "list", "data": b.errors} if b.errors else None
-    return {"id": b.id, "object": "batch", "endpoint": b.endpoint, "errors": errors,
+    usage, model = ledger.usage_and_model(session(), b, cfg().served_model_name)
+    return {"id": b.id, "object": "batch", "endpoint": b.endpoint, "errors": errors, "model": model, "usage": usage,
             "input_file_id": b.input_file_id, "completion_window": b.completion_window,
             "status": b.status.value, "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
             "created_at": ts(b.created_at), "in_progress_at": ts(b.in_progress_at),

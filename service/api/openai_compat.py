@@ -115,7 +115,10 @@ def _serve(endpoint: str):
     first, final = first_event(waiter, whole=not stream)
     if final is not None:
         if final.status != JobStatus.completed:
-            raise _job_error(final)
+            error = _job_error(final)
+            if error.status == 400:     # refused by the engine (prompt past the context): bad input, no job left
+                _forget_refused(final.id)
+            raise error
         if not stream:
             return fmt.whole(final)
     return event_stream(_sse(waiter, fmt, first))
@@ -269,6 +272,15 @@ class _Waiter:
                         s.commit()
             except (OperationalError, InterfaceError):   # ledger down: the job runs on, billed as usual
                 log.warning("could not cancel job %s: the database is unavailable", self.job_id)
+
+
+def _forget_refused(job_id: str) -> None:
+    try:
+        with ext("sessions")() as s:
+            if transitions.forget_refused(s, job_id):
+                s.commit()
+    except (OperationalError, InterfaceError):   # ledger down: the failed job stays, as before
+        log.warning("could not remove refused job %s: the database is unavailable", job_id)
 
 
 def _job_error(job: Job) -> APIError:

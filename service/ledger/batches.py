@@ -140,6 +140,18 @@ def request_counts(s: Session, batch: Batch) -> dict:
     return {"total": batch.total, "completed": counts.get(JobStatus.completed, 0), "failed": failed}
 
 
+def usage_and_model(s: Session, batch: Batch, default_model: str | None) -> tuple[dict, str | None]:
+    """OpenAI's per-batch `usage` (the tokens of its completed requests so far) and `model` (the model its lines
+    ran on; the default model for lines that named none)."""
+    p, c = s.execute(select(func.coalesce(func.sum(Job.prompt_tokens), 0),
+                            func.coalesce(func.sum(Job.completion_tokens), 0))
+                     .where(Job.batch_id == batch.id, Job.status == JobStatus.completed)).one()
+    names = s.scalars(select(Job.model).where(Job.batch_id == batch.id).distinct().limit(2)).all()
+    model = (names[0] or default_model) if len(names) == 1 else None
+    return {"input_tokens": int(p), "output_tokens": int(c), "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": int(p) + int(c)}, model
+
+
 def cancel(s: Session, batch: Batch) -> None:
     """in_progress → cancelling: queued and running jobs are cancelled now; a worker running one finds
     its lease gone and aborts the sequence."""

@@ -13,6 +13,7 @@ from .errors import bad_request
 from .openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS  # noqa: F401 (bodies.CHAT & co. for callers)
 
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: 512}
+MAX_OUTPUT_TOKENS = 1 << 20     # max_tokens where the model's context is not known (run-batch checks before loading)
 # Bounds on every list and string of a request (README "Request limits"); beyond them, a 400 naming the field.
 MAX_PROMPT_TOKEN_IDS = 1 << 20     # ids in a token-id prompt
 MAX_TOKEN_ID = (1 << 31) - 1       # largest token id (prompt, stop_token_ids)
@@ -103,6 +104,23 @@ def _number(body, name, lo, hi, *, integer=False, lo_open=False):
     if not (_is_int(v) if integer else _is_num(v)) or v < lo or v > hi or (lo_open and v == lo):
         kind = "an integer" if integer else "a number"
         raise bad_request(f"'{name}' must be {kind} in {'(' if lo_open else '['}{lo}, {hi}], got {v!r}.", name)
+
+
+def _check_max_tokens(body, name: str, context_len: int | None) -> None:
+    """`max_tokens` / `max_completion_tokens`: a positive integer below the model's context (prompt and output
+    share it), which every message states as the one limit; MAX_OUTPUT_TOKENS where the context is not known."""
+    v = body.get(name)
+    if v is None:
+        return
+    if context_len is None:
+        return _number(body, name, 1, MAX_OUTPUT_TOKENS, integer=True)
+    if not _is_int(v) or v < 1:
+        raise bad_request(f"'{name}' must be a positive integer below this model's context ({context_len} tokens), "
+                          f"got {v!r}.", name)
+    if v >= context_len:
+        raise bad_request(f"'{name}' is {v}, but this model's context is {context_len} tokens, prompt and output "
+                          f"together: ask for fewer than {context_len} (output that reaches the context stops with "
+                          f"finish_reason 'length').", name, "context_length_exceeded")
 
 
 def _estimate_text(text: str) -> int:
@@ -248,8 +266,8 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
         if not _one_of(body.get("logprobs"), True, False):
             raise bad_request("'logprobs' must be a boolean.", "logprobs")
         _number(body, "top_logprobs", 0, 20, integer=True)
-        _number(body, "max_completion_tokens", 1, 1 << 20, integer=True)
-    _number(body, "max_tokens", 1, 1 << 20, integer=True)
+        _check_max_tokens(body, "max_completion_tokens", context_len)
+    _check_max_tokens(body, "max_tokens", context_len)
     _number(body, "temperature", 0, 2)
     _number(body, "top_p", 0, 1, lo_open=True)
     _number(body, "min_p", 0, 1)
@@ -278,10 +296,6 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
                           "max_tokens", "max_tokens_exceeded")
     if context_len is not None and max_tokens >= context_len and not asked:
         max_tokens = max(1, context_len - 1)      # a default never asks for more than the context holds
-    elif context_len is not None and max_tokens >= context_len:
-        raise bad_request(f"'max_tokens' is {max_tokens}, but this model's context is {context_len} tokens for the "
-                          f"prompt and the output together; ask for fewer (output stops at the context with "
-                          f"finish_reason 'length').", "max_tokens", "context_length_exceeded")
     clean["max_tokens"] = max_tokens
     # every sequence generated (n, or best_of) may run to max_tokens
     return Checked(endpoint, clean, prompt_tokens + max_tokens * (clean.get("best_of") or clean.get("n") or 1))

@@ -4,7 +4,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import case, select, update
+from sqlalchemy import case, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -173,6 +173,13 @@ def fail(s: Session, job_id: str, lease_token: str, error: dict, *, retry: bool 
         return False
     _counters(s, row[0], queued=1 if retry else 0, running=-1, released=0 if retry else row[1])
     return True
+
+
+def forget_refused(s: Session, job_id: str) -> bool:
+    """Delete an online request's job that failed without running (its prompt refused by the engine: the answer is
+    a 400, like any other bad input, and leaves no job). fail() has already settled its counters and budget."""
+    return s.execute(delete(Job).where(Job.id == job_id, Job.status == JobStatus.failed, Job.batch_id.is_(None),
+                                       Job.completion_tokens.is_(None))).rowcount == 1
 
 
 def release(s: Session, job_id: str, lease_token: str) -> bool:

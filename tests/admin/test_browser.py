@@ -216,6 +216,12 @@ def test_dashboard_renders_with_data(page, live):
     metrics.update_from_stats(stats, now=time.time() - 1)
     page.goto("/admin/")
     page.wait_for_selector("#dashboard[data-loaded='1']")
+    # on load every chart spans the same window (the ledger's history seeds them all, not only the latency ones)
+    spans = {c: page.locator(f"#{c} text.axis", has_text=re.compile(r"^-\d+s$")).first.inner_text()
+             for c in ("c-queue", "c-tps", "c-kv", "c-ttft", "c-seqs", "c-e2e")}
+    assert len(set(spans.values())) == 1, spans
+    # the two cache tiles say what each measures (in use now vs hits since start)
+    assert "now" in page.locator("#tile-kv").inner_text() and "since" in page.locator("#tile-prefix").inner_text()
     stats.update(total_generation_tokens=800, total_steps=20)
     metrics.update_from_stats(stats, now=time.time())
     # (The panel's CSP forbids eval, so wait from Python rather than with wait_for_function.)

@@ -40,6 +40,11 @@ def test_models_page_end_to_end(page, live):
     assert _flash(page) == "Model 'beta': tier hot."
     row = page.locator("#models tr[data-model=beta]")
     assert row.locator("select[name=tier]").input_value() == "hot"
+    # destructive buttons look it, as on Tenants: Disable and Revoke are red, unlike Retier and Grant
+    red = page.evaluate("() => ['#models tr[data-model=beta] button.danger', '#revoke-button', '#grant-button']"
+                        ".map(s => getComputedStyle(document.querySelector(s)).color)")
+    assert red[0] == red[1] != red[2], red
+    assert row.locator("button.danger").inner_text() == "Disable"
     row.locator("text=Disable").click()
     assert _flash(page) == "Model 'beta': disabled."
     assert "disabled" in page.locator("#models tr[data-model=beta]").inner_text()

@@ -93,3 +93,18 @@ def test_run_batch_keeps_input_order_and_custom_ids(tiny_model_dir, tmp_path, ca
     errors = {o["custom_id"]: o["error"]["code"] for o in out if o["error"]}
     assert errors == {"r4": "invalid_value", None: "missing_custom_id", "r7": "invalid_method",
                       "r9": "invalid_request"}
+
+
+def test_run_batch_runs_the_shipped_examples(tiny_model_dir, tmp_path, capsys):
+    """examples/requests.jsonl, as the README runs it: a chat, a completion and a structured-output line, each
+    answered; `request_id` names the input line, as error lines do."""
+    from pathlib import Path
+    examples = Path(__file__).resolve().parents[2] / "examples" / "requests.jsonl"
+    dst = tmp_path / "results.jsonl"
+    assert main(["run-batch", "-i", str(examples), "-o", str(dst), "--model", tiny_model_dir("llama-gqa"),
+                 "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["completed"] == 3
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [(o["custom_id"], o["response"]["request_id"], o["response"]["status_code"], o["error"]) for o in out] == [
+        ("chat-1", "line-1", 200, None), ("completion-2", "line-2", 200, None), ("structured-3", "line-3", 200, None)]
+    assert [o["response"]["body"]["object"] for o in out] == ["chat.completion", "text_completion", "chat.completion"]

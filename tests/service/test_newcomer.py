@@ -60,7 +60,13 @@ def test_max_tokens_past_the_context_is_a_400(pg_url, redis_url, tmp_path):
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000})
         err = r.get_json()["error"]
         assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
-        assert "context is 256 tokens" in err["message"]
+        assert "context is 256 tokens" in err["message"] and "fewer than 256" in err["message"]
+        # one limit, the model's context, in every message: not the request format's 2^20 bound
+        for value, code in ((2_000_000, "context_length_exceeded"), (0, "invalid_value"), (2.5, "invalid_value")):
+            r = client.post("/v1/completions", headers=auth, json={"prompt": "hi", "max_tokens": value})
+            err = r.get_json()["error"]
+            assert r.status_code == 400 and (err["code"] or "invalid_value") == code, err
+            assert "256 tokens" in err["message"] and "1048576" not in err["message"], err
         r = client.post("/v1/jobs", headers=auth, json={"messages": [{"role": "user", "content": "hi"}],
                                                         "max_completion_tokens": 256})
         assert r.status_code == 400 and r.get_json()["error"]["code"] == "context_length_exceeded"

@@ -92,12 +92,22 @@ def test_batch_files_download_on_pure_defaults(served):
         time.sleep(0.5)
     assert batch.status == "completed", batch
     assert batch.request_counts.completed == 2 and batch.request_counts.failed == 1
+    assert batch.model == "smollm2-135m"          # usage per batch, as OpenAI reports it
 
     output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
     assert sorted(x["custom_id"] for x in output) == ["ok-0", "ok-1"]
     assert all(x["response"]["status_code"] == 200 for x in output)
+    assert batch.usage.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in output)
+    assert batch.usage.input_tokens == sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in output)
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
     errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
     assert [x["custom_id"] for x in errors] == ["too-long"]
+    message = errors[0]["error"]["message"]      # the one limit: the model's context
+    assert "context is 8192 tokens" in message and "fewer than 8192" in message and "8191" not in message, message
+
+    # the sign-in page points at the token `serve` made (banner, var/admin_token), not at a variable nobody set
+    hint = requests.get(f"{base}/admin/login", timeout=30).text
+    assert "var/admin_token" in hint and "TIDEPOOL_ADMIN_TOKEN" not in hint
 
     # The same three files through the admin panel's links.
     cookie = _panel_sign_in(base, (cwd / "var" / "admin_token").read_text().strip())

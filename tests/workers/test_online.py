@@ -110,10 +110,12 @@ def test_bad_input_is_an_openai_error(st):
     with pytest.raises(openai.NotFoundError) as e:
         oa.completions.create(model="gpt-4", prompt="x", max_tokens=2)
     assert e.value.code == "model_not_found"
+    failed = len(st.jobs(Job.status == JobStatus.failed))
     for stream in (False, True):   # too long for the model: the worker refuses it, the API answers 400
         with pytest.raises(openai.BadRequestError) as e:
             oa.completions.create(model="tiny", prompt=[5] * 1100, max_tokens=2, stream=stream)
-        assert e.value.code == "context_length_exceeded"
+        assert e.value.code == "context_length_exceeded" and "fewer than" in e.value.message, e.value.message
+    assert len(st.jobs(Job.status == JobStatus.failed)) == failed     # refused work leaves no job, as other 400s
     with pytest.raises(openai.BadRequestError) as e:
         oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], n=17)
     assert e.value.param == "n"

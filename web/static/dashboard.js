@@ -27,8 +27,11 @@
   }
   var WORKER_COLS = ["Worker", "By class", "Running", "Waiting", "KV cache", "Tokens/s", "Preemptions", "Updated"];
 
-  function seed(points) {   // the ledger's last minutes, so the charts do not start empty on every load
-    points.forEach(function (p) {
+  function seed(points) {   // the ledger's last minutes, so the charts do not start empty on every load; the
+    points.forEach(function (p) {   // charts the ledger has no history for get empty points at the same times,
+      charts.queue.push(p.ts, CLASSES.map(function () { return null; }));   // so every chart spans one window
+      charts.kv.push(p.ts, [null]);
+      charts.seqs.push(p.ts, [null, null]);
       charts.tps.push(p.ts, [p.tokens_per_s]);
       charts.ttft.push(p.ts, CLASSES.map(function (c) { return p.ttft_p99[c]; }));
       charts.e2e.push(p.ts, CLASSES.map(function (c) { return p.e2e_p99[c]; }));

@@ -182,7 +182,8 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty")
         if len(ids) >= self.max_model_len:
-            raise PromptTooLong(f"prompt has {len(ids)} tokens; this model accepts at most {self.max_model_len - 1}")
+            raise PromptTooLong(f"prompt has {len(ids)} tokens, but this model's context is {self.max_model_len} tokens, "
+                                f"prompt and output together: send fewer than {self.max_model_len}")
         vocab = self.config.model_config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
