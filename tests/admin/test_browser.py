@@ -217,7 +217,7 @@ def test_dashboard_renders_with_data(page, live):
     page.goto("/admin/")
     page.wait_for_selector("#dashboard[data-loaded='1']")
     # on load every chart spans the same window (the ledger's history seeds them all, not only the latency ones)
-    spans = {c: page.locator(f"#{c} text.axis", has_text=re.compile(r"^-\d+s$")).first.inner_text()
+    spans = {c: page.locator(f"#{c} text.axis", has_text=re.compile(r"^-\d+s$")).first.text_content()
              for c in ("c-queue", "c-tps", "c-kv", "c-ttft", "c-seqs", "c-e2e")}
     assert len(set(spans.values())) == 1, spans
     # the two cache tiles say what each measures (in use now vs hits since start)
