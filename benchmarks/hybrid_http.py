@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-from online_latency import _get, _stop, _wait, make_prompts, pct  # noqa: E402
+from online_latency import _get, _stop, _wait, make_prompts, paced, pct  # noqa: E402
 
 VOCAB = 49152          # SmolLM2's; prompts are random ids in [100, VOCAB)
 
@@ -176,22 +176,6 @@ class OfflineRun:
         return sum(n for _, n in done) / max(1e-9, end - self.start), len(done)
 
 
-def realtime(server: Server, prompts, rate) -> list[dict]:
-    results, threads, start = [None] * len(prompts), [], time.time() + 0.2
-
-    def one(i, ids):
-        time.sleep(max(0.0, start + i / rate - time.time()))
-        results[i] = server.stream(ids)
-
-    for i, ids in enumerate(prompts):
-        t = threading.Thread(target=one, args=(i, ids), daemon=True)
-        t.start()
-        threads.append(t)
-    for t in threads:
-        t.join()
-    return results
-
-
 def summary(results) -> dict:
     ok = [r for r in results if r["error"] is None]
     ttft = [(r["chunks"][0] - r["send"]) * 1000 for r in ok]
@@ -212,7 +196,7 @@ def run(server: Server, args) -> dict:
     for ids in make_prompts(3, VOCAB, args.seed + 1):                  # warm-up
         server.stream(ids)
     print(f"[{server.name}] realtime alone: {n_rt} requests at {args.rate}/s", file=sys.stderr, flush=True)
-    alone = summary(realtime(server, rt_alone, args.rate))
+    alone = summary(paced(server, rt_alone, args.rate))
     print(f"[{server.name}] realtime alone: {json.dumps(alone)}", file=sys.stderr, flush=True)
     print(f"[{server.name}] offline alone: {args.offline} x {args.offline_tokens} tokens", file=sys.stderr, flush=True)
     off = server.offline(offline_prompts)
@@ -224,7 +208,7 @@ def run(server: Server, args) -> dict:
           flush=True)
     mixed_prompts = make_prompts(n_mixed, VOCAB, args.seed + 2)
     off2 = server.offline([[t + 1 if t + 1 < VOCAB else 100 for t in ids] for ids in offline_prompts])  # no cache hits
-    mixed = summary(realtime(server, mixed_prompts, args.rate))
+    mixed = summary(paced(server, mixed_prompts, args.rate))
     window_end = time.time()
     off2.poll()
     off_mixed, off_mixed_done = off2.rate(window_end)

@@ -154,19 +154,24 @@ def measure(client, idle_prompts, steady_prompts, rate, gap, warmup):
     for ids in idle_prompts:
         idle.append(client.stream(ids))
         time.sleep(gap)
-    steady, threads, start = [None] * len(steady_prompts), [], time.time() + 0.2
+    return idle, paced(client, steady_prompts, rate)
+
+
+def paced(client, prompts, rate) -> list[dict]:
+    """Stream each prompt through client.stream, the i-th sent at i / rate seconds (a steady arrival rate)."""
+    results, threads, start = [None] * len(prompts), [], time.time() + 0.2
 
     def one(i, ids):
         time.sleep(max(0.0, start + i / rate - time.time()))
-        steady[i] = client.stream(ids)
+        results[i] = client.stream(ids)
 
-    for i, ids in enumerate(steady_prompts):
+    for i, ids in enumerate(prompts):
         t = threading.Thread(target=one, args=(i, ids), daemon=True)
         t.start()
         threads.append(t)
     for t in threads:
         t.join()
-    return idle, steady
+    return results
 
 
 # -- servers ---------------------------------------------------------------------------------------------
