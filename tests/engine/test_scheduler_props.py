@@ -160,3 +160,39 @@ def test_flooding_tenant_does_not_starve_a_late_tenant_of_the_same_class():
         if late.is_finished:
             break
     assert late.is_finished
+
+
+class _Costs:
+    def __init__(self, fixed, per_token, per_context):
+        self.fixed, self.per_token, self.per_context = fixed, per_token, per_context
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(0.0, 0.05), st.floats(1e-5, 0.05), st.floats(0.0, 1e-4), st.sampled_from(["max_utilization", "no_evict"]),
+       st.floats(0.0, 0.9), st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10), st.sampled_from(SLA_CLASSES),
+                                               st.integers(0, 6)), min_size=1, max_size=12))
+def test_a_step_is_never_empty_while_work_can_run(fixed, per_token, per_context, policy, floor, reqs):
+    """Whatever a (possibly badly fitted) cost model predicts, under either capacity policy, every step with
+    unfinished work computes something: an online request the policy keeps out must not leave the offline work
+    that holds the blocks it needs without a step (the livelock a load-distorted model once made)."""
+    clock = [0.0]
+    sched = Scheduler(BlockManager(24, 4), 4, 32, cost_model=_Costs(fixed, per_token, per_context),
+                      sla_targets={"realtime": {"ttft_ms": 200, "itl_ms": 50}, "interactive": {"itl_ms": 100}},
+                      capacity_policy=policy, offline_floor=floor, clock=lambda: clock[0])
+    pending = sorted(enumerate(reqs), key=lambda r: r[1][3])
+    for step in range(2000):
+        while pending and pending[0][1][3] <= step:
+            i, (plen, out, cls, _) = pending.pop(0)
+            sched.add(Sequence(f"s{i}", [7] * plen, SamplingParams(max_tokens=out), sla_class=cls))
+        if not sched.has_unfinished():
+            if not pending:
+                break
+            continue
+        batch = sched.schedule()
+        assert batch.seqs, "an empty step while work waits: nothing can ever change"
+        clock[0] += fixed + per_token * batch.num_tokens
+        for seq in sched.postprocess(batch):
+            seq.token_ids.append(7)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.remove(seq)
+    assert not sched.has_unfinished() and not pending

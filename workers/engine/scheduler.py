@@ -215,8 +215,9 @@ class Scheduler:
         if c.per_context <= 0:
             return most if c.per_token <= 0 else min(most, int(seconds / c.per_token))
         # per_token * n + per_context * (n * start + n * (n + 1) / 2) <= seconds, solved for n
+        # in the form that doesn't cancel when per_context is tiny beside per_token
         a, b = c.per_context / 2, c.per_token + c.per_context * (start + 0.5)
-        n = int((-b + (b * b + 4 * a * seconds) ** 0.5) / (2 * a))
+        n = int(2 * seconds / (b + (b * b + 4 * a * seconds) ** 0.5))
         return max(0, min(most, n))
 
     def _step_cost(self, start: int, n: int) -> float:
@@ -268,8 +269,8 @@ class Scheduler:
                 online_s = time_used     # candidates come by class: the online part of the step is complete
                 limit = batch.time_limit_s = self._offline_limit(pace_room, online_s, first_token_step)
             time_left = 0.0 if limit is None else limit - time_used
-            if batch.idle_limit_s is not None and not batch.seqs:    # the idle cap never stops all work:
-                time_left = max(time_left, 1.000001 * self._step_cost(seq.num_computed_tokens, 1))   # one token
+            if limit is not None and not batch.seqs:    # no time bound stops all work: an empty step changes
+                time_left = max(time_left, 1.000001 * self._step_cost(seq.num_computed_tokens, 1))   # nothing
             if limit is not None and not seq.is_online and \
                     time_left < self._step_cost(seq.num_computed_tokens, 1):
                 continue   # not even one more offline token fits in the time bound
