@@ -33,8 +33,10 @@ $(MODEL_DIR)/config.json: | $(VENV)/.installed
 
 model: $(MODEL_DIR)/config.json
 
+# Two test processes on a 2-core machine (TEST_JOBS=0 runs one); each file runs whole in one of them.
+TEST_JOBS ?= auto
 test: install services browser model
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 # The chaos suite: Postgres and Redis restarts under load, kill -9 of web and workers (a few minutes).
 chaos: install services

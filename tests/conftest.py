@@ -1,9 +1,16 @@
-"""Postgres for every suite: one migrated template per session, cloned into a fresh database per use."""
+"""Backends for every suite: Postgres (one migrated template per session, cloned into a fresh database per use)
+and a private redis-server per session (per xdist worker), so parallel test processes never flush each other's
+queues."""
 import itertools
 import os
+import shutil
+import socket
+import subprocess
+import time
 
 import psycopg
 import pytest
+import redis
 import torch
 
 # Without CUDA the kernel tests run the Triton kernels on CPU tensors, which only works under Triton's interpreter,
@@ -14,6 +21,41 @@ if not torch.cuda.is_available():
 from service import migrate
 
 PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
+REDIS = os.environ.get("TIDEPOOL_TEST_REDIS")     # a server (redis://host:port) instead of a private one
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(port: int, cwd) -> subprocess.Popen:
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                             "127.0.0.1", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=cwd)
+    client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"redis-server on port {port} did not come up")
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """redis://127.0.0.1:PORT of a redis-server private to this test process; suites use their own db numbers."""
+    if REDIS:
+        yield REDIS.rstrip("/")
+        return
+    port = free_port()
+    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
+    yield f"redis://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
 
 
 class PgDatabases:
@@ -81,3 +123,15 @@ def minilm_dir(tmp_path_factory):
     extra: no download)."""
     from workers.tools.model_pull import pull_model
     return str(pull_model("all-minilm-l6-v2", tmp_path_factory.mktemp("models"), log=lambda *_: None))
+
+
+# Under xdist (`make test` runs two processes, --dist loadfile) each file's tests run together in one process;
+# files that start worker processes come first so that the long ones don't form the tail of the run.
+_FIRST = ("workers", "engine", "kernels", "admin", "service")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        parts = item.path.relative_to(config.rootpath).parts
+        return _FIRST.index(parts[1]) if len(parts) > 2 and parts[1] in _FIRST else len(_FIRST)
+    items.sort(key=rank)     # stable: the order inside a file is kept

@@ -12,9 +12,8 @@ import pytest
 import redis
 from werkzeug.serving import make_server
 
-from service import create_app, migrate
+from service import create_app
 
-REDIS = os.environ.get("TIDEPOOL_TEST_REDIS_ADMIN", "redis://127.0.0.1:6379/11")
 ADMIN = "test-admin-token-0123456789"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "admin"
 CHROMIUM = os.environ.get("TIDEPOOL_CHROMIUM", "/usr/bin/chromium")
@@ -22,15 +21,21 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 
 
-def make_app(pg_url: str, tmp_path, **extra):
-    return create_app({"database_url": pg_url, "redis_url": REDIS, "storage_dir": str(tmp_path / "storage"),
+@pytest.fixture(scope="session")
+def admin_redis(redis_server):
+    """The Redis db of the admin suites, on the session's private server."""
+    return f"{redis_server}/2"
+
+
+def make_app(pg_url: str, tmp_path, redis_url: str, **extra):
+    return create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
                        "admin_token": ADMIN, **extra})
 
 
 @pytest.fixture
-def app(pg_url, tmp_path):
-    redis.Redis.from_url(REDIS).flushdb()
-    app = make_app(pg_url, tmp_path)
+def app(pg_url, tmp_path, admin_redis):
+    redis.Redis.from_url(admin_redis).flushdb()
+    app = make_app(pg_url, tmp_path, admin_redis)
     yield app
     app.extensions["tidepool.db"].dispose()
 
@@ -89,11 +94,11 @@ class Api:
 
 
 @pytest.fixture(scope="module")
-def live(pg_databases, tmp_path_factory):
+def live(pg_databases, tmp_path_factory, admin_redis):
     """One app on a real socket for a whole browser module (Postgres + Redis, production shape)."""
-    redis.Redis.from_url(REDIS).flushdb()
+    redis.Redis.from_url(admin_redis).flushdb()
     url = pg_databases.create()
-    app = make_app(url, tmp_path_factory.mktemp("live"))
+    app = make_app(url, tmp_path_factory.mktemp("live"), admin_redis)
     app.config["PANEL_REFRESH_MS"] = 400
     server = make_server("127.0.0.1", 0, app, threaded=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

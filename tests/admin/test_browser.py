@@ -9,10 +9,10 @@ from playwright.sync_api import expect
 from sqlalchemy import select
 
 from service.ledger import jobs as transitions
-from service.ledger.models import ApiKey, Job, JobStatus, Quota
+from service.ledger.models import ApiKey, Job, Quota
 from workers.metrics import EngineMetrics, SnapshotStore
 
-from .conftest import ADMIN, REDIS, shot
+from .conftest import ADMIN, shot
 
 
 def _db(app):
@@ -200,14 +200,14 @@ def test_cancel_batch(page, live):
     assert sorted(x.value for x in states) == ["cancelled"] * 4 + ["completed"]
 
 
-def test_dashboard_renders_with_data(page, live):
+def test_dashboard_renders_with_data(page, live, admin_redis):
     app, _, api = live
     _, key = api.tenant("dash-tenant")
     for cls in ("interactive", "interactive", "batch"):
         status, job = api.call("POST", "/v1/jobs", {"prompt": "x", "max_tokens": 4, "sla_class": cls}, token=key)
         _run_job(app, job["id"], completion_tokens=30)
     api.call("POST", "/v1/jobs", {"prompt": "x", "max_tokens": 4, "sla_class": "deferrable"}, token=key)
-    metrics = EngineMetrics(worker="gpu0", store=SnapshotStore(redis.Redis.from_url(REDIS)), device="cuda:0")
+    metrics = EngineMetrics(worker="gpu0", store=SnapshotStore(redis.Redis.from_url(admin_redis)), device="cuda:0")
     stats = {"running": 3, "waiting": 2, "by_class": {"interactive": {"running": 2, "waiting": 0},
                                                       "batch": {"running": 1, "waiting": 2}},
              "kv_cache_usage": 0.42, "preemptions": 3, "prefix_cache_queries": 40, "prefix_cache_hits": 10,

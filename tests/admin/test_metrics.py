@@ -234,9 +234,9 @@ def test_grafana_dashboard_plots_only_metrics_that_exist(client):
     assert len(dash["panels"]) >= 15 and {p["gridPos"]["w"] for p in dash["panels"]} <= {12, 24}
 
 
-def test_metrics_token_when_configured(pg_url, tmp_path, monkeypatch):
+def test_metrics_token_when_configured(pg_url, tmp_path, admin_redis, monkeypatch):
     monkeypatch.setenv("TIDEPOOL_METRICS_TOKEN", "scrape-secret")     # read once, when the app is built
-    app = make_app(pg_url, tmp_path)
+    app = make_app(pg_url, tmp_path, admin_redis)
     try:
         client = app.test_client()
         assert client.get("/metrics").status_code == 401

@@ -15,14 +15,14 @@ def test_plain_http_sign_in_says_what_to_do(client):
     assert r.status_code == 400 and "TIDEPOOL_INSECURE_COOKIES=1" in r.text and "Reload the page" not in r.text
 
 
-def test_no_warning_where_the_cookie_survives(client, pg_url, tmp_path):
+def test_no_warning_where_the_cookie_survives(client, pg_url, tmp_path, admin_redis):
     for base, headers in (("https://panel.example", {}), ("http://localhost:8000", {}), ("http://127.0.0.1", {}),
                           ("http://10.1.2.3", {"X-Forwarded-Proto": "https"})):
         page = client.get("/admin/login", base_url=base, headers=headers)
         assert 'id="plain-http"' not in page.text, base
     r = client.application.test_client().post("/admin/login", data={"token": ADMIN}, base_url="https://localhost")
     assert r.status_code == 400 and "Reload the page" in r.text
-    insecure = make_app(pg_url, tmp_path, insecure_cookies=True)
+    insecure = make_app(pg_url, tmp_path, admin_redis, insecure_cookies=True)
     try:
         assert 'id="plain-http"' not in insecure.test_client().get("/admin/login", base_url=PLAIN).text
     finally:

@@ -1,7 +1,6 @@
 """Real backends, clean per test: Postgres databases cloned from a migrated template, a dedicated
 Redis db that is flushed, SQLite files copied from a migrated template."""
 import itertools
-import os
 import shutil
 import threading
 
@@ -11,7 +10,6 @@ from werkzeug.serving import make_server
 
 from service import create_app, migrate
 
-REDIS = os.environ.get("TIDEPOOL_TEST_REDIS", "redis://127.0.0.1:6379/13")
 ADMIN = "test-admin-token"
 _counter = itertools.count()
 
@@ -31,10 +29,11 @@ def sqlite_url(sqlite_template, tmp_path):
 
 
 @pytest.fixture
-def redis_url():
-    client = redis.Redis.from_url(REDIS)
+def redis_url(redis_server):
+    url = f"{redis_server}/1"
+    client = redis.Redis.from_url(url)
     client.flushdb()
-    yield REDIS
+    yield url
     client.flushdb()
 
 

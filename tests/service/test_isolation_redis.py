@@ -8,14 +8,14 @@ import pytest
 from service import create_app
 
 from ..tcp_proxy import TcpProxy
-from .conftest import ADMIN, REDIS, Admin
+from .conftest import ADMIN, Admin
 
 BODY = {"prompt": "Hello", "max_tokens": 4}
 
 
 @pytest.fixture
 def redis_outage(pg_url, redis_url, tmp_path):
-    hostport, db = REDIS.split("://", 1)[1].split("/", 1)
+    hostport, db = redis_url.split("://", 1)[1].split("/", 1)
     host, port = hostport.split(":")
     proxy = TcpProxy(host, int(port)).start()
     app = create_app({"database_url": pg_url, "redis_url": f"redis://127.0.0.1:{proxy.port}/{db}",

@@ -2,11 +2,8 @@
 private redis-server for the session (flushed per test, so concurrent test runs on one machine don't
 share queues), `tidepool worker` / `tidepool beat` subprocesses over a tiny random-weight model."""
 import itertools
-import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,7 +21,8 @@ from service.ledger import tenants
 from service.ledger.models import Job
 from service.ledger.snapshots import HEARTBEAT_KEY, Heartbeats
 
-REDIS = os.environ.get("TIDEPOOL_TEST_WORKERS_REDIS")     # default: a private redis-server
+from ..conftest import free_port, start_redis  # noqa: F401  (the fault tests restart their own servers)
+
 ROOT = Path(__file__).resolve().parents[2]
 _counter = itertools.count()
 
@@ -35,36 +33,9 @@ def tiny_model(tmp_path_factory):
     return str(make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), seed=1))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(port: int, cwd) -> subprocess.Popen:
-    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                             "127.0.0.1", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=cwd)
-    client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
-
-    def up():
-        try:
-            return client.ping()
-        except redis.ConnectionError:
-            return False
-    Stack.wait(up, 10, "redis-server up", every=0.05)
-    return proc
-
-
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory):
-    if REDIS:
-        yield REDIS
-        return
-    port = free_port()
-    proc = start_redis(port, tmp_path_factory.mktemp("redis"))
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.kill()
-    proc.wait()
+def redis_url(redis_server):
+    return f"{redis_server}/0"
 
 
 def flush_redis(url: str) -> None:
