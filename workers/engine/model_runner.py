@@ -2,12 +2,14 @@
 import logging
 import os
 import time
+import weakref
 
 import torch
 
 from kernels import cpu_ops
 from kernels.attention import resolve_backend
 from kernels.cpu_linear import prepack_linears
+from workers.engine import host_pools
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.engine.models.config import ModelConfig
@@ -35,8 +37,11 @@ def available_memory() -> int:
 
 def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
     """The pool an engine sizes for itself when given no num_kv_blocks, and why: kv_cache_memory_bytes, else a
-    share of the GPU's free / the host's available memory, never beyond max_num_seqs sequences of max_model_len."""
-    budget, why = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    share of the GPU's free memory, else its part (kv_share) of the host's CPU KV budget, never beyond max_num_seqs
+    sequences of max_model_len. The host's budget is CPU_KV_SHARE of the memory available to pools (available now
+    plus what the other pools on the host already hold, host_pools) and every CPU pool on the host comes out of it;
+    where the others left less than one full-context sequence, the pool gets that one sequence."""
+    budget, why, floor = config.kv_cache_memory_bytes, "kv_cache_memory_bytes", 1
     if budget is None:
         device = torch.device(config.device)
         if device.type == "cuda":
@@ -44,12 +49,19 @@ def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
             budget = int(free * config.gpu_memory_utilization)
             why = f"{config.gpu_memory_utilization:.0%} of free GPU memory"
         else:
-            budget = int(available_memory() * CPU_KV_SHARE)
+            others = host_pools.held_elsewhere()
+            host = int((available_memory() + others) * CPU_KV_SHARE)
+            budget = min(int(host * config.kv_share), host - others)
             why = f"{CPU_KV_SHARE:.0%} of available memory"
+            if config.kv_share < 1:
+                why += f", {config.kv_share:.0%} of it"
+            if others:
+                why += f", {others / 2**20:.0f} MiB of it held by other pools on this host"
+                floor = config.blocks_per_sequence
     cap = config.max_num_seqs * config.blocks_per_sequence
     if cap <= budget // config.kv_block_bytes:
         return max(1, cap), "max_num_seqs x max_model_len"
-    return max(1, budget // config.kv_block_bytes), why
+    return max(1, min(cap, floor), budget // config.kv_block_bytes), why
 
 
 class ModelRunner:
@@ -74,6 +86,8 @@ class ModelRunner:
         for layer in self.model.layers:
             layer.self_attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.self_attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":     # out of the host's one KV budget until this runner is collected
+            weakref.finalize(self, host_pools.release, host_pools.hold(self.num_kv_blocks * self.bytes_per_block))
         log.info("KV pool: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; max_num_seqs %d, max_model_len %d)",
                  self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
                  self.num_kv_blocks * self.bytes_per_block / 2**20, why, config.max_num_seqs, config.max_model_len)
