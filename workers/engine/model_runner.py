@@ -121,13 +121,17 @@ class ModelRunner:
         return self.config.kv_block_bytes
 
     def _prepare_cpu_kernel(self) -> None:
-        """Build (first time, 10-20 s) or load the native decode kernel now, not on the first request."""
+        """Load the native decode kernel now, not on the first request: from the cache at once; its first build on
+        this machine runs in the background while decode uses the torch path (cpu_ops.prepare)."""
         head_dim = self.model_config.head_dim
         if not cpu_ops.enabled() or head_dim % 8 or head_dim > 256:
             return
         started = time.perf_counter()
-        log.info("native CPU decode kernel: loading (the first build on this machine takes 10-20 s)")
-        if cpu_ops.paged_decode_op() is not None:
+        state = cpu_ops.prepare(background=True)
+        if state == "building":
+            log.info("native CPU decode kernel: not built on this machine yet; building it in the background (about "
+                     "a minute of one core, once), decode uses the torch path until it is ready")
+        elif state == "ready":
             log.info("native CPU decode kernel ready in %.1f s", time.perf_counter() - started)
         else:
             log.info("native CPU decode kernel unavailable (%s): decode uses the torch path",
