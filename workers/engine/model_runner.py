@@ -1,4 +1,5 @@
 """Owns the model weights and the KV-cache pool; turns a scheduled batch into tensors and logits."""
+import ctypes
 import logging
 import os
 import time
@@ -33,6 +34,15 @@ def available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def trim_heap() -> None:
+    """Hand the heap pages start-up freed (weights copied while prepacking, calibration's activations) back to the
+    OS, which glibc otherwise keeps: ~200 MB of a SmolLM2-135M engine's RSS. A no-op without glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
