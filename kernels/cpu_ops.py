@@ -12,7 +12,7 @@ They are None (a build or load failure is logged once, as a warning; see unavail
   and not tried again), or a built op disagrees with its torch path on a small self-check.
 
 The build is a single g++ call against torch's own headers and libraries (no ninja, no Python headers): about
-45 s of one core, once per source/torch/compiler/CPU combination (the sources: every .cpp and .h in csrc/). The
+20-50 s of one core, once per source/torch/compiler/CPU combination (the sources: every .cpp and .h in csrc/). The
 shared object is cached under configure(cache_dir=...) (TIDEPOOL_KERNEL_CACHE), else $XDG_CACHE_HOME/tidepool/kernels,
 else ~/.cache/tidepool/kernels, named by a hash of all of those, and written atomically, so concurrent processes may
 race to build but never load a partial file. prepare(background=True), which the engine calls at start, loads a

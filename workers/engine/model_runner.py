@@ -139,8 +139,8 @@ class ModelRunner:
         started = time.perf_counter()
         state = cpu_ops.prepare(background=True)
         if state == "building":
-            log.info("native CPU decode kernel: not built on this machine yet; building it in the background (about "
-                     "a minute of one core, once), decode uses the torch path until it is ready")
+            log.info("native CPU decode kernel: not built on this machine yet; building it in the background (20-50 s "
+                     "of one core, once), decode uses the torch path until it is ready")
         elif state == "ready":
             log.info("native CPU decode kernel ready in %.1f s", time.perf_counter() - started)
         else:
