@@ -19,6 +19,7 @@ race to build but never load a partial file. prepare(background=True), which the
 cached library at once and otherwise builds it on a thread (the compiler niced) while the ops return None, so the
 torch path serves until the library is ready; paged_decode_op() (wait=True) waits for such a build.
 """
+import atexit
 import hashlib
 import logging
 import os
@@ -43,6 +44,8 @@ _op = None
 _tried = False
 _why_not: str | None = None
 _building: threading.Thread | None = None     # a build on a thread (prepare(background=True)) until it is done
+_compiling: dict | None = {}                  # compiler processes running -> their output file (None: exiting)
+_compilers_lock = threading.Lock()
 _enabled = True
 _cache_dir: Path | None = None
 
@@ -140,8 +143,7 @@ def _build(cxx: str, cached_only: bool = False, nice: int = 0) -> Path | None:
         tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         start = time.perf_counter()
         try:
-            done = subprocess.run([cxx, *map(str, SOURCES), "-o", str(tmp)] + flags, capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+            done = _compile([cxx, *map(str, SOURCES), "-o", str(tmp)] + flags, tmp, nice)
             if done.returncode == 0:
                 os.replace(tmp, target)
                 log.info("built %s in %.1f s", target, time.perf_counter() - start)
@@ -154,6 +156,39 @@ def _build(cxx: str, cached_only: bool = False, nice: int = 0) -> Path | None:
         finally:
             tmp.unlink(missing_ok=True)
     raise RuntimeError("compile failed:\n" + "\n---\n".join(errors))
+
+
+def _compile(cmd: list[str], tmp: Path, nice: int) -> subprocess.CompletedProcess:
+    """Run the compiler; one still running when the process exits (a background build) is killed then, and its
+    partial output removed, rather than left to finish for nobody."""
+    with _compilers_lock:
+        if _compiling is None:
+            raise RuntimeError("the process is exiting")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        _compiling[proc] = tmp
+    try:
+        out, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise
+    finally:
+        with _compilers_lock:
+            if _compiling is not None:
+                _compiling.pop(proc, None)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@atexit.register
+def _stop_compilers() -> None:
+    global _compiling
+    with _compilers_lock:
+        running, _compiling = _compiling or {}, None       # and none starts from now on
+    for proc, tmp in running.items():
+        proc.kill()
+        proc.wait()
+        tmp.unlink(missing_ok=True)
 
 
 def _self_check(op) -> None:
