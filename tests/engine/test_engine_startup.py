@@ -10,8 +10,14 @@ import pytest
 
 from kernels import cpu_ops
 from workers.cli import main
-from workers.engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from workers.engine import host_pools, model_runner
+from workers.engine import (
+    LLM,
+    EngineConfig,
+    LLMEngine,
+    SamplingParams,
+    host_pools,
+    model_runner,
+)
 
 
 def _pool_lines(caplog) -> list[str]:
@@ -77,9 +83,9 @@ def test_a_first_build_runs_in_the_background_while_the_torch_path_serves(tiny_m
     llm = LLM(tiny_model_dir("llama-gqa"), max_num_seqs=2, max_model_len=64)      # does not wait for the build
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     said = _runner_lines(caplog)
-    assert [m for m in said if "kernel" in m] == [
+    assert [m for m in said if "kernel" in m] == [(
         "native CPU decode kernel: not built on this machine yet; building it in the background (20-50 s of one "
-        "core, once), decode uses the torch path until it is ready"], said
+        "core, once), decode uses the torch path until it is ready")], said
     assert builds == [10]                              # the compiler runs niced, beside the engine
     assert cpu_ops.prepare(background=True) == "building" and cpu_ops.paged_decode_op(wait=False) is None
     torch_path = [o.token_ids for o in llm.generate(["hello there", [5, 6, 7]], params)]
