@@ -45,7 +45,7 @@ chaos: install services
 run: install model
 	$(BIN)/tidepool serve
 
-# The Procfile stack (web on $PORT, default 8000; gpu, cpu, beat) with the venv's commands on PATH.
+# The Procfile stack (web on $PORT, default 8000; worker: one engine per host, see README; beat) with the venv's commands on PATH.
 # Needs TIDEPOOL_DATABASE_URL, TIDEPOOL_REDIS_URL, TIDEPOOL_MODEL and TIDEPOOL_ADMIN_TOKEN: see README, Production.
 PORT ?= 8000
 up: install

@@ -43,7 +43,7 @@ def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
             or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
         return None
     from kernels.cpu_ops import paged_decode_op
-    op = paged_decode_op()
+    op = paged_decode_op(wait=False)      # None while its first build runs in the background
     if op is None:
         return None
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:

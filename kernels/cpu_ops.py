@@ -12,11 +12,14 @@ They are None (a build or load failure is logged once, as a warning; see unavail
   and not tried again), or a built op disagrees with its torch path on a small self-check.
 
 The build is a single g++ call against torch's own headers and libraries (no ninja, no Python headers): about
-10-20 s on two cores, once per source/torch/compiler/CPU combination (the sources: every .cpp and .h in csrc/). The
+20-50 s of one core, once per source/torch/compiler/CPU combination (the sources: every .cpp and .h in csrc/). The
 shared object is cached under configure(cache_dir=...) (TIDEPOOL_KERNEL_CACHE), else $XDG_CACHE_HOME/tidepool/kernels,
 else ~/.cache/tidepool/kernels, named by a hash of all of those, and written atomically, so concurrent processes may
-race to build but never load a partial file.
+race to build but never load a partial file. prepare(background=True), which the engine calls at start, loads a
+cached library at once and otherwise builds it on a thread (the compiler niced) while the ops return None, so the
+torch path serves until the library is ready; paged_decode_op() (wait=True) waits for such a build.
 """
+import atexit
 import hashlib
 import logging
 import os
@@ -40,6 +43,9 @@ _lock = threading.Lock()
 _op = None
 _tried = False
 _why_not: str | None = None
+_building: threading.Thread | None = None     # a build on a thread (prepare(background=True)) until it is done
+_compiling: dict | None = {}                  # compiler processes running -> their output file (None: exiting)
+_compilers_lock = threading.Lock()
 _enabled = True
 _cache_dir: Path | None = None
 
@@ -114,7 +120,9 @@ def _source_digest(folder: Path) -> bytes:
     return digest.digest()
 
 
-def _build(cxx: str) -> Path:
+def _build(cxx: str, cached_only: bool = False, nice: int = 0) -> Path | None:
+    """The library for this combination: the cached one, else built now (`nice`: the compiler's niceness), else
+    RuntimeError; with cached_only, None where it would have to be built."""
     source = _source_digest(CSRC)
     version = _compiler_version(cxx)
     errors = []
@@ -129,12 +137,13 @@ def _build(cxx: str) -> Path:
         if failed.is_file():
             errors.append(failed.read_text(errors="replace"))
             continue
+        if cached_only:
+            return None
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         start = time.perf_counter()
         try:
-            done = subprocess.run([cxx, *map(str, SOURCES), "-o", str(tmp)] + flags, capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S)
+            done = _compile([cxx, *map(str, SOURCES), "-o", str(tmp)] + flags, tmp, nice)
             if done.returncode == 0:
                 os.replace(tmp, target)
                 log.info("built %s in %.1f s", target, time.perf_counter() - start)
@@ -147,6 +156,39 @@ def _build(cxx: str) -> Path:
         finally:
             tmp.unlink(missing_ok=True)
     raise RuntimeError("compile failed:\n" + "\n---\n".join(errors))
+
+
+def _compile(cmd: list[str], tmp: Path, nice: int) -> subprocess.CompletedProcess:
+    """Run the compiler; one still running when the process exits (a background build) is killed then, and its
+    partial output removed, rather than left to finish for nobody."""
+    with _compilers_lock:
+        if _compiling is None:
+            raise RuntimeError("the process is exiting")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        _compiling[proc] = tmp
+    try:
+        out, err = proc.communicate(timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise
+    finally:
+        with _compilers_lock:
+            if _compiling is not None:
+                _compiling.pop(proc, None)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@atexit.register
+def _stop_compilers() -> None:
+    global _compiling
+    with _compilers_lock:
+        running, _compiling = _compiling or {}, None       # and none starts from now on
+    for proc, tmp in running.items():
+        proc.kill()
+        proc.wait()
+        tmp.unlink(missing_ok=True)
 
 
 def _self_check(op) -> None:
@@ -176,11 +218,23 @@ def _loaded() -> bool:
     return hasattr(torch.ops.tidepool_cpu, "paged_decode")     # a library loaded earlier in this process
 
 
-def paged_decode_op():
-    """torch.ops.tidepool_cpu.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale), or None."""
-    global _op, _tried, _why_not
+def paged_decode_op(wait: bool = True):
+    """torch.ops.tidepool_cpu.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale), or None.
+    Loaded (or built) on first use; while prepare(background=True)'s build runs, it waits for it, or with
+    wait=False returns None at once (the engine's steps: the torch path serves meanwhile)."""
     if _tried:
         return _op if enabled() else None
+    building = _building
+    if building is not None:
+        if not wait:
+            return None
+        building.join()
+        return _op if enabled() else None
+    return _load()
+
+
+def _load(nice: int = 0):
+    global _op, _tried, _why_not
     with _lock:
         if _tried:
             return _op if enabled() else None
@@ -194,7 +248,7 @@ def paged_decode_op():
                 cxx = compiler()
                 if cxx is None:
                     raise RuntimeError("no C++ compiler ($CXX, c++, g++, clang++)")
-                torch.ops.load_library(str(_build(cxx)))
+                torch.ops.load_library(str(_build(cxx, nice=nice)))
                 _op = torch.ops.tidepool_cpu.paged_decode
             _self_check(_op)
         except Exception as e:  # noqa: BLE001 - any failure means the torch path
@@ -204,9 +258,36 @@ def paged_decode_op():
         return _op
 
 
+def prepare(background: bool = False) -> str:
+    """Get the library ready before the first request: `ready` (loaded: from the cache it takes a moment),
+    `unavailable` (switched off, no compiler, a failed build: the torch path), or, with background=True where it is
+    not built yet, `building`: the build runs on a thread with the compiler niced, the ops are None until it is
+    done (then the `native CPU decode kernel ready` line), and nothing waits for it."""
+    global _building
+    if not enabled():
+        return "unavailable"
+    if background and not _tried and _building is None:
+        with _lock:
+            cxx = None if _tried or _building is not None or _loaded() else compiler()
+            if cxx is not None and _build(cxx, cached_only=True) is None:
+                _building = threading.Thread(target=_build_in_background, name="tidepool-kernel-build", daemon=True)
+                _building.start()
+    if not _tried and _building is not None:
+        return "building"
+    return "ready" if paged_decode_op() is not None else "unavailable"
+
+
+def _build_in_background() -> None:
+    started = time.perf_counter()
+    if _load(nice=10) is not None:
+        log.info("native CPU decode kernel ready: built in the background in %.1f s; decode uses it from now on",
+                 time.perf_counter() - started)
+
+
 def native_op(name: str):
-    """torch.ops.tidepool_cpu.<name> when the native library is built, loaded and self-checked, else None."""
-    return getattr(torch.ops.tidepool_cpu, name) if paged_decode_op() is not None else None
+    """torch.ops.tidepool_cpu.<name> when the native library is built, loaded and self-checked, else None (also
+    while a background build runs)."""
+    return getattr(torch.ops.tidepool_cpu, name) if paged_decode_op(wait=False) is not None else None
 
 
 def unavailable_reason() -> str | None:

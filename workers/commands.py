@@ -40,8 +40,10 @@ def register(sub) -> None:
 def register_processes(sub) -> None:
     """The long-running processes of the Procfile, and the embedded all-in-one."""
     p = sub.add_parser("worker", help="a gpu or cpu inference worker consuming the SLA queues")
-    p.add_argument("--kind", choices=("gpu", "cpu"), default="gpu",
-                   help="gpu: all four queues, offline ones only with spare capacity; cpu: deferrable only")
+    p.add_argument("--kind", choices=("auto", "gpu", "cpu"), default="auto",
+                   help="auto: every class on this host's device, plus a cpu worker (deferrable) beside it where "
+                        "that device is a GPU, so a host without one runs one engine; gpu: all four queues, offline "
+                        "ones only with spare capacity; cpu: deferrable only")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     p.add_argument("--models", default=None, metavar="A,B",
                    help="registered models to serve, one engine each (default: every enabled registered model whose "

@@ -1,7 +1,7 @@
-"""`tidepool serve`: the whole service in one process. The web app, a gpu-kind worker (and a cpu worker
-when the gpu one really has a GPU) and the upkeep loop run on threads, over SQLite and kombu's in-process
-`memory://` transport unless TIDEPOOL_DATABASE_URL / TIDEPOOL_REDIS_URL say otherwise. Same code
-paths as the Procfile processes; only the transport and the database URL differ."""
+"""`tidepool serve`: the whole service in one process. The web app, the workers `tidepool worker --kind auto` runs
+(one engine serving every class; a cpu worker beside it when the device is a GPU) and the upkeep loop run on
+threads, over SQLite and kombu's in-process `memory://` transport unless TIDEPOOL_DATABASE_URL / TIDEPOOL_REDIS_URL
+say otherwise. Same code paths as the Procfile processes; only the transport and the database URL differ."""
 import dataclasses
 import json
 import logging
@@ -68,7 +68,7 @@ def main(args) -> int:
     from service import create_app, migrate
     from service.ledger.config import Config
     from workers import beat
-    from workers.worker import Worker, WorkerConfig, default_device
+    from workers.worker import Worker, WorkerConfig, default_device, host_workers, role
 
     var = Path("var")
     var.mkdir(exist_ok=True)
@@ -85,19 +85,23 @@ def main(args) -> int:
     key = _default_key(app, var)
 
     device = args.device or default_device()
-    kinds = [("gpu", device)] + ([("cpu", "cpu")] if device != "cpu" else [])
-    workers = []
-    for kind, dev in kinds:
-        wcfg = WorkerConfig.from_env(kind=kind, device=dev, settings=cfg, name=f"embedded-{kind}")
+    cfgs = []
+    for kind, dev in host_workers("auto", device):
+        wcfg = WorkerConfig.from_env(kind=kind, device=dev, settings=cfg, name=f"embedded-{role(kind, dev)}")
         wcfg.engine.update(args.engine)
-        log.info("loading %s on %s for the %s worker", model, dev, kind)
-        workers.append(Worker(wcfg))
+        cfgs.append(wcfg)
     # the model registry: filled at the first start (the default model and TIDEPOOL_MODELS_DIR's folders); every
-    # other enabled hot or warm model whose weights fit the device gets a gpu worker of its own
+    # other enabled hot or warm model whose weights fit the device gets a worker of its own
     from workers.model_workers import other_model_configs, register_first_start
     register_first_start(app.extensions["tidepool.db"], cfg)
-    for wcfg in other_model_configs(app.extensions["tidepool.db"], cfg, device, args.engine):
-        log.info("loading %s on %s for the %s worker", wcfg.model, device, wcfg.name)
+    cfgs += other_model_configs(app.extensions["tidepool.db"], cfg, device, args.engine,
+                                base_name=f"embedded-{role('gpu', device)}")
+    on_cpu = [c for c in cfgs if c.device == "cpu"]
+    for c in on_cpu if len(on_cpu) > 1 else ():     # their KV pools split the host's one budget evenly
+        c.engine.setdefault("kv_share", 1 / len(on_cpu))
+    workers = []
+    for wcfg in cfgs:
+        log.info("loading %s on %s for the %s worker", wcfg.model, wcfg.device, wcfg.name)
         workers.append(Worker(wcfg))
     on_device = [w for w in workers if w.cfg.kind == "gpu"]
     if len(on_device) > 1:       # several models share the device as a --models worker's do (device_stepper.py)

@@ -140,11 +140,13 @@ def main(args) -> int:
                                engine_overrides=getattr(args, "engine", None))
         if set(names) <= {settings.served_model_name}:
             return one_model.main(args)
-    cfgs = model_configs(names, settings, args.kind, device, getattr(args, "engine", None), settings.worker_name,
+    # several models share one device: `auto` is the gpu kind there (a cpu fallback is a `--kind cpu` worker)
+    kind = "gpu" if args.kind == "auto" else args.kind
+    cfgs = model_configs(names, settings, kind, device, getattr(args, "engine", None), settings.worker_name,
                          entries)
     client = redis_lib.Redis.from_url(settings.redis_url) if settings.redis_url else None
     host = ModelHost([(n, entries[n].tier, c) for n, c in zip(names, cfgs)], client, budget)
-    port = DEFAULT_PORTS[args.kind] if settings.metrics_port is None else settings.metrics_port
+    port = DEFAULT_PORTS[kind] if settings.metrics_port is None else settings.metrics_port
     if port:
         try:   # this process's model series; each hot model's engine series on the next free ports
             host.metrics_port = bind_metrics_server(port, host.registry)
@@ -356,7 +358,8 @@ class ModelHost:
         left = (self.budget - self.used_bytes() - m["bytes"]
                 - sum(self._least(n) for n in pending if n not in self.loaded))
         floor = m["min_blocks"]
-        ceiling = max(floor, default_kv_blocks(m["engine"])[0])
+        share = weight[name] / sum(weight.values())       # of the host's KV budget, as of the pool share above
+        ceiling = max(floor, default_kv_blocks(dataclasses.replace(m["engine"], kv_share=share))[0])
         return max(floor, min(ceiling, min(fair, left) // m["block_bytes"]))
 
     def load(self, name: str, kv_blocks: int | None = None) -> None:

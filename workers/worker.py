@@ -47,11 +47,29 @@ from workers.streaming import Streaming
 
 log = logging.getLogger(__name__)
 QUEUES = {"gpu": SLA_CLASSES, "cpu": (SlaClass.deferrable.value,)}   # the SLA classes each kind of worker serves
+KINDS = ("auto", *QUEUES)       # what `tidepool worker --kind` takes
 
 
 def default_device() -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def host_workers(kind: str, device: str) -> list[tuple[str, str]]:
+    """(kind, device) of each worker a `tidepool worker --kind KIND` process (and `tidepool serve`, as `auto`) runs.
+    `auto`: every class on the host's device, plus, only where that device is a GPU, a cpu worker for deferrable
+    work beside it; a host without a GPU runs one engine that serves every class."""
+    if kind != "auto":
+        return [(kind, device)]
+    return [("gpu", device)] + ([("cpu", "cpu")] if device != "cpu" else [])
+
+
+def role(kind: str, device: str) -> str:
+    """What a worker's name says it is: `gpu` or `cpu` for one serving every class on that device,
+    `cpu-deferrable` for a cpu worker (the deferrable queue only)."""
+    if kind == "cpu":
+        return "cpu-deferrable"
+    return "gpu" if device.startswith("cuda") else "cpu"
 
 
 @dataclass
@@ -81,7 +99,7 @@ class WorkerConfig:
             raise ValueError("no model: set TIDEPOOL_MODEL to a model folder")
         if self.lease_seconds <= 0 or self.low_water < 1:
             raise ValueError("lease_seconds must be positive and low_water at least 1")
-        self.name = self.name or f"{self.kind}-{socket.gethostname()}-{os.getpid()}"
+        self.name = self.name or f"{role(self.kind, self.device)}-{socket.gethostname()}-{os.getpid()}"
 
     @property
     def queues(self) -> tuple[str, ...]:
@@ -276,26 +294,56 @@ class Worker:
 
 
 def main(args) -> int:
-    cfg = WorkerConfig.from_env(kind=args.kind, device=args.device)
-    cfg.engine.update(getattr(args, "engine", None) or {})     # --kv-blocks etc. over the TIDEPOOL_* knobs
-    log.info("worker %s: loading %s on %s (the engine is ready when the next line says so)", cfg.name, cfg.model,
-             cfg.device, extra={"worker": cfg.name, "event": "worker.loading"})
-    started = time.perf_counter()
-    worker = Worker(cfg)
+    """`tidepool worker --kind KIND`: the workers host_workers() gives, each with its engine and /metrics, until
+    SIGTERM. Two of them (a GPU host under `auto`) run side by side on threads of this process."""
+    settings = Config.from_env()
+    device = args.device or default_device()
+    pairs = host_workers(args.kind, device)
+    workers = []
+    for kind, dev in pairs:
+        cfg = WorkerConfig.from_env(kind=kind, device=dev, settings=settings)
+        if len(pairs) > 1 and kind == "cpu" and settings.worker_name:
+            cfg.name = f"{settings.worker_name}-deferrable"       # TIDEPOOL_WORKER_NAME names the gpu worker
+        cfg.engine.update(getattr(args, "engine", None) or {})     # --kv-blocks etc. over the TIDEPOOL_* knobs
+        log.info("worker %s: loading %s on %s (the engine is ready when the next line says so)", cfg.name,
+                 cfg.model, cfg.device, extra={"worker": cfg.name, "event": "worker.loading"})
+        started = time.perf_counter()
+        worker = Worker(cfg)
+        port = DEFAULT_PORTS[cfg.kind] if cfg.metrics_port is None else cfg.metrics_port
+        if port:
+            try:
+                port = bind_metrics_server(port, worker.metrics.registry)
+            except OSError as exc:
+                log.warning("worker %s: no /metrics: %s", cfg.name, exc, extra={"worker": cfg.name})
+                port = None
+        worker.metrics_port = port
+        log.info("worker %s: engine up in %.1f s, consuming %s, /metrics on port %s", cfg.name,
+                 time.perf_counter() - started, ",".join(cfg.queues), port,
+                 extra={"worker": cfg.name, "event": "worker.ready"})
+        print(json.dumps({"worker": cfg.name, "kind": cfg.kind, "device": cfg.device, "model": cfg.model,
+                          "queues": list(cfg.queues), "metrics_port": port}), flush=True)
+        workers.append(worker)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: worker.stop())
-    port = DEFAULT_PORTS[cfg.kind] if cfg.metrics_port is None else cfg.metrics_port
-    if port:
+        signal.signal(sig, lambda *_: [w.stop() for w in workers])
+    if len(workers) == 1:
+        workers[0].run()
+        return 0
+    failed = []
+
+    def serve(w):
         try:
-            port = bind_metrics_server(port, worker.metrics.registry)
-        except OSError as exc:
-            log.warning("worker %s: no /metrics: %s", cfg.name, exc, extra={"worker": cfg.name})
-            port = None
-    worker.metrics_port = port
-    log.info("worker %s: engine up in %.1f s, consuming %s, /metrics on port %s", cfg.name,
-             time.perf_counter() - started, ",".join(cfg.queues), port,
-             extra={"worker": cfg.name, "event": "worker.ready"})
-    print(json.dumps({"worker": cfg.name, "kind": cfg.kind, "device": cfg.device, "model": cfg.model,
-                      "queues": list(cfg.queues), "metrics_port": port}), flush=True)
-    worker.run()
-    return 0
+            w.run()
+        except Exception:
+            log.exception("worker %s failed", w.cfg.name)
+            failed.append(w)
+        finally:
+            for other in workers:      # one gone: the process ends, so a supervisor restarts both
+                other.stop()
+
+    threads = [threading.Thread(target=serve, args=(w,), name=w.cfg.name) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        while t.is_alive():
+            t.join(0.5)
+    return 1 if failed else 0

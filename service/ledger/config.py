@@ -136,8 +136,9 @@ class Config:
     mark_interval: float = setting("TIDEPOOL_MARK_INTERVAL", 0.05, "Seconds between a web process's batched "
                                    "writes of `dispatched_at` (see Accepting a job)", parse=FLOAT, check=POSITIVE)
     # ---- workers and upkeep ---------------------------------------------------------------------------------
-    worker_name: str | None = setting("TIDEPOOL_WORKER_NAME", None, "A worker's name (heartbeats, ledger)",
-                                      shown="`<kind>-<host>-<pid>`")
+    worker_name: str | None = setting("TIDEPOOL_WORKER_NAME", None, "A worker's name (heartbeats, ledger); a "
+                                      "`--kind auto` process on a GPU host names its cpu worker `<name>-deferrable`",
+                                      shown="`<device>-<host>-<pid>` (`cpu-deferrable-<host>-<pid>` for a cpu worker)")
     metrics_port: int | None = setting(
         "TIDEPOOL_METRICS_PORT", None, "First port tried for a worker's `/metrics`; a taken port moves on to the "
         "next free one (shown in the worker's start-up line and heartbeat); `0` turns it off", parse=INT,

@@ -2,8 +2,12 @@
 reference it replaces (kernels/paged_attention.py), on randomized paged batches whose unowned cache slots hold NaN;
 and the "torch" backend of kernels/attention.py, which puts the kernel under the varlen step, against the same."""
 import logging
+import os
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,3 +261,24 @@ def test_build_is_keyed_by_every_source_and_header(monkeypatch, tmp_path):
     built = (first, after_header, after_source)
     assert len(set(built)) == 3 and all(p.is_file() for p in built)
     assert (tmp_path / "cxx.builds").read_text().count("\n") == 3
+
+
+def test_a_background_build_ends_with_its_process(tmp_path):
+    """A process that exits while its background build runs (a short run-batch, a script) takes its compiler with
+    it: no compiler left running for nobody, no partial library in the cache."""
+    cxx = tmp_path / "cxx"
+    cxx.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho $$ > "$0.pid"\nexec sleep 60\n')
+    cxx.chmod(0o755)
+    cache = tmp_path / "cache"
+    script = ("import sys, time\nfrom kernels import cpu_ops\n"
+              f"cpu_ops.configure(enabled=True, cache_dir={str(cache)!r})\n"
+              "assert cpu_ops.prepare(background=True) == 'building'\n"
+              "while not cpu_ops._compiling: time.sleep(0.05)\n")
+    env = {**os.environ, "CXX": str(cxx), "PYTHONPATH": str(Path(cpu_ops.__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    pid = int((tmp_path / "cxx.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not list(cache.glob(".*.tmp")) and not list(cache.glob("*.so"))

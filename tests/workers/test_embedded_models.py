@@ -52,6 +52,9 @@ def test_serve_registers_and_serves_every_model_in_the_models_dir(tmp_path):
                                                                                    ("tiny-qwen", "warm", True)}
         rows = requests.get(f"{base}/v1/admin/queues", headers={"Authorization": f"Bearer {admin}"}).json()["models"]
         assert all(r["served"] for r in rows if r["sla_class"] == "interactive")
+        text = log.read_text()      # no GPU: one engine per model, named for the device, no cpu-deferrable worker
+        assert "for the embedded-cpu worker" in text and "for the embedded-cpu.tiny-qwen worker" in text
+        assert "deferrable" not in re.sub(r"queues[^\n]*", "", text)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

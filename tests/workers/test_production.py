@@ -1,7 +1,7 @@
 """The README's production sequence, top to bottom, as an operator runs it: `tidepool db upgrade` on a database
 that does not exist yet, `tidepool tenants create`, `make up` (honcho over the Procfile with the venv's commands),
 `/readyz` turning ready once a worker has its engine up, one request through the `openai` client; every line
-the processes log is JSON."""
+the processes log is JSON; on this host without a GPU the Procfile runs one engine, serving every class."""
 import json
 import os
 import re
@@ -103,9 +103,13 @@ def test_documented_production_sequence(database, redis_url, tiny_model, tmp_pat
         except ValueError:
             pytest.fail(f"{process} logged a line that is not JSON: {line!r}\n{text}")
         by_process.setdefault(process, []).append(line)
-    assert {"web", "gpu", "cpu", "beat"} <= set(by_process), text
-    starts = [json.loads(x) for p in ("gpu", "cpu") for x in by_process[p] if '"metrics_port"' in x]
-    ports = [s["metrics_port"] for s in starts]
-    assert len(ports) == 2 and None not in ports and ports[0] != ports[1], starts
-    assert any('"worker.ready"' in x for x in by_process["gpu"]), by_process["gpu"]
+    assert set(by_process) == {"web", "worker", "beat"}, text
+    # a host without a GPU: one engine, named for its device, serving every class
+    starts = [json.loads(x) for x in by_process["worker"] if '"metrics_port"' in x]
+    assert len(starts) == 1 and starts[0]["metrics_port"] is not None, starts
+    assert (starts[0]["kind"], starts[0]["device"]) == ("gpu", "cpu") and starts[0]["worker"].startswith("cpu-")
+    assert starts[0]["queues"] == ["realtime", "interactive", "batch", "deferrable"], starts
+    pools = [x for x in by_process["worker"] if json.loads(x).get("msg", "").startswith("KV pool:")]
+    assert len(pools) == 1, by_process["worker"]
+    assert any('"worker.ready"' in x for x in by_process["worker"]), by_process["worker"]
     assert "No hostname was supplied" not in text and "Traceback" not in text

@@ -95,6 +95,8 @@ class EngineConfig:
     attention_backend: str | None = None        # "torch" | "triton"; None: by device
     kv_cache_memory_bytes: int | None = None    # CPU default: a quarter of available memory
     gpu_memory_utilization: float = 0.85        # share of free GPU memory given to the KV pool
+    kv_share: float = 1.0                       # this engine's part of the host's CPU KV budget when engines of
+                                                # one process split it (serve's models, a --models worker's)
     enforce_eager: bool = False                 # True: no CUDA graphs on GPU
     # Online classes' latency targets; None: DEFAULT_SLA_TARGETS for the device (sla_targets_for).
     sla_targets: dict | None = None
@@ -132,6 +134,8 @@ class EngineConfig:
             raise ValueError("max_cpu_loras must be >= max_loras")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
+        if not 0 < self.kv_share <= 1:
+            raise ValueError("kv_share must be in (0, 1]")
         self._resolve_scheduling()
         self.speculative = SpeculativeConfig.parse(self.speculative)
         self.model_config = load_config(path)

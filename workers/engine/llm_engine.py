@@ -10,7 +10,7 @@ from workers.engine.calibration import calibrate
 from workers.engine.cost_model import CostModel
 from workers.engine.encoder_runner import EncoderRunner
 from workers.engine.lora import LoRAManager, LoRARequest
-from workers.engine.model_runner import ModelRunner
+from workers.engine.model_runner import ModelRunner, trim_heap
 from workers.engine.pooling import PoolingParams
 from kernels.layer_ops import argmax_rows
 from workers.engine.sampler import Sampler
@@ -134,6 +134,8 @@ class LLMEngine:
         if config.calibrate:
             calibrate(self.cost_model, self.runner, num_blocks, config.block_size, config.max_num_seqs,
                       config.max_num_batched_tokens, self.max_model_len)
+        if self.runner.device.type == "cpu":
+            trim_heap()
         # The reserve never leaves offline work too little room for one sequence of max_model_len.
         reserve_blocks = min(int(config.online_reserve * num_blocks),
                              num_blocks - -(-self.max_model_len // config.block_size))

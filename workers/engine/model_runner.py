@@ -1,13 +1,16 @@
 """Owns the model weights and the KV-cache pool; turns a scheduled batch into tensors and logits."""
+import ctypes
 import logging
 import os
 import time
+import weakref
 
 import torch
 
 from kernels import cpu_ops
 from kernels.attention import resolve_backend
 from kernels.cpu_linear import prepack_linears
+from workers.engine import host_pools
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from workers.engine.models.config import ModelConfig
@@ -33,10 +36,22 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def trim_heap() -> None:
+    """Hand the heap pages start-up freed (weights copied while prepacking, calibration's activations) back to the
+    OS, which glibc otherwise keeps: ~200 MB of a SmolLM2-135M engine's RSS. A no-op without glibc."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
     """The pool an engine sizes for itself when given no num_kv_blocks, and why: kv_cache_memory_bytes, else a
-    share of the GPU's free / the host's available memory, never beyond max_num_seqs sequences of max_model_len."""
-    budget, why = config.kv_cache_memory_bytes, "kv_cache_memory_bytes"
+    share of the GPU's free memory, else its part (kv_share) of the host's CPU KV budget, never beyond max_num_seqs
+    sequences of max_model_len. The host's budget is CPU_KV_SHARE of the memory available to pools (available now
+    plus what the other pools on the host already hold, host_pools) and every CPU pool on the host comes out of it;
+    where the others left less than one full-context sequence, the pool gets that one sequence."""
+    budget, why, floor = config.kv_cache_memory_bytes, "kv_cache_memory_bytes", 1
     if budget is None:
         device = torch.device(config.device)
         if device.type == "cuda":
@@ -44,12 +59,19 @@ def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
             budget = int(free * config.gpu_memory_utilization)
             why = f"{config.gpu_memory_utilization:.0%} of free GPU memory"
         else:
-            budget = int(available_memory() * CPU_KV_SHARE)
+            others = host_pools.held_elsewhere()
+            host = int((available_memory() + others) * CPU_KV_SHARE)
+            budget = min(int(host * config.kv_share), host - others)
             why = f"{CPU_KV_SHARE:.0%} of available memory"
+            if config.kv_share < 1:
+                why += f", {config.kv_share:.0%} of it"
+            if others:
+                why += f", {others / 2**20:.0f} MiB of it held by other pools on this host"
+                floor = config.blocks_per_sequence
     cap = config.max_num_seqs * config.blocks_per_sequence
     if cap <= budget // config.kv_block_bytes:
         return max(1, cap), "max_num_seqs x max_model_len"
-    return max(1, budget // config.kv_block_bytes), why
+    return max(1, min(cap, floor), budget // config.kv_block_bytes), why
 
 
 class ModelRunner:
@@ -74,6 +96,8 @@ class ModelRunner:
         for layer in self.model.layers:
             layer.self_attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
             layer.self_attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":     # out of the host's one KV budget until this runner is collected
+            weakref.finalize(self, host_pools.release, host_pools.hold(self.num_kv_blocks * self.bytes_per_block))
         log.info("KV pool: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; max_num_seqs %d, max_model_len %d)",
                  self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
                  self.num_kv_blocks * self.bytes_per_block / 2**20, why, config.max_num_seqs, config.max_model_len)
@@ -107,13 +131,17 @@ class ModelRunner:
         return self.config.kv_block_bytes
 
     def _prepare_cpu_kernel(self) -> None:
-        """Build (first time, 10-20 s) or load the native decode kernel now, not on the first request."""
+        """Load the native decode kernel now, not on the first request: from the cache at once; its first build on
+        this machine runs in the background while decode uses the torch path (cpu_ops.prepare)."""
         head_dim = self.model_config.head_dim
         if not cpu_ops.enabled() or head_dim % 8 or head_dim > 256:
             return
         started = time.perf_counter()
-        log.info("native CPU decode kernel: loading (the first build on this machine takes 10-20 s)")
-        if cpu_ops.paged_decode_op() is not None:
+        state = cpu_ops.prepare(background=True)
+        if state == "building":
+            log.info("native CPU decode kernel: not built on this machine yet; building it in the background (20-50 s "
+                     "of one core, once), decode uses the torch path until it is ready")
+        elif state == "ready":
             log.info("native CPU decode kernel ready in %.1f s", time.perf_counter() - started)
         else:
             log.info("native CPU decode kernel unavailable (%s): decode uses the torch path",
