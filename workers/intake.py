@@ -83,20 +83,19 @@ class Intake:
             online = name in self.cfg.online_queues
             if online_only and not online:
                 continue
-            for lane in self.affinity.lanes(name):   # its private queue (prefix affinity), then the shared one
-                message = None
-                while len(self.attempts) < self.cfg.max_inflight:
-                    if not online and not self._has_room():
-                        return got       # no spare capacity: leave offline work in the broker
-                    message = take(self.queues[lane], accept=["json"], owner=self.owner)
-                    if message is None:
-                        break
-                    got = True
-                    self._accept(name, message, taken_at=time.time())
-                    if not online:
-                        break            # one offline message per pass, then look at the online queues again
-                if message is not None and not online:
+            # its private queue (prefix affinity), then the shared one; by tenant share with fair intake
+            lanes = [self.queues[lane] for lane in self.affinity.lanes(name)]
+            fair = (name, self.cfg.fair_window) if self.cfg.fair_intake else None
+            while len(self.attempts) < self.cfg.max_inflight:
+                if not online and not self._has_room():
+                    return got       # no spare capacity: leave offline work in the broker
+                message = take(lanes, accept=["json"], owner=self.owner, fair=fair)
+                if message is None:
                     break
+                got = True
+                self._accept(name, message, taken_at=time.time())
+                if not online:
+                    break            # one offline message per pass, then look at the online queues again
         return got
 
     def _accept(self, queue_name: str, message, taken_at: float | None = None) -> None:
