@@ -192,7 +192,10 @@ def _result_line(job: Job, model: str | None, endpoint: str) -> str:
 
 
 def _error_line(job: Job) -> str:
-    error = job.error or {"code": f"job_{job.status.value}", "message": f"The request was {job.status.value}."}
+    error = job.error or ({"code": "batch_expired", "message": "This request could not be executed before the "
+                                                                  "completion window expired."}
+                          if job.status == JobStatus.expired else
+                          {"code": f"job_{job.status.value}", "message": f"The request was {job.status.value}."})
     return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id, "response": None,
                        "error": {"code": error.get("code"), "message": error.get("message")}})
 

@@ -247,6 +247,11 @@ def lane_depth(client, lane: str) -> int:
     return int(client.llen(lane)) + sum(lane_backlogs(client, [lane]).get(lane, {}).values())
 
 
+def known_queues(client) -> list[str]:
+    """The classes (shared queue names) with service counters."""
+    return sorted(_text(k)[len(PREFIX) + 2:] for k in client.scan_iter(match=PREFIX + "s:*", count=1000))
+
+
 def services(client, queue: str, window: float, now: float | None = None) -> dict[str, tuple[float, float]]:
     """tenant -> (decayed service in tokens, weight) for the class of shared queue `queue`."""
     now = time.time() if now is None else now
