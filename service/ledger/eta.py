@@ -62,12 +62,14 @@ def estimate(s: Session, batch: Batch, now: datetime | None = None) -> Estimate 
     remaining = s.scalar(select(func.count()).where(Job.batch_id == batch.id, Job.status.in_(WAITING))) or 0
     other = aliased(Batch)
     deadline = func.coalesce(Job.deadline, other.expires_at)
+    if batch.expires_at is None:      # no deadline: after every deadlined job, then by arrival
+        ahead = or_(deadline.is_not(None), Job.queued_at < batch.created_at)
+    else:
+        ahead = or_(deadline < batch.expires_at, and_(deadline == batch.expires_at, Job.queued_at < batch.created_at))
     position = s.scalar(
         select(func.count()).select_from(Job).outerjoin(other, other.id == Job.batch_id).where(
             Job.tenant_id == batch.tenant_id, Job.sla_class == batch.sla_class, Job.status == JobStatus.queued,
-            or_(Job.batch_id.is_(None), Job.batch_id != batch.id),
-            or_(deadline < batch.expires_at, and_(deadline == batch.expires_at, Job.queued_at < batch.created_at)))
-    ) or 0
+            or_(Job.batch_id.is_(None), Job.batch_id != batch.id), ahead)) or 0
     rate = drain_rate(s, batch.sla_class, now)
     part = share(s, batch.sla_class, batch.tenant_id)
     eta = None
