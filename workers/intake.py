@@ -15,7 +15,7 @@ from service.ledger import jobs
 from service.ledger.models import ONLINE_CLASSES, cache_namespace
 from service.ledger.wire import job_id as message_job_id, transport_options
 from workers.attempt import Attempts, Inflight, build_request, utc
-from workers.broker import take
+from workers.broker import charge, take
 from workers.engine import LoRARequest, PromptTooLong
 from workers.openai_bodies import echo_text
 from workers.results import Results, requeue
@@ -135,6 +135,11 @@ class Intake:
             if early is not None:
                 self._drop_early(early)
             self.counters["throttled" if started.reason == "throttled" else "dropped"] += 1
+            if self.cfg.fair_intake:     # served nothing: the estimate its take charged is given back
+                try:
+                    charge(message, queue_name, 0, self.cfg.fair_window)
+                except self.broker_errors:
+                    pass
             message.ack()        # duplicate, cancelled, expired or throttled: nothing to run
             return
         self.counters["claimed"] += 1
