@@ -69,6 +69,8 @@ class Stack:
             model = str(make_tiny_model(str(tmp / "tiny"), seed=1))
         else:
             model = str(Path(args.model).resolve())
+        global VOCAB       # prompts are random ids in [100, vocab)
+        VOCAB = min(VOCAB, json.loads((Path(model) / "config.json").read_text())["vocab_size"])
         self.db = f"postgresql://postgres@127.0.0.1:{self.pg.port}/tidepool"
         self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")},
                     "TIDEPOOL_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:{self.pg.port}/tidepool",
@@ -86,6 +88,7 @@ class Stack:
         self.procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", "beat"], env=self.env, stdout=self.log,
                                            stderr=subprocess.STDOUT, cwd=tmp))
         self.base = f"http://127.0.0.1:{self.port}"
+        wait(lambda: _healthy(self.port), 120, "web up")
 
     def start_worker(self, fair: bool) -> None:
         from service.ledger.snapshots import HEARTBEAT_KEY
@@ -125,6 +128,14 @@ class Stack:
             rows = c.execute("SELECT id, extract(epoch FROM finished_at), prompt_tokens + completion_tokens FROM jobs "
                              "WHERE id = ANY(%s) AND status = 'completed'", (list(ids),)).fetchall()
         return {r[0]: (float(r[1]), int(r[2])) for r in rows}
+
+
+def _healthy(port) -> bool:
+    try:
+        http(port, "GET", "/healthz", timeout=2)
+        return True
+    except OSError:
+        return False
 
 
 def submit(st: Stack, key: str, prompts, max_tokens: int, threads: int = 8) -> list[str]:
@@ -196,7 +207,10 @@ def weighted(st: Stack, args, rng: random.Random) -> dict:
     t1 = time.time()
     eta = {n: http(st.port, "GET", f"/v1/batches/{b}", key=keys[n]).get("x_tidepool") for n, b in batches.items()}
     for n, b in batches.items():
-        http(st.port, "POST", f"/v1/batches/{b}/cancel", {}, keys[n])
+        try:
+            http(st.port, "POST", f"/v1/batches/{b}/cancel", {}, keys[n])
+        except OSError as exc:      # 409: done already (then the tenant was not backlogged for the whole window)
+            log(f"cancelling {n}'s batch: {exc}")
     with psycopg.connect(st.db, autocommit=True) as c:
         rows = c.execute("SELECT b.id, extract(epoch FROM j.finished_at), j.prompt_tokens + j.completion_tokens, "
                          "(SELECT count(*) FROM jobs q WHERE q.batch_id = b.id AND q.status = 'queued') "
@@ -312,6 +326,10 @@ def main():
         log(f"weighted {shares}")
         take = take_latency(st)
         log(f"take {take}")
+    except BaseException:
+        st.log.flush()
+        log("processes' log tail:\n" + "\n".join((tmp / "processes.log").read_text().splitlines()[-40:]))
+        raise
     finally:
         st.close()
         shutil.rmtree(tmp, ignore_errors=True)
