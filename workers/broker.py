@@ -101,3 +101,11 @@ def charge(message, queue: str, tokens: int, window: float) -> None:
         return
     with channel.conn_or_acquire() as client:
         fair_queues.charge(client, queue, info[0], tokens - (info[3] or 0), window)
+
+
+def unsort(channel, lanes: list[str]) -> int:
+    """Put what the fair take sorted in for `lanes` back onto their lists (a worker taking FIFO); on Redis only."""
+    if not _redis_channel(channel):
+        return 0
+    with channel.conn_or_acquire() as client:
+        return sum(fair_queues.move_lane(client, lane, lane) for lane in lanes)

@@ -15,7 +15,7 @@ from service.ledger import jobs
 from service.ledger.models import ONLINE_CLASSES, cache_namespace
 from service.ledger.wire import job_id as message_job_id, transport_options
 from workers.attempt import Attempts, Inflight, build_request, utc
-from workers.broker import charge, take
+from workers.broker import charge, take, unsort
 from workers.engine import LoRARequest, PromptTooLong
 from workers.openai_bodies import echo_text
 from workers.results import Results, requeue
@@ -53,6 +53,8 @@ class Intake:
         self.channel = self.conn.channel()
         self.queues = {lane: Queue(lane, routing_key=lane).bind(self.channel)
                        for name in self.cfg.queues for lane in self.affinity.lanes(name)}
+        if not self.cfg.fair_intake:      # FIFO: what a fair take sorted in earlier goes back onto the lists
+            unsort(self.channel, list(self.queues))
 
     def release(self) -> None:
         """Give back the broker connection: closing the channel restores its unacked messages to their queues."""

@@ -146,6 +146,12 @@ def test_a_message_without_a_fair_header_and_the_fifo_fallback(channel):
     _push(r, "b", 1)
     # FIFO: the list's oldest message first, whoever it belongs to (the benchmark's baseline)
     assert [_take(channel, fifo=True) for _ in range(3)] == ["job-a-0", "job-a-1", "job-b-0"]
+    # a worker switched to FIFO puts back what a fair take had sorted in, earliest first
+    _push(r, "a", 3, tag="x")
+    _push(r, "b", 1, tag="x")
+    assert _take(channel) == "job-a-x0"
+    assert broker.unsort(channel, [Q]) == 3 and not fair.lane_backlogs(r)
+    assert {_take(channel, fifo=True) for _ in range(3)} == {"job-a-x1", "job-a-x2", "job-b-x0"}
 
 
 def test_a_private_lane_is_taken_with_its_shared_queue_and_handed_back_whole(channel, redis_url):
