@@ -12,10 +12,11 @@ model, for a smoke run). Tenants of equal weight unless said. Phases, in this or
   (2) the worker restarted with fair intake (the default): the same flood, fresh prompts;
   (3) realtime, streamed /v1/completions: B alone at --b-rate per second for --rt-duration seconds, then B beside
       A at --a-rate: TTFT p95 of B alone, of B and of A while A floods;
-  (4) three tenants of weights 1, 1, 2, each with a batch of offline work larger than --backlog-s seconds
-      drain: served tokens (prompt + completion of the jobs finished) per tenant over the window, its shares,
-      VTC's metric (the largest gap in weighted service between the backlogged tenants within any 10 s window,
-      and across the whole window) and Jain's index of the weighted shares; the batches are cancelled after;
+  (4) three tenants of weights 1, 1, 2, each with a batch (created at once) of offline work larger than
+      --backlog-s seconds drain: from --settle-s after their creation, for --backlog-s seconds, served tokens
+      (prompt + completion of the jobs finished) per tenant, its shares, VTC's metric (the largest gap in
+      accumulated weighted service between the backlogged tenants at every 10 s) and Jain's index of the
+      weighted shares (share / weight share); the batches are cancelled after;
   (5) the take path in-process against the same Redis: p50/p99 of one fair take with 1,000 jobs over 100
       tenants waiting (one pushed back per take, so 1,000 stay queued).
 
@@ -190,18 +191,25 @@ def realtime(st: Stack, keys: dict, rates: dict, args, seed: int) -> dict:
 def weighted(st: Stack, args, rng: random.Random) -> dict:
     weights = {"w1a": 1.0, "w1b": 1.0, "w2": 2.0}
     keys = {n: st.tenant(f"fair-{n}", w) for n, w in weights.items()}
-    batches = {}
+    bodies = {}
     for n in weights:
         lines = b"".join(json.dumps({"custom_id": f"{n}-{i}", "method": "POST", "url": "/v1/completions", "body": {
             "prompt": [rng.randint(100, VOCAB - 1) for _ in range(32)], "max_tokens": args.backlog_tokens,
             "ignore_eos": True}}).encode() + b"\n" for i in range(int(args.backlog_jobs * weights[n])))
         boundary = "fairnessboundary"
-        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-                f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.jsonl\"\r\n"
-                f"Content-Type: application/jsonl\r\n\r\n").encode() + lines + f"\r\n--{boundary}--\r\n".encode()
-        f = http(st.port, "POST", "/v1/files", raw=body, key=keys[n], ctype=f"multipart/form-data; boundary={boundary}")
-        batches[n] = http(st.port, "POST", "/v1/batches", {"input_file_id": f["id"], "endpoint": "/v1/completions",
-                                                           "completion_window": "24h"}, keys[n])["id"]
+        bodies[n] = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+                     f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.jsonl\"\r\n"
+                     f"Content-Type: application/jsonl\r\n\r\n").encode() + lines + f"\r\n--{boundary}--\r\n".encode()
+    files = {n: http(st.port, "POST", "/v1/files", raw=bodies[n], key=keys[n],
+                     ctype="multipart/form-data; boundary=fairnessboundary")["id"] for n in weights}
+
+    def create(n):
+        return n, http(st.port, "POST", "/v1/batches", {"input_file_id": files[n], "endpoint": "/v1/completions",
+                                                        "completion_window": "24h"}, keys[n])["id"]
+    with ThreadPoolExecutor(len(weights)) as pool:       # created together: no tenant gets a head start
+        batches = dict(pool.map(create, weights))
+    # the window opens once the seats hold work taken with all three backlogged (one job's run after creation)
+    time.sleep(args.settle_s)
     t0 = time.time()
     time.sleep(args.backlog_s)
     t1 = time.time()
@@ -212,32 +220,35 @@ def weighted(st: Stack, args, rng: random.Random) -> dict:
         except OSError as exc:      # 409: done already (then the tenant was not backlogged for the whole window)
             log(f"cancelling {n}'s batch: {exc}")
     with psycopg.connect(st.db, autocommit=True) as c:
-        rows = c.execute("SELECT b.id, extract(epoch FROM j.finished_at), j.prompt_tokens + j.completion_tokens, "
-                         "(SELECT count(*) FROM jobs q WHERE q.batch_id = b.id AND q.status = 'queued') "
-                         "FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE b.id = ANY(%s) AND j.status = "
-                         "'completed'", (list(batches.values()),)).fetchall()
+        rows = c.execute("SELECT j.batch_id, extract(epoch FROM j.finished_at), j.prompt_tokens + j.completion_tokens "
+                         "FROM jobs j WHERE j.batch_id = ANY(%s) AND j.status = 'completed'",
+                         (list(batches.values()),)).fetchall()
     name_of = {b: n for n, b in batches.items()}
+    windows = max(1, int(round(args.backlog_s / 10)))
     served = {n: 0 for n in weights}
-    windows = int(args.backlog_s // 10) or 1
     per_window = [{n: 0 for n in weights} for _ in range(windows)]
-    for bid, at, tokens, _ in rows:
+    for bid, at, tokens in rows:
         at = float(at)
         if t0 <= at <= t1:
             served[name_of[bid]] += tokens
-            k = min(int((at - t0) // 10), windows - 1)
-            per_window[k][name_of[bid]] += tokens
+            per_window[min(int((at - t0) // 10), windows - 1)][name_of[bid]] += tokens
     total = sum(served.values()) or 1
     shares = {n: served[n] / total for n in weights}
     wsum = sum(weights.values())
     x = [shares[n] / (weights[n] / wsum) for n in weights]          # 1.0 each when shares follow the weights
     jain = sum(x) ** 2 / (len(x) * sum(v * v for v in x))
-    gaps = [max(w[n] / weights[n] for n in weights) - min(w[n] / weights[n] for n in weights) for w in per_window]
-    norm = [served[n] / weights[n] for n in weights]
+    # VTC's metric: the gap in accumulated weighted service between the backlogged tenants, at every 10 s
+    acc, gaps = {n: 0.0 for n in weights}, []
+    for w in per_window:
+        for n in weights:
+            acc[n] += w[n] / weights[n]
+        gaps.append(max(acc.values()) - min(acc.values()))
+    job_tokens = 32 + args.backlog_tokens
     return {"window_s": round(t1 - t0, 1), "served_tokens": served, "shares": {n: round(v, 3) for n, v in shares.items()},
             "share_error_max": round(max(abs(v - 1.0) for v in x), 3), "jain": round(jain, 4),
-            "vtc_gap_tokens_per_10s_max": round(max(gaps), 1),
-            "vtc_gap_tokens_whole": round(max(norm) - min(norm), 1),
-            "weighted_tokens_per_10s_mean": round(sum(norm) / len(norm) / max(1.0, (t1 - t0) / 10), 1),
+            "vtc_gap_tokens_max": round(max(gaps), 1), "vtc_gap_jobs_max": round(max(gaps) / job_tokens, 1),
+            "vtc_gaps_per_10s": [round(g, 1) for g in gaps],
+            "weighted_tokens_per_10s": [{n: round(w[n] / weights[n]) for n in weights} for w in per_window],
             "eta_at_cancel": eta}
 
 
@@ -286,6 +297,8 @@ def main():
     ap.add_argument("--a-rate", type=float, default=4.0)
     ap.add_argument("--b-rate", type=float, default=0.5)
     ap.add_argument("--backlog-s", type=float, default=60.0, help="seconds the three weighted tenants stay backlogged")
+    ap.add_argument("--settle-s", type=float, default=10.0, help="seconds between the weighted batches' creation "
+                    "and the window's start")
     ap.add_argument("--backlog-jobs", type=int, default=300, help="jobs per unit of weight in phase (4)")
     ap.add_argument("--backlog-tokens", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=600.0)
