@@ -193,18 +193,18 @@ def test_kill_9_mid_take_with_several_tenants_completes_each_job_once(stack):
     keys = [st.tenant(weight=w)[1] for w in (1.0, 1.0, 2.0)]
     st.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_REPUBLISH_AFTER=2, TIDEPOOL_MAX_ATTEMPTS=5,
              TIDEPOOL_BEAT_SCHEDULE=st.tmp / "beat-schedule")
-    ids = []
-    for round_ in range(2):
-        burst = [j for key in keys for j in st.submit(key, 20, sla_class="realtime", prompt="burst", max_tokens=8)]
-        ids += burst
-        w = st.start("worker", "--kind", "gpu", "--device", "cpu", TIDEPOOL_WORKER_NAME=f"killed-{round_}",
-                     TIDEPOOL_LEASE_SECONDS=4)
-        st.wait(lambda: st.count(Job.id.in_(burst), Job.status != JobStatus.queued) >= 5 or w.poll() is not None,
-                60, "claims under way", every=0.005)
-        w.send_signal(signal.SIGKILL)
-        w.wait()
+    ids = [j for key in keys for j in st.submit(key, 20, sla_class="realtime", prompt="burst", max_tokens=8)]
+    # killed while its first pass is still taking (sorting in, picking) and claiming the burst
+    w = st.start("worker", "--kind", "gpu", "--device", "cpu", TIDEPOOL_WORKER_NAME="killed",
+                 TIDEPOOL_LEASE_SECONDS=4)
+    st.wait(lambda: st.count(Job.id.in_(ids), Job.status != JobStatus.queued) >= 5 or w.poll() is not None,
+            60, "claims under way", every=0.005)
+    w.send_signal(signal.SIGKILL)
+    w.wait()
     st.worker("survivor", TIDEPOOL_LEASE_SECONDS=30)
     _wait_terminal(st, st.engine, ids, 90)
     states = ledger_check(st.engine, set(ids))
-    assert states["completed"] == len(ids) == 120
-    assert not any(fair.lane_backlogs(st.redis).values()) and not st.redis.hlen("unacked")
+    assert states["completed"] == len(ids) == 60
+    # nothing stranded in the sorted sets (the dead worker's unacked messages go back once its heartbeat lapses,
+    # and are dropped at claim: their jobs are done)
+    assert not any(fair.lane_backlogs(st.redis).values())
