@@ -11,11 +11,13 @@ import redis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as hs
 from kombu import Connection, Queue
+from sqlalchemy.orm import Session
 
-from service.ledger import affinity, fair
+from service.ledger import affinity, fair, tenants
 from service.ledger.models import Job, JobStatus
 from service.ledger.wire import job_id as message_job_id, task_message, transport_options
 from workers import broker
+from workers.worker import Worker, WorkerConfig
 from .conftest import flush_redis
 from .test_chaos import _wait_terminal, ledger_check
 
@@ -208,3 +210,24 @@ def test_kill_9_mid_take_with_several_tenants_completes_each_job_once(stack):
     # nothing stranded in the sorted sets (the dead worker's unacked messages go back once its heartbeat lapses,
     # and are dropped at claim: their jobs are done)
     assert not any(fair.lane_backlogs(st.redis).values())
+
+
+def test_max_running_still_holds_and_a_throttled_take_is_given_back(stack):
+    st = stack
+    with Session(st.engine) as s:
+        t, key = tenants.create_tenant(s, "capped", 1.0, {"max_running": 1})
+        s.commit()
+        tenant_id = t.id
+    ids = st.submit(key, 3, sla_class="interactive", prompt="capped", max_tokens=2)
+    w = Worker(WorkerConfig(model=st.model, database_url=st.db_url, broker_url=st.redis_url, redis_url=st.redis_url,
+                            device="cpu", name="capper", lease_seconds=30))
+    w.connect()
+    try:
+        w.pull()                       # online: all three taken at once, one claimed, two over the cap
+        [running] = st.jobs(Job.id.in_(ids), Job.status == JobStatus.running)
+        assert w.counters["throttled"] == 2
+        # only the running job's estimate stays charged: the throttled takes were given back
+        served, weight = fair.services(st.redis, "interactive", 60.0)[tenant_id]
+        assert abs(served - running.estimated_tokens) < 0.5 and weight == 1.0
+    finally:
+        w.close()
