@@ -7,9 +7,11 @@ from flask import Blueprint, Response, current_app, g, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
+from .ledger import affinity, eta, fair
 from .ledger.metrics import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
-from .ledger.models import Job
+from .ledger.models import Job, utcnow
 
 bp = Blueprint("metrics", __name__)
 
@@ -40,6 +42,62 @@ class LedgerCollector:
         except Exception:  # broker down: report no depth rather than fail the scrape
             current_app.logger.warning("queue depth unavailable for /metrics")
         yield depth
+        yield from self.batches()
+        yield from self.fairness()
+
+    def batches(self):
+        at_risk = GaugeMetricFamily("tidepool:batches_at_risk", "In-progress batches whose estimated completion "
+                                    "falls after their window (service/ledger/eta.py), by tenant and SLA class.",
+                                    labels=["tenant", "sla_class"])
+        eta_s = GaugeMetricFamily("tidepool:batch_eta_seconds", "Seconds until an in-progress batch's estimated "
+                                  "completion (absent until its class has a measured drain rate).",
+                                  labels=["batch", "tenant", "sla_class"])
+        counts: dict = {}
+        with Session(self.app.extensions["tidepool.db"]) as s:
+            now = utcnow()
+            for batch, est in eta.in_progress(s, now):
+                key = (batch.tenant_id, batch.sla_class.value)
+                counts[key] = counts.get(key, 0) + int(est.at_risk)
+                if est.eta is not None:
+                    eta_s.add_metric([batch.id, *key], max(0.0, (est.eta - now).total_seconds()))
+        for key, n in counts.items():
+            at_risk.add_metric(list(key), n)
+        yield at_risk
+        yield eta_s
+
+    def fairness(self):
+        """The fair take's view (service/ledger/fair.py), per tenant and class: weighted service (decayed tokens
+        served / weight), jobs waiting, and per class the gap between the backlogged tenants' weighted service."""
+        service = GaugeMetricFamily("tidepool:fair_weighted_service", "Decayed tokens served / weight, by tenant "
+                                    "and class (queue).", labels=["tenant", "sla_class"])
+        backlog = GaugeMetricFamily("tidepool:fair_backlog", "Jobs waiting in the fair take's per-tenant queues, "
+                                    "by tenant and class (queue).", labels=["tenant", "sla_class"])
+        gap = GaugeMetricFamily("tidepool:fair_service_gap", "Largest difference in weighted service between two "
+                                "backlogged tenants of a class (queue): VTC's fairness bound.", labels=["sla_class"])
+        try:
+            dispatcher = self.app.extensions["tidepool.dispatcher"]
+            client = dispatcher._direct_client()
+            waiting: dict = {}
+            for lane, tenants in dispatcher.fair_backlogs().items():
+                parts = affinity.split_private(lane)
+                queue = lane if parts is None else parts[0]
+                for tenant, n in tenants.items():
+                    waiting.setdefault(queue, {}).setdefault(tenant, 0)
+                    waiting[queue][tenant] += n
+            window = self.app.config["TIDEPOOL"].fair_window
+            for queue in sorted(set(waiting) | set(fair.known_queues(client) if client is not None else ())):
+                served = fair.services(client, queue, window) if client is not None else {}
+                for tenant, (tokens, weight) in sorted(served.items()):
+                    service.add_metric([tenant, queue], tokens / weight)
+                for tenant, n in sorted(waiting.get(queue, {}).items()):
+                    backlog.add_metric([tenant, queue], n)
+                norms = [served[t][0] / served[t][1] if t in served else 0.0 for t in waiting.get(queue, {})]
+                gap.add_metric([queue], max(norms) - min(norms) if len(norms) > 1 else 0.0)
+        except Exception:  # broker down: report nothing rather than fail the scrape
+            current_app.logger.warning("fair intake figures unavailable for /metrics")
+        yield service
+        yield backlog
+        yield gap
 
 
 @bp.get("/metrics")

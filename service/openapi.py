@@ -322,7 +322,14 @@ SCHEMAS = {
             "input_tokens": _INT, "output_tokens": _INT, "total_tokens": _INT,
             "output_tokens_details": {"type": "object", "properties": {"reasoning_tokens": _INT}}}},
         **{f: _TS for f in ("created_at", "in_progress_at", "expires_at", "finalizing_at", "completed_at",
-                            "failed_at", "expired_at", "cancelling_at", "cancelled_at")}}},
+                            "failed_at", "expired_at", "cancelling_at", "cancelled_at")},
+        "x_tidepool": {"type": "object", "description": "Tidepool's estimate for an in-progress batch (service/"
+                       "ledger/eta.py): eta (unix seconds; null without a measured drain rate or when not in "
+                       "progress), position (its tenant's jobs of the class served before it), remaining, "
+                       "drain_rate (jobs/s of its class), share (of that rate), at_risk (eta after expires_at).",
+                       "properties": {"eta": {"type": ["integer", "null"]}, "position": _INT, "remaining": _INT,
+                                      "drain_rate": {"type": ["number", "null"]},
+                                      "share": {"type": ["number", "null"]}, "at_risk": {"type": "boolean"}}}}},
     "TenantCreate": {"type": "object", "additionalProperties": False, "required": ["name"], "properties": {
         "name": {"type": "string", "minLength": 1, "maxLength": 200}, "weight": _WEIGHT,
         "quota": {"anyOf": [{"$ref": "#/components/schemas/Quota"}, {"type": "null"}]},

@@ -4,7 +4,7 @@ and, when it stops, its private queues handed back to the shared ones. The worke
 keys here; the engine knows nothing of it."""
 import logging
 
-from service.ledger import affinity
+from service.ledger import affinity, fair
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class WorkerAffinity:
                 for name in self.private_queues():
                     pipe.llen(name)
                 backlog = sum(int(n or 0) for n in pipe.execute())
+            backlog += sum(sum(t.values()) for t in fair.lane_backlogs(self.redis, self.private_queues()).values())
         except Exception:
             pass
         return {"prefixes": self.memory.newest(), "private_backlog": backlog, "seats": self.seats}

@@ -7,8 +7,14 @@ while the ledger still says "queued, dispatched": nothing would ever run that jo
 does the pop and the unacked record in one Lua script, in kombu's own layout, so ack, reject, the
 restore of a closing channel and `restore_visible` (beat's sweep) all treat the message as usual.
 Other transports (the in-process `memory://` of embedded mode) go through `Queue.get`.
+
+With fair intake on (TIDEPOOL_FAIR_INTAKE, the default) the script is service/ledger/fair.py's TAKE: the same
+unacked record, but the message is the earliest job of the backlogged tenant with the least weighted service,
+not the oldest message of the list.
 """
 import time
+
+from service.ledger import fair as fair_queues
 
 from kombu.serialization import prepare_accept_content
 from kombu.transport import virtual
@@ -48,16 +54,32 @@ def _redis_channel(channel) -> bool:
     return isinstance(channel, kombu_redis.Channel) and not channel.global_keyprefix
 
 
-def take(queue, accept: list[str], owner: str = ""):
-    """Like `queue.get(no_ack=False, accept=accept)`: the next message of a bound queue, or None. owner
-    (JSON [worker name, started_at]) is recorded with the unacked message on Redis."""
-    channel = queue.channel
+def take(queues, accept: list[str], owner: str = "", fair: tuple[str, float] | None = None,
+         limit: int = 1000):
+    """Like `queue.get(no_ack=False, accept=accept)` over `queues` (bound kombu Queues, or one; the lanes of one
+    class, in order): the next message, or None. owner (JSON [worker name, started_at]) is recorded with the
+    unacked message on Redis. fair: (the class's shared queue, decay window in seconds) for the fair pick; None:
+    the first lane's oldest message first. limit: most messages sorted in per take (fair)."""
+    if not isinstance(queues, (list, tuple)):
+        queues = [queues]
+    channel = queues[0].channel
     if not _redis_channel(channel):
-        return queue.get(no_ack=False, accept=accept)
-    keys = [channel._q_for_pri(queue.name, pri) for pri in channel.priority_steps]
+        for queue in queues:
+            message = queue.get(no_ack=False, accept=accept)
+            if message is not None:
+                return message
+        return None
+    steps = channel.priority_steps
+    keys = [channel._q_for_pri(queue.name, pri) for queue in queues for pri in steps]
     with channel.conn_or_acquire() as client:
-        raw = client.eval(_TAKE, len(keys) + 3, *keys, channel.unacked_key, channel.unacked_index_key, OWNERS_KEY,
-                          time.time(), owner)
+        if fair is None:
+            raw = client.eval(_TAKE, len(keys) + 3, *keys, channel.unacked_key, channel.unacked_index_key,
+                              OWNERS_KEY, time.time(), owner)
+        else:
+            raw = client.eval(fair_queues.TAKE, len(keys) + 7, *keys, channel.unacked_key,
+                              channel.unacked_index_key, OWNERS_KEY, *fair_queues.service_keys(fair[0]),
+                              fair_queues.WEIGHTS_KEY, fair_queues.SEQ_KEY, time.time(), owner, fair[1], limit,
+                              len(steps), *(queue.name for queue in queues))
     if raw is None:
         return None
     message = channel.Message(loads(bytes_to_str(raw)), channel=channel)
@@ -67,3 +89,23 @@ def take(queue, accept: list[str], owner: str = ""):
         message._reraise_error()
     message.accept = prepare_accept_content(accept)
     return message
+
+
+def charge(message, queue: str, tokens: int, window: float) -> None:
+    """The tokens a taken message's job was served, for its tenant's service in class `queue` (fair intake): the
+    estimate the take charged is replaced by `tokens`. Nothing on other transports or for a message without a
+    fair header."""
+    channel = getattr(message, "channel", None)
+    info = (getattr(message, "headers", None) or {}).get("fair")
+    if not info or not _redis_channel(channel):
+        return
+    with channel.conn_or_acquire() as client:
+        fair_queues.charge(client, queue, info[0], tokens - (info[3] or 0), window)
+
+
+def unsort(channel, lanes: list[str]) -> int:
+    """Put what the fair take sorted in for `lanes` back onto their lists (a worker taking FIFO); on Redis only."""
+    if not _redis_channel(channel):
+        return 0
+    with channel.conn_or_acquire() as client:
+        return sum(fair_queues.move_lane(client, lane, lane) for lane in lanes)

@@ -15,7 +15,7 @@ from service.ledger import jobs
 from service.ledger.models import ONLINE_CLASSES, cache_namespace
 from service.ledger.wire import job_id as message_job_id, transport_options
 from workers.attempt import Attempts, Inflight, build_request, utc
-from workers.broker import take
+from workers.broker import charge, take, unsort
 from workers.engine import LoRARequest, PromptTooLong
 from workers.openai_bodies import echo_text
 from workers.results import Results, requeue
@@ -53,6 +53,8 @@ class Intake:
         self.channel = self.conn.channel()
         self.queues = {lane: Queue(lane, routing_key=lane).bind(self.channel)
                        for name in self.cfg.queues for lane in self.affinity.lanes(name)}
+        if not self.cfg.fair_intake:      # FIFO: what a fair take sorted in earlier goes back onto the lists
+            unsort(self.channel, list(self.queues))
 
     def release(self) -> None:
         """Give back the broker connection: closing the channel restores its unacked messages to their queues."""
@@ -83,20 +85,19 @@ class Intake:
             online = name in self.cfg.online_queues
             if online_only and not online:
                 continue
-            for lane in self.affinity.lanes(name):   # its private queue (prefix affinity), then the shared one
-                message = None
-                while len(self.attempts) < self.cfg.max_inflight:
-                    if not online and not self._has_room():
-                        return got       # no spare capacity: leave offline work in the broker
-                    message = take(self.queues[lane], accept=["json"], owner=self.owner)
-                    if message is None:
-                        break
-                    got = True
-                    self._accept(name, message, taken_at=time.time())
-                    if not online:
-                        break            # one offline message per pass, then look at the online queues again
-                if message is not None and not online:
+            # its private queue (prefix affinity), then the shared one; by tenant share with fair intake
+            lanes = [self.queues[lane] for lane in self.affinity.lanes(name)]
+            fair = (name, self.cfg.fair_window) if self.cfg.fair_intake else None
+            while len(self.attempts) < self.cfg.max_inflight:
+                if not online and not self._has_room():
+                    return got       # no spare capacity: leave offline work in the broker
+                message = take(lanes, accept=["json"], owner=self.owner, fair=fair)
+                if message is None:
                     break
+                got = True
+                self._accept(name, message, taken_at=time.time())
+                if not online:
+                    break            # one offline message per pass, then look at the online queues again
         return got
 
     def _accept(self, queue_name: str, message, taken_at: float | None = None) -> None:
@@ -136,6 +137,11 @@ class Intake:
             if early is not None:
                 self._drop_early(early)
             self.counters["throttled" if started.reason == "throttled" else "dropped"] += 1
+            if self.cfg.fair_intake:     # served nothing: the estimate its take charged is given back
+                try:
+                    charge(message, queue_name, 0, self.cfg.fair_window)
+                except self.broker_errors:
+                    pass
             message.ack()        # duplicate, cancelled, expired or throttled: nothing to run
             return
         self.counters["claimed"] += 1

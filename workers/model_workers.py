@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 
+from service.ledger import fair
 from service.ledger.registry import WARM_KEY   # set by `tidepool models warm NAME`
 
 log = logging.getLogger(__name__)
@@ -307,7 +308,7 @@ class ModelHost:
     def _depth(self, name: str) -> int:
         if self.redis is None:
             return 0
-        return sum(int(self.redis.llen(q)) for q in self.models[name]["cfg"].queues)
+        return sum(fair.lane_depth(self.redis, q) for q in self.models[name]["cfg"].queues)
 
     def _wanted(self, name: str) -> bool:
         tier = self.models[name]["tier"]

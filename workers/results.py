@@ -11,8 +11,9 @@ import time
 
 from sqlalchemy.orm import Session
 
-from service.ledger import jobs
+from service.ledger import affinity, jobs
 from workers.attempt import Attempts, Inflight, ledger_text, utc
+from workers.broker import charge
 from workers.openai_bodies import ledger_result
 from workers.streaming import Streaming
 
@@ -23,7 +24,7 @@ RESULT_CHUNK = 8      # finished attempts written per ledger transaction (the on
 
 class Results:
     def __init__(self, name: str, db, engine, attempts: Attempts, streaming: Streaming, counters: dict,
-                 preempted: dict, between_chunks=lambda: None):
+                 preempted: dict, between_chunks=lambda: None, fair_window: float | None = None):
         self.name = name
         self.db = db
         self.engine = engine
@@ -32,6 +33,7 @@ class Results:
         self.counters = counters
         self.preempted = preempted      # engine preemptions suffered, by SLA class
         self.between_chunks = between_chunks
+        self.fair_window = fair_window  # fair intake: each settled job's served tokens charged to its tenant
         self.unwritten: list[tuple[Inflight, object, float]] = []   # results the ledger refused: (inf, out, since)
         self.retry_at, self.retry_pause = 0.0, WRITE_RETRY_FIRST
 
@@ -92,6 +94,7 @@ class Results:
                     log.error("worker %s: gave up writing the result of %s", self.name, inf.job_id)
                 continue
             self.counters[{"completed": "completed", "lost": "dropped"}.get(status, "aborted")] += 1
+            self.charge(inf, out)
             if status == "released":
                 requeue(self.name, inf.job_id, inf.message)    # back to the broker: the job is queued again
             else:
@@ -159,6 +162,18 @@ class Results:
                 jobs.release(s, inf.job_id, inf.lease_token)
             s.commit()
         self.attempts.by_job.clear()
+
+    def charge(self, inf: Inflight, out) -> None:
+        """The tokens the device served this attempt, in place of the estimate its take charged (fair intake)."""
+        if self.fair_window is None:
+            return
+        try:
+            lane = inf.message.delivery_info["routing_key"]
+            shared = affinity.split_private(lane)
+            served = len(out.prompt_token_ids) + len(out.token_ids)    # as the job's usage counts them
+            charge(inf.message, lane if shared is None else shared[0], served, self.fair_window)
+        except Exception as exc:  # fairness is only delayed: the take charged the estimate already
+            log.warning("worker %s: charging %s failed: %s", self.name, inf.job_id, exc)
 
     def ack(self, inf: Inflight) -> None:
         try:

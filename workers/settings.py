@@ -19,4 +19,5 @@ def worker_fields(settings, device: str) -> dict:
                 redis_url=settings.redis_url, device=device, name=settings.worker_name or "",
                 lease_seconds=settings.lease_seconds, visibility_timeout=settings.visibility_timeout,
                 low_water=settings.low_water, metrics_port=settings.metrics_port,
+                fair_intake=settings.fair_intake, fair_window=settings.fair_window,
                 engine=engine_fields(settings, device))

@@ -84,6 +84,8 @@ class WorkerConfig:
     lease_seconds: float = Config.lease_seconds            # renewed every lease_seconds / 4 while running
     visibility_timeout: float = Config.visibility_timeout  # longer than the longest job
     low_water: int = Config.low_water    # offline work is pulled while fewer than this (+ free slots) wait
+    fair_intake: bool = Config.fair_intake   # take by tenant share (service/ledger/fair.py); False: FIFO
+    fair_window: float = Config.fair_window  # decay time constant of the tenants' service, seconds
     metrics_port: int | None = None      # first port tried for /metrics; None: DEFAULT_PORTS[kind], 0: none
     max_inflight: int = 512
     poll_interval: float = 0.1           # idle intake looks at its queues this often even if no doorbell rang
@@ -146,7 +148,8 @@ class Worker:
         self.streaming = Streaming(self.engine.tokenizer, token_stream.for_redis(redis_client), self.attempts,
                                    self._wake, lambda: self.engine_thread.step_at)
         self.results = Results(cfg.name, self._db, self.engine, self.attempts, self.streaming, self.counters,
-                               self.preempted, between_chunks=self._pull_between_writes)
+                               self.preempted, between_chunks=self._pull_between_writes,
+                               fair_window=cfg.fair_window if cfg.fair_intake else None)
         self.intake = Intake(cfg, self._db, self.engine, self.affinity, self.attempts, self.streaming, self.results,
                              self.counters, self.started_at)
         self._next_check = self._next_renew = self._next_beat = 0.0

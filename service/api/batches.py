@@ -2,7 +2,7 @@
 from flask import Blueprint, g, request
 from sqlalchemy import select
 
-from ..ledger import batches as ledger, bodies, quotas
+from ..ledger import batches as ledger, bodies, eta, quotas
 from ..auth import tenant_required
 from ..db import session
 from ..ledger.errors import APIError, bad_request, not_found
@@ -24,7 +24,17 @@ def batch_json(b: Batch) -> dict:
             "completed_at": ts(b.completed_at), "failed_at": ts(b.failed_at), "expired_at": ts(b.expired_at),
             "cancelling_at": ts(b.cancelling_at), "cancelled_at": ts(b.cancelled_at),
             "request_counts": ledger.request_counts(session(), b), "metadata": b.metadata_,
-            "sla_class": b.sla_class.value}
+            "sla_class": b.sla_class.value, "x_tidepool": _x_tidepool(b)}
+
+
+def _x_tidepool(b: Batch) -> dict:
+    """Tidepool's extra fields (the OpenAI SDK keeps them as extras): an in-progress batch's estimated completion
+    time (unix seconds, null until its class has a measured drain rate), its position behind its tenant's earlier
+    work, what is left of it, and whether the estimate misses its window (service/ledger/eta.py)."""
+    est = eta.estimate(session(), b)
+    if est is None:
+        return {"eta": None, "position": 0, "remaining": 0, "drain_rate": None, "share": None, "at_risk": False}
+    return est.json()
 
 
 def _own_batch(batch_id: str) -> Batch:

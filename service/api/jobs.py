@@ -8,7 +8,7 @@ from sqlalchemy.exc import IntegrityError
 
 from ..ledger import (adapters, affinity, bodies, choices, embeddings, jobs as transitions, logprobs, quotas,
                       structured, tiers)
-from ..ledger import openai_shapes
+from ..ledger import fair, openai_shapes
 from .. import admission
 from ..auth import tenant_required
 from ..db import session
@@ -132,7 +132,9 @@ def create_job():
             return replay
         raise
     prefix = affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, endpoint, checked.body)
-    if ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin, prefix=prefix):
+    fair_meta = fair.meta(g.tenant.id, g.tenant.weight, deadline, checked.estimated_tokens)
+    if ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin, prefix=prefix,
+                                     fair=fair_meta):
         job.dispatched_at = utcnow()
     log_job("job.queued", job)
     return job_json(job), 202

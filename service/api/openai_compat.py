@@ -13,7 +13,7 @@ from service.ledger import token_stream
 
 from ..ledger import (adapters, affinity, bodies, choices, embeddings, jobs as transitions, logprobs, quotas,
                       registry, structured, tiers)
-from ..ledger import openai_shapes
+from ..ledger import fair, openai_shapes
 from .. import admission
 from ..auth import tenant_required
 from ..ledger.errors import APIError, bad_request
@@ -151,7 +151,8 @@ def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, 
     sub = _hub().subscribe(job.id) if wait else None      # before dispatch, so no event can be missed
     published = ext("dispatcher").publish_one(
         job.id, ext("dispatcher").queue(sla, model.name), xmin,    # a chat's history
-        prefix=affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, checked.endpoint, checked.body))
+        prefix=affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, checked.endpoint, checked.body),
+        fair=fair.meta(g.tenant.id, g.tenant.weight, None, checked.estimated_tokens))
     if published and not wait:
         job.dispatched_at = utcnow()
     marks["publish"] = time.time()

@@ -29,6 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from . import fair
 from .models import cache_namespace
 from .openai_shapes import CHAT
 from .snapshots import HEARTBEAT_KEY
@@ -128,11 +129,12 @@ end
 
 
 def move_private(client, name: str) -> int:
-    """Hand the messages waiting in private queue `name` to its shared queue, in one atomic step."""
+    """Hand the messages waiting in private queue `name` (its list, and what the fair take sorted in) to its shared
+    queue, each in one atomic step."""
     parts = split_private(name)
     if parts is None:
         return 0
-    return int(client.eval(_MOVE, 2, name, parts[0]) or 0)
+    return int(client.eval(_MOVE, 2, name, parts[0]) or 0) + fair.move_lane(client, name, parts[0])
 
 
 def private_depths(client) -> dict[str, int]:
@@ -144,17 +146,23 @@ def private_depths(client) -> dict[str, int]:
             depth = client.llen(name) if client.type(name) in (b"list", "list") else 0
             if depth:
                 depths[name] = int(depth)
-    return depths
+    return depths     # (what the fair take sorted in from them: fair.lane_backlogs)
 
 
 def drain_dead(client) -> int:
     """Beat: move the private queues of workers without a live heartbeat to their shared queues."""
     moved = 0
     alive: dict[str, bool] = {}
+    names = set()
     for raw in client.scan_iter(match=f"*{SEP}*", count=1000):
         name = raw.decode() if isinstance(raw, bytes) else raw
+        if name.startswith(fair.PREFIX + "b:"):     # a private lane's fair backlog
+            names.add(name[len(fair.PREFIX) + 2:])
+        elif client.type(name) in (b"list", "list"):
+            names.add(name)
+    for name in sorted(names):
         parts = split_private(name)
-        if parts is None or client.type(name) not in (b"list", "list"):
+        if parts is None:
             continue
         worker = parts[1]
         if worker not in alive:

@@ -6,7 +6,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 
 from . import adapters, affinity, anthropic_shapes, bodies, choices, embeddings, logprobs, quotas, responses
-from . import openai_shapes
+from . import fair, openai_shapes
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
 
@@ -47,6 +47,7 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
     tokens = inputs = 0
     now = utcnow()
     sla = batch.sla_class.value
+    weight = s.scalar(select(Tenant.weight).where(Tenant.id == batch.tenant_id))
     with storage.open(batch.input_file_id) as fh:
         count = 0
         for lineno, raw in enumerate(fh, 1):
@@ -118,7 +119,8 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                              request=checked.body, estimated_tokens=checked.estimated_tokens, attempts=0,
                              created_at=now, queued_at=now))
             created.append((job_id, sla if route is None else route(sla, model),
-                            affinity.job_prefix_key(batch.tenant_id, cache_group, checked.endpoint, checked.body)))
+                            affinity.job_prefix_key(batch.tenant_id, cache_group, checked.endpoint, checked.body),
+                            fair.meta(batch.tenant_id, weight, batch.expires_at, checked.estimated_tokens)))
             if len(rows) >= chunk_size:
                 s.execute(insert(Job), rows)
                 rows = []
@@ -190,7 +192,10 @@ def _result_line(job: Job, model: str | None, endpoint: str) -> str:
 
 
 def _error_line(job: Job) -> str:
-    error = job.error or {"code": f"job_{job.status.value}", "message": f"The request was {job.status.value}."}
+    error = job.error or ({"code": "batch_expired", "message": "This request could not be executed before the "
+                                                                  "completion window expired."}
+                          if job.status == JobStatus.expired else
+                          {"code": f"job_{job.status.value}", "message": f"The request was {job.status.value}."})
     return json.dumps({"id": f"batch_req_{job.id}", "custom_id": job.custom_id, "response": None,
                        "error": {"code": error.get("code"), "message": error.get("message")}})
 

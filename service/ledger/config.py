@@ -145,6 +145,11 @@ class Config:
         check=PORT, shown="`9101` (gpu), `9102` (cpu)")
     low_water: int = setting("TIDEPOOL_LOW_WATER", 4, "Offline work is pulled while fewer than this many requests "
                              "(plus free slots) wait in the engine", parse=INT, check=AT_LEAST_ONE)
+    fair_intake: bool = setting("TIDEPOOL_FAIR_INTAKE", True, "Workers take each class's queued work by tenant "
+                                "share (least weighted service first, earliest deadline first within a tenant); "
+                                "`0`: oldest message first (FIFO)", parse=_bool)
+    fair_window: float = setting("TIDEPOOL_FAIR_WINDOW", 60.0, "Seconds over which a tenant's served tokens decay "
+                                 "(time constant) for the fair take", parse=FLOAT, check=POSITIVE)
     lease_seconds: float = setting("TIDEPOOL_LEASE_SECONDS", 60.0, "Job lease; renewed every quarter while running",
                                    parse=FLOAT, check=POSITIVE)
     visibility_timeout: float = setting("TIDEPOOL_VISIBILITY_TIMEOUT", 6 * 3600.0, "Seconds before an unacked "

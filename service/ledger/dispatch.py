@@ -21,9 +21,9 @@ from celery import Celery
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
-from . import affinity, doorbell
+from . import affinity, doorbell, fair as fair_queues
 from .config import Config
-from .models import SLA_CLASSES, Job, JobStatus, utcnow
+from .models import SLA_CLASSES, Batch, Job, JobStatus, Tenant, utcnow
 from .wire import make_celery, publish_task as _publish_task, task_message  # noqa: F401 (make_celery: create_app)
 
 log = logging.getLogger(__name__)
@@ -193,17 +193,18 @@ class Dispatcher:
             self.router = affinity.Router(client)
         return self.router.route(queue, prefix)
 
-    def publish_one(self, job_id: str, queue: str, xmin: str | None = None, prefix: str | None = None) -> bool:
+    def publish_one(self, job_id: str, queue: str, xmin: str | None = None, prefix: str | None = None,
+                    fair: list | None = None) -> bool:
         """Publish one job committed with the given xmin (Postgres) and record it dispatched in the
         background; True once the message is in the broker. Without an xmin or a plain Redis broker this is
         publish([(job_id, queue)]), which records dispatched_at before returning. prefix: the job's prefix
-        key, for affinity routing."""
+        key, for affinity routing; fair: its fair-intake header (fair.meta)."""
         queue = self.route(queue, prefix)
         client = self._direct_client() if xmin is not None and self.marks is not None else None
         if client is None:
-            return self.publish([(job_id, queue)]) == 1
+            return self.publish([(job_id, queue, None, fair)]) == 1
         try:
-            _lpush(client, queue, task_message(job_id, queue), ring=True)
+            _lpush(client, queue, task_message(job_id, queue, fair), ring=True)
         except Exception:  # the broker is down: the row stays undispatched and the sweeper retries
             log.exception("publishing job %s failed", job_id)
             return False
@@ -212,7 +213,7 @@ class Dispatcher:
         return True
 
     def publish(self, jobs: list[tuple]) -> int:
-        """Publish (job_id, queue) pairs, or (job_id, queue, prefix key) triples (routed by prefix), in chunks
+        """Publish (job_id, queue[, prefix key[, fair header]]) tuples (routed by prefix key), in chunks
         over one producer connection and mark each chunk dispatched once it reached the broker. Returns how many were published; a broker
         failure is logged and leaves the rest undispatched for the sweeper."""
         sent = 0
@@ -221,8 +222,9 @@ class Dispatcher:
                 for i in range(0, len(jobs), self.chunk_size):
                     chunk = jobs[i:i + self.chunk_size]
                     with producer.batch(max_size=self.chunk_size):
-                        for job_id, queue, *prefix in chunk:
-                            _publish_task(producer, job_id, self.route(queue, prefix[0] if prefix else None))
+                        for job_id, queue, *extra in chunk:
+                            _publish_task(producer, job_id, self.route(queue, extra[0] if extra else None),
+                                          extra[1] if len(extra) > 1 else None)
                     self._ring()
                     self._mark([job[0] for job in chunk])
                     sent += len(chunk)
@@ -251,10 +253,15 @@ class Dispatcher:
         """Sweeper hook: queued jobs committed more than `older_than` seconds ago and never published."""
         cutoff = utcnow() - timedelta(seconds=older_than)
         with self.engine.connect() as conn:
-            rows = conn.execute(select(Job.id, Job.sla_class, Job.model).where(
-                Job.status == JobStatus.queued, Job.dispatched_at.is_(None), Job.queued_at <= cutoff)
+            rows = conn.execute(
+                select(Job.id, Job.sla_class, Job.model, Job.tenant_id, Tenant.weight, Job.deadline,
+                       Batch.expires_at, Job.estimated_tokens)
+                .join(Tenant, Tenant.id == Job.tenant_id).outerjoin(Batch, Batch.id == Job.batch_id)
+                .where(Job.status == JobStatus.queued, Job.dispatched_at.is_(None), Job.queued_at <= cutoff)
                 .order_by(Job.id).limit(limit)).all()
-        return self.publish([(job_id, self.queue(sla.value, model)) for job_id, sla, model in rows])
+        return self.publish([(job_id, self.queue(sla.value, model), None,
+                              fair_queues.meta(tenant, weight, deadline or expires, tokens))
+                             for job_id, sla, model, tenant, weight, deadline, expires, tokens in rows])
 
     def model_depths(self, models) -> list[dict]:
         """Messages waiting per (model, SLA class) for the given registry model names."""
@@ -276,7 +283,22 @@ class Dispatcher:
             shared = affinity.split_private(name)[0]
             if shared in depths:
                 depths[shared] += depth
+        for lane, tenants in self.fair_backlogs().items():     # sorted in by the fair take (fair.py)
+            parts = affinity.split_private(lane)
+            shared = lane if parts is None else parts[0]
+            if shared in depths:
+                depths[shared] += sum(tenants.values())
         return dict(depths)
+
+    def fair_backlogs(self) -> dict[str, dict[str, int]]:
+        """lane -> {tenant: jobs waiting} of what the fair take sorted in; {} without a plain Redis broker."""
+        client = self._direct_client()
+        if client is None:
+            return {}
+        try:
+            return fair_queues.lane_backlogs(client)
+        except Exception:     # the broker is down: the shared depths say so already
+            return {}
 
     def private_depths(self) -> dict[str, int]:
         """Messages waiting in each worker's private queue (affinity routing); {} without a plain Redis broker."""

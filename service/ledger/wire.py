@@ -2,7 +2,8 @@
 (workers/worker.py, workers/broker.py) and beat (workers/celery_app.py, workers/beat.py). Flask- and torch-free.
 
 An inference message is a Celery protocol-2 message for the task TASK with one argument, the job id:
-body `([job_id], {}, embed)`, JSON. Consumers take the broker's transport options from transport_options().
+body `([job_id], {}, embed)`, JSON; header `fair` (service/ledger/fair.py meta) names its tenant, weight, deadline
+and estimated tokens for the broker's fair take. Consumers take the broker's transport options from transport_options().
 """
 import base64
 import os
@@ -35,30 +36,31 @@ def transport_options(visibility_timeout: float) -> dict:
     return {"visibility_timeout": visibility_timeout, "queue_order_strategy": "priority"}
 
 
-def _headers(task_id: str, job_id: str) -> dict:
-    return {"lang": "py", "task": TASK, "id": task_id, "shadow": None, "eta": None, "expires": None,
+def _headers(task_id: str, job_id: str, fair: list | None = None) -> dict:
+    extra = {} if fair is None else {"fair": fair}   # service/ledger/fair.py: who it is for, its deadline
+    return {**extra, "lang": "py", "task": TASK, "id": task_id, "shadow": None, "eta": None, "expires": None,
             "group": None, "group_index": None, "retries": 0, "timelimit": [None, None],
             "root_id": task_id, "parent_id": None, "argsrepr": repr([job_id]), "kwargsrepr": "{}",
             "origin": _ORIGIN, "ignore_result": False}
 
 
-def publish_task(producer, job_id: str, queue: str) -> None:
+def publish_task(producer, job_id: str, queue: str, fair: list | None = None) -> None:
     """One message for `tidepool.run_job(job_id)`, routed straight to `queue`. Equivalent to
     `celery.send_task(TASK, args=[job_id], queue=queue)` at a fraction of the cost, which matters when a
     50,000-line batch is dispatched."""
     task_id = str(uuid.uuid4())
     producer.publish(([job_id], {}, _EMBED), exchange="", routing_key=queue, serializer="json",
-                     headers=_headers(task_id, job_id), correlation_id=task_id, reply_to="", retry=False,
+                     headers=_headers(task_id, job_id, fair), correlation_id=task_id, reply_to="", retry=False,
                      delivery_mode=2)
 
 
-def task_message(job_id: str, queue: str) -> str:
+def task_message(job_id: str, queue: str, fair: list | None = None) -> str:
     """The exact Redis list entry kombu's Redis transport writes for publish_task(producer, job_id, queue)
     (tests/service compare the two field by field), built without a producer, a channel or a client."""
     task_id = str(uuid.uuid4())
     body = base64.b64encode(kombu_dumps(([job_id], {}, _EMBED)).encode()).decode()
     return kombu_dumps({"body": body, "content-encoding": "utf-8", "content-type": "application/json",
-                        "headers": _headers(task_id, job_id),
+                        "headers": _headers(task_id, job_id, fair),
                         "properties": {"correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
                                        "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0,
                                        "body_encoding": "base64", "delivery_tag": str(uuid.uuid4())}})

@@ -7,7 +7,7 @@ from flask import abort, flash, redirect, render_template, request, send_file, s
 from sqlalchemy import func, select
 from werkzeug.exceptions import HTTPException
 
-from ..ledger import batches as ledger, embeddings, jobs as transitions, tenants
+from ..ledger import batches as ledger, embeddings, eta, jobs as transitions, tenants
 from ..api import cfg, ext
 from ..db import session as db
 from ..ledger.errors import APIError
@@ -391,8 +391,10 @@ def batches_page():
     rows = db().scalars(stmt.order_by(Batch.id.desc()).limit(limit + 1)).all()
     s = db()
     counts = {b.id: ledger.request_counts(s, b) for b in rows[:limit]}
+    estimates = {b.id: eta.estimate(s, b) for b in rows[:limit]}
     query = {k: v for k, v in args.items() if k != "cursor" and v}
     return render_template("batches.html", batches=rows[:limit], counts=counts, names=_tenant_names(), args=args,
+                           estimates=estimates,
                            statuses=list(BatchStatus.__members__), query=query,
                            next_cursor=rows[limit - 1].id if len(rows) > limit else None)
 
@@ -414,6 +416,7 @@ def batch_page(batch_id):
     files = {f.id: f for f in s.scalars(select(File).where(File.id.in_(
         [x for x in (b.input_file_id, b.output_file_id, b.error_file_id) if x])))}
     return render_template("batch.html", b=b, counts=counts, by_status={k.value: v for k, v in by_status.items()},
+                           est=eta.estimate(s, b),
                            files=files, tenant=s.get(Tenant, b.tenant_id),
                            cancellable=b.status in (BatchStatus.validating, BatchStatus.in_progress))
 

@@ -80,5 +80,5 @@ def test_expired_batch_finalizes_as_expired(embedded_app):
     done = client.get(f"/v1/batches/{b['id']}", headers=key).get_json()
     assert done["status"] == "expired" and done["output_file_id"] is None and done["error_file_id"]
     errors = client.get(f"/v1/files/{done['error_file_id']}/content", headers=key).data.decode().splitlines()
-    assert json.loads(errors[0])["error"]["code"] == "job_expired"
+    assert json.loads(errors[0])["error"]["code"] == "batch_expired"    # as OpenAI reports it
     assert done["request_counts"] == {"total": 1, "completed": 0, "failed": 1}

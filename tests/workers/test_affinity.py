@@ -6,6 +6,7 @@ import json
 import signal
 import time
 
+from service.ledger import fair
 from service.ledger.affinity import job_prefix_key, private_queue
 from service.ledger.models import Job, JobStatus
 
@@ -59,7 +60,7 @@ def test_a_killed_workers_private_queue_is_drained_and_every_job_completes_once(
     b = client.post("/v1/batches", headers=headers, json={"input_file_id": f["id"], "endpoint": "/v1/completions",
                                                           "completion_window": "24h"}).get_json()
     assert b["status"] == "in_progress", b
-    depths = {n: st.redis.llen(private_queue("batch", n)) for n in names}
+    depths = {n: fair.lane_depth(st.redis, private_queue("batch", n)) for n in names}
     assert sum(depths.values()) >= groups * per - 4 and all(depths.values()), depths   # routed, not shared
 
     victim = names[0]
@@ -67,13 +68,13 @@ def test_a_killed_workers_private_queue_is_drained_and_every_job_completes_once(
             every=0.02)
     procs[victim].send_signal(signal.SIGKILL)
     procs[victim].wait()
-    left = st.redis.llen(private_queue("batch", victim))
+    left = fair.lane_depth(st.redis, private_queue("batch", victim))
     assert left > 0, "the victim's private queue was empty at the kill: nothing to drain"
     time.sleep(0.5)
     held = {j.id for j in st.jobs(Job.worker == victim, Job.status == JobStatus.running)}
     st.wait(lambda: st.count(Job.batch_id == b["id"], Job.status == JobStatus.completed) == groups * per, 150,
             "the whole batch done", every=0.25)
-    assert st.redis.llen(private_queue("batch", victim)) == 0        # moved to the shared queue by beat
+    assert fair.lane_depth(st.redis, private_queue("batch", victim)) == 0        # moved to the shared queue by beat
     states = ledger_check(st.engine, {j.id for j in st.jobs()})
     assert states["completed"] == groups * per, states
     again = {j.id for j in st.jobs(Job.attempts != 1)}

@@ -6,6 +6,7 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
+from service.ledger import fair
 from service.ledger.models import Job, JobStatus, Tenant, Usage
 from workers import beat
 
@@ -151,18 +152,19 @@ def test_redis_restart_mid_run_loses_no_accepted_job(pg_url, tiny_model, tmp_pat
     st = Stack(pg_url, tiny_model, tmp_path, redis_url=private_redis.url)
     try:
         tenant_id, key = st.tenant()
+        other_id, other_key = st.tenant()             # two tenants: the fair take sorts them apart
         beat.sweep(st.app)                            # broker epoch recorded
         st.worker("restart-1", TIDEPOOL_MAX_NUM_SEQS=4, TIDEPOOL_LOW_WATER=1)
         # 24 jobs for 4 seats: several waves must still wait in the broker when the first completion is seen,
         # even when the tiny model finishes waves between two polls (12 x 40 tokens left none once, on a fast CPU)
-        ids = st.submit(key, 24, sla_class="batch", **{**LONG, "max_tokens": 100})
+        ids = [j for k in (key, other_key) for j in st.submit(k, 12, sla_class="batch", **{**LONG, "max_tokens": 100})]
         st.wait(lambda: st.count(Job.status == JobStatus.completed) >= 1, 60, "first completion")
-        assert st.redis.llen("batch") > 0             # offline work still waits in the broker
+        assert fair.lane_depth(st.redis, "batch") > 0             # offline work still waits in the broker
         private_redis.restart()                       # no persistence: every queued message is gone
-        assert st.redis.llen("batch") == 0
+        assert fair.lane_depth(st.redis, "batch") == 0
         _sweep_until(st, lambda: _all_completed(st, ids), 120)
         assert all(j.attempts == 1 for j in st.jobs(Job.id.in_(ids)))
-        assert _usage(st, tenant_id).requests == 24
+        assert _usage(st, tenant_id).requests == _usage(st, other_id).requests == 12
     finally:
         st.close()
 

@@ -5,6 +5,7 @@ import threading
 
 import openai
 
+from service.ledger import fair
 from service.ledger.models import Job, JobStatus, SlaClass
 
 OFFLINE = 20
@@ -32,7 +33,7 @@ def test_realtime_jumps_offline_backlog_and_preempts_it(stack):
     sampler.start()
     st.wait(lambda: st.count(Job.sla_class == SlaClass.batch, Job.status == JobStatus.running) >= MAX_SEQS,
             30, "offline saturating the worker", every=0.02)
-    backlog = st.redis.llen("batch")
+    backlog = fair.lane_depth(st.redis, "batch")
     assert backlog > 0                      # unstarted offline work stays in the broker
 
     oa = openai.OpenAI(base_url=f"{st.url}/v1", api_key=key, max_retries=0, timeout=60)
