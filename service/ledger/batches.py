@@ -158,13 +158,19 @@ def cancel(s: Session, batch: Batch) -> None:
     """in_progress → cancelling: queued and running jobs are cancelled now; a worker running one finds
     its lease gone and aborts the sequence."""
     now = utcnow()
+    # The jobs first, the tenant row last: the order a worker's claim and completion lock them in (job, then
+    # tenant). Taking the tenant between the two job updates deadlocked with a claim in flight.
+    counts, reserved = {}, 0
     for status, counter in ((JobStatus.queued, Tenant.queued_count), (JobStatus.running, Tenant.running_count)):
         tokens = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == status)
                            .values(status=JobStatus.cancelled, finished_at=now, lease_token=None,
                                    lease_expires_at=None).returning(Job.estimated_tokens)).scalars().all()
         if tokens:
-            s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values(
-                {counter: counter - len(tokens), Tenant.budget_reserved: Tenant.budget_reserved - sum(tokens)}))
+            counts[counter] = counter - len(tokens)
+            reserved += sum(tokens)
+    if counts:
+        s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values(
+            {**counts, Tenant.budget_reserved: Tenant.budget_reserved - reserved}))
     batch.status, batch.cancelling_at = BatchStatus.cancelling, now
 
 

@@ -70,8 +70,11 @@ def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300, toke
     """queued → running, unless the tenant already runs max_running jobs (then nothing changes)
     or the job is past its deadline (then it expires). token: the lease token to use (default: a new one);
     at: when the attempt entered the engine, if it did before this claim (default: now)."""
+    # The job row is locked before the tenant's counters, the order every other transition (and a batch's
+    # cancel) takes them in; tenant-then-job deadlocked with a batch cancel on Postgres.
     row = s.execute(select(Job.tenant_id, Job.deadline, Quota.max_running)
-                    .join(Quota, Quota.tenant_id == Job.tenant_id).where(Job.id == job_id, Job.status == Q)).first()
+                    .join(Quota, Quota.tenant_id == Job.tenant_id).where(Job.id == job_id, Job.status == Q)
+                    .with_for_update(of=Job)).first()
     if row is None:
         return Started(None, "not_queued")
     tenant_id, deadline, max_running = row
