@@ -292,21 +292,18 @@ class Dispatcher:
 
     def fair_backlogs(self) -> dict[str, dict[str, int]]:
         """lane -> {tenant: jobs waiting} of what the fair take sorted in; {} without a plain Redis broker."""
-        client = self._direct_client()
-        if client is None:
-            return {}
-        try:
-            return fair_queues.lane_backlogs(client)
-        except Exception:     # the broker is down: the shared depths say so already
-            return {}
+        return self._direct_read(fair_queues.lane_backlogs)
 
     def private_depths(self) -> dict[str, int]:
         """Messages waiting in each worker's private queue (affinity routing); {} without a plain Redis broker."""
+        return self._direct_read(affinity.private_depths)
+
+    def _direct_read(self, read) -> dict:
         client = self._direct_client()
         if client is None:
             return {}
         try:
-            return affinity.private_depths(client)
+            return read(client)
         except Exception:     # the broker is down: the shared depths say so already
             return {}
 
