@@ -14,7 +14,7 @@ from workers.engine.drafters import NgramDrafter
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.config import SpeculativeConfig
-from workers.engine.spec_decode import Speculator
+from workers.engine.spec_decode import RETRY_EVERY, Speculator
 
 FORCED = {"method": "ngram", "num_tokens": 4, "adaptive": False}     # every eligible decode drafts
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -331,3 +331,22 @@ def test_draft_model_must_share_the_tokenizer(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         LLMEngine(EngineConfig(model=tiny_model_dir("llama-gqa"),
                                speculative={"method": "draft", "draft_model": str(other)}))
+
+
+def test_an_offline_sequence_whose_drafts_missed_is_probed_and_drafts_again_once_they_hit():
+    """Offline drafts pass a throughput test judged by the sequence's acceptance; a probe must not be, or one
+    early miss (a copy not begun yet) ends drafting for the rest of the sequence."""
+    cpu = CostModel(fixed=0.040, per_token=0.0003, per_context=1e-7)
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4))
+    sched = _scheduler()
+    seq = _running(sched, 1, "batch")[0]
+    spec.record(seq, 4, 0)                                      # the first draft missed: acceptance 0
+    drafted = []
+    for _ in range(2 * RETRY_EVERY):
+        seq.draft_token_ids = []
+        drafted.append(len(seq.draft_token_ids) if spec.propose(sched, cpu, 4096) == [seq] and
+                       (seq.draft_token_ids or None) else 0)
+    assert drafted.count(1) == 2 and drafted.count(0) == 2 * RETRY_EVERY - 2     # a probe every RETRY_EVERY steps
+    spec.record(seq, 1, 1)                                      # the probe hit: the copy has begun
+    seq.draft_token_ids = []
+    assert spec.propose(sched, cpu, 4096) == [seq] and len(seq.draft_token_ids) > 1

@@ -63,6 +63,7 @@ class Speculator:
         self.drafter = drafter or (NgramDrafter(config.min_n, config.max_n) if config.method == "ngram" else None)
         self.tallies: dict[str, _Tally] = {c: _Tally() for c in SLA_CLASSES}
         self._seq: dict[tuple[str, int], list[float]] = {}    # (request, index) -> [accepted, tried, idle steps]
+        self._probes: set[tuple[str, int]] = set()    # sequences whose k this step is a probe (choose_k)
 
     # -- policy -------------------------------------------------------------------------------------
     def acceptance(self, seq: Sequence) -> float:
@@ -88,11 +89,14 @@ class Speculator:
             rate = expected_tokens(a, k) / max(step_s + extra, 1e-9)
             if rate > best_rate:
                 best, best_rate = k, rate
+        key = (seq.request_id, seq.index)
+        self._probes.discard(key)
         if best == 0:
-            state = self._seq.setdefault((seq.request_id, seq.index), [0.0, 0.0, 0])
+            state = self._seq.setdefault(key, [0.0, 0.0, 0])
             state[2] += 1
             if state[2] % RETRY_EVERY == 0:
                 best = 1         # keep measuring: acceptance changes as the text does
+                self._probes.add(key)
         return best
 
     def propose(self, scheduler, cost, max_model_len: int) -> list[Sequence]:
@@ -128,15 +132,20 @@ class Speculator:
         return chosen
 
     def _worth_it(self, picked, batch_tokens: int, step_s: float, cost):
-        """Offline drafts, best first, while each adds expected tokens faster than the batch makes them."""
-        scored = []
+        """Offline drafts, best first, while each adds expected tokens faster than the batch makes them. A probe
+        goes in regardless: judged by the acceptance it is there to re-measure, it would never run, and a
+        sequence whose first draft missed (a copy not begun yet) would never draft again."""
+        scored, out = [], []
         for seq, draft in picked:
+            if (seq.request_id, seq.index) in self._probes:
+                out.append((seq, draft))
+                continue
             k = len(draft)
             extra = cost.per_token * k + cost.per_context * k * (seq.num_tokens + k / 2)
             gain = expected_tokens(self.acceptance(seq), k) - 1
             scored.append((gain / max(extra, 1e-12), seq, draft, gain, extra))
         scored.sort(key=lambda x: -x[0])
-        tokens, seconds, out = float(batch_tokens), step_s, []
+        tokens, seconds = float(batch_tokens), step_s
         for _, seq, draft, gain, extra in scored:
             if (tokens + gain) / (seconds + extra) <= tokens / max(seconds, 1e-12):
                 break
@@ -157,6 +166,7 @@ class Speculator:
 
     def forget(self, seq: Sequence) -> None:
         self._seq.pop((seq.request_id, seq.index), None)
+        self._probes.discard((seq.request_id, seq.index))
         if self.drafter is not None:
             self.drafter.forget(seq)
 
