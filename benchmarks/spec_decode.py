@@ -129,6 +129,7 @@ def part_two(args) -> dict:
                            offline_tokens=args.offline_tokens,
                            rt_rate=args.rt_rate, rt_tokens=args.rt_tokens, rt_duration=None, max_num_seqs=64,
                            low_water=8, rt_ttft_ms=None, rt_itl_ms=None, steps_out=None,
+                           offline_floor=args.offline_floor,
                            rt_body=lambda i: {"messages": grounded_messages(i, seed=1)})
     out = {}
     for mode in ("off", args.speculative):
@@ -158,6 +159,7 @@ def main():
     p.add_argument("--offline-tokens", type=int, default=64)
     p.add_argument("--rt-rate", type=float, default=2.0)
     p.add_argument("--rt-tokens", type=int, default=48)
+    p.add_argument("--offline-floor", type=float, default=None, help="(2): offline floor share (hybrid_sla.py's)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.model is None:
