@@ -133,16 +133,14 @@ class Speculator:
 
     def _worth_it(self, picked, batch_tokens: int, step_s: float, cost):
         """Offline drafts, best first, while each adds expected tokens faster than the batch makes them. A probe
-        goes in regardless: judged by the acceptance it is there to re-measure, it would never run, and a
+        is judged at the prior acceptance: by the acceptance it is there to re-measure it would never run, and a
         sequence whose first draft missed (a copy not begun yet) would never draft again."""
         scored, out = [], []
         for seq, draft in picked:
-            if (seq.request_id, seq.index) in self._probes:
-                out.append((seq, draft))
-                continue
             k = len(draft)
             extra = cost.per_token * k + cost.per_context * k * (seq.num_tokens + k / 2)
-            gain = expected_tokens(self.acceptance(seq), k) - 1
+            probe = (seq.request_id, seq.index) in self._probes
+            gain = expected_tokens(PRIOR_ACCEPTANCE if probe else self.acceptance(seq), k) - 1
             scored.append((gain / max(extra, 1e-12), seq, draft, gain, extra))
         scored.sort(key=lambda x: -x[0])
         tokens, seconds = float(batch_tokens), step_s
