@@ -12,6 +12,7 @@ With fair intake on (TIDEPOOL_FAIR_INTAKE, the default) the script is service/le
 unacked record, but the message is the earliest job of the backlogged tenant with the least weighted service,
 not the oldest message of the list.
 """
+import json
 import time
 
 from service.ledger import fair as fair_queues
@@ -55,14 +56,17 @@ def _redis_channel(channel) -> bool:
 
 
 def take(queues, accept: list[str], owner: str = "", fair: tuple[str, float] | None = None,
-         limit: int = 1000):
+         limit: int = 1000, exclude=None):
     """Like `queue.get(no_ack=False, accept=accept)` over `queues` (bound kombu Queues, or one; the lanes of one
     class, in order): the next message, or None. owner (JSON [worker name, started_at]) is recorded with the
     unacked message on Redis. fair: (the class's shared queue, decay window in seconds) for the fair pick; None:
-    the first lane's oldest message first. limit: most messages sorted in per take (fair)."""
+    the first lane's oldest message first. limit: most messages sorted in per take (fair). exclude: tenants the
+    fair pick passes over (None: none); given, only a fair take on Redis can honour it, so other takes give None."""
     if not isinstance(queues, (list, tuple)):
         queues = [queues]
     channel = queues[0].channel
+    if exclude is not None and (fair is None or not _redis_channel(channel)):
+        return None
     if not _redis_channel(channel):
         for queue in queues:
             message = queue.get(no_ack=False, accept=accept)
@@ -79,7 +83,7 @@ def take(queues, accept: list[str], owner: str = "", fair: tuple[str, float] | N
             raw = client.eval(fair_queues.TAKE, len(keys) + 7, *keys, channel.unacked_key,
                               channel.unacked_index_key, OWNERS_KEY, *fair_queues.service_keys(fair[0]),
                               fair_queues.WEIGHTS_KEY, fair_queues.SEQ_KEY, time.time(), owner, fair[1], limit,
-                              len(steps), *(queue.name for queue in queues))
+                              len(steps), json.dumps(sorted(exclude or ())), *(queue.name for queue in queues))
     if raw is None:
         return None
     message = channel.Message(loads(bytes_to_str(raw)), channel=channel)

@@ -6,6 +6,7 @@ import json
 import logging
 import secrets
 import time
+from collections import Counter
 from functools import partial
 
 from kombu import Connection, Queue
@@ -71,6 +72,22 @@ class Intake:
         free_slots = stats["offline_seats_free"] if stats["offline_blocks_free"] else 0
         return stats["waiting"] < self.cfg.low_water + free_slots
 
+    def _over_share(self, sla_class: str) -> list[str] | None:
+        """With no spare capacity: the tenants an over-take of `sla_class` work must pass over, those holding at
+        least an even split of the offline seats among this class's tenants here (two at least); None when no tenant
+        holds more than that (no seat the engine could hand over: see the scheduler's `_seat`), so nothing is
+        over-taken. A tenant whose flood filled the seats before another's jobs arrived thus gives up seats to
+        them now, not when its running jobs finish."""
+        counts = Counter(inf.tenant for inf in self.attempts.values() if inf.sla_class == sla_class)
+        try:
+            seats = self.engine.stats()["offline_seats"]
+        except Exception:  # read racing the engine thread: try again next pass
+            return None
+        share = max(1, seats // max(2, len(counts)))
+        if not any(n > share for n in counts.values()):
+            return None
+        return [t for t, n in counts.items() if n >= share]
+
     def pull(self, online_only: bool = False) -> bool:
         """One pass over the queues: take and claim what there is room for; True if anything was taken.
         online_only: the online queues alone (between two chunks of result writes, see workers/results.py)."""
@@ -81,7 +98,7 @@ class Intake:
             held, self.attempts.held = self.attempts.held, []
             for name, message in held:
                 self._accept(name, message)
-        for name in self.cfg.queues:
+        for sla_class, name in zip(self.cfg.classes, self.cfg.queues):
             online = name in self.cfg.online_queues
             if online_only and not online:
                 continue
@@ -89,10 +106,15 @@ class Intake:
             lanes = [self.queues[lane] for lane in self.affinity.lanes(name)]
             fair = (name, self.cfg.fair_window) if self.cfg.fair_intake else None
             while len(self.attempts) < self.cfg.max_inflight:
+                exclude = None
                 if not online and not self._has_room():
-                    return got       # no spare capacity: leave offline work in the broker
-                message = take(lanes, accept=["json"], owner=self.owner, fair=fair)
+                    exclude = self._over_share(sla_class) if fair is not None else None
+                    if exclude is None:
+                        return got   # no spare capacity: leave offline work in the broker
+                message = take(lanes, accept=["json"], owner=self.owner, fair=fair, exclude=exclude)
                 if message is None:
+                    if exclude is not None:
+                        return got
                     break
                 got = True
                 self._accept(name, message, taken_at=time.time())

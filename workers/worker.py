@@ -104,8 +104,13 @@ class WorkerConfig:
         self.name = self.name or f"{role(self.kind, self.device)}-{socket.gethostname()}-{os.getpid()}"
 
     @property
+    def classes(self) -> tuple[str, ...]:
+        """The SLA classes this worker serves, in the order of `queues`."""
+        return tuple(QUEUES[self.kind])
+
+    @property
     def queues(self) -> tuple[str, ...]:
-        return tuple(queue_name(c, self.serves) for c in QUEUES[self.kind])
+        return tuple(queue_name(c, self.serves) for c in self.classes)
 
     @property
     def online_queues(self) -> frozenset[str]:

@@ -66,15 +66,18 @@ end
 
 # KEYS: for each lane its lists (kombu's priority lists, ARGV[5] of them), then unacked, unacked_index, owners,
 # service, service stamps, weights, sequence. ARGV: now, owner ('' for none), decay time constant, most messages to
-# sort in, lists per lane, then the lanes' names in order (a worker's private lane first).
+# sort in, lists per lane, a JSON list of tenants not to pick (a worker's over-take for tenants under their share of
+# its seats: workers/intake.py), then the lanes' names in order (a worker's private lane first).
 TAKE = _COMMON + """
 local owner, limit, p = ARGV[2], tonumber(ARGV[4]), tonumber(ARGV[5])
-local nl = #ARGV - 5
+local nl = #ARGV - 6
 local base = nl * p
+local excluded = {}
+for _, t in ipairs(cjson.decode(ARGV[6])) do excluded[t] = true end
 local SKEY, TKEY, WKEY, QKEY = KEYS[base + 4], KEYS[base + 5], KEYS[base + 6], KEYS[base + 7]
 local lanes, backlog = {}, {}
 for j = 1, nl do
-  lanes[j] = ARGV[5 + j]
+  lanes[j] = ARGV[6 + j]
   backlog[j] = 'tidepool:fair:b:' .. lanes[j]
 end
 local function backlogged_elsewhere(t, j)
@@ -136,7 +139,7 @@ local function head(t)
 end
 for j = 1, nl do
   for _, t in ipairs(redis.call('SMEMBERS', backlog[j])) do
-    if not seen[t] then
+    if not seen[t] and not excluded[t] then
       seen[t] = true
       local v = decayed(SKEY, TKEY, t) / weight(t)
       if best == nil or v < bestv - 1e-9 then

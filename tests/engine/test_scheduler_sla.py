@@ -31,9 +31,10 @@ class Sim:
                                clock=lambda: self.now)
         self.n = 0
 
-    def add(self, prompt_len, max_tokens, sla_class="batch"):
+    def add(self, prompt_len, max_tokens, sla_class="batch", tenant="default", weight=1.0):
         self.n += 1
-        seq = Sequence(f"s{self.n}", [7] * prompt_len, SamplingParams(max_tokens=max_tokens), sla_class=sla_class)
+        seq = Sequence(f"s{self.n}", [7] * prompt_len, SamplingParams(max_tokens=max_tokens), sla_class=sla_class,
+                       tenant=tenant, weight=weight)
         seq.arrival_time = self.now
         self.sched.add(seq)
         return seq
@@ -193,6 +194,56 @@ def test_suspended_sequence_keeps_its_blocks_and_resumes_without_recompute():
     assert victim.block_table[:len(table)] == table
     assert batch.num_new_tokens[batch.seqs.index(victim)] == 1         # a decode, not a prefill again
     assert sim.sched.recomputed_tokens == 0
+
+
+def _seats(sim, sla_class="batch"):
+    return Counter(s.tenant for s in sim.sched.running if s.sla_class == sla_class)
+
+
+def test_a_tenant_that_filled_the_seats_hands_them_over_one_a_step_until_shares_are_even():
+    sim = Sim(max_num_seqs=8)
+    flood = [sim.add(8, 200, tenant="a") for _ in range(12)]
+    for _ in range(3):
+        sim.step()
+    assert _seats(sim) == {"a": 8}
+    late = [sim.add(8, 200, tenant="b") for _ in range(6)]
+    history = []
+    for _ in range(8):
+        batch = sim.step()
+        assert len(batch.preempted) <= 1                       # one seat a step
+        assert all(p.tenant == "a" and p.status == SequenceStatus.SUSPENDED for p in batch.preempted)
+        history.append(_seats(sim))
+    # b starts level with a (a newcomer banks nothing); once a has been served more, one seat a step moves
+    assert history[0] == {"a": 8} and history[1] == {"a": 7, "b": 1}
+    assert history[-1] == {"a": 4, "b": 4} == history[4]       # even, then stable: no seat flips back
+    suspended = [s for s in flood if s.status == SequenceStatus.SUSPENDED]
+    assert len(suspended) == 4 and all(s.block_table for s in suspended)   # they keep their blocks
+    assert sim.sched.recomputed_tokens == 0
+    assert all(s.status == SequenceStatus.WAITING for s in late if s not in sim.sched.running)
+
+
+def test_seats_are_handed_over_by_weight_and_never_for_online_work_or_under_no_evict():
+    sim = Sim(max_num_seqs=6)
+    [sim.add(8, 200, tenant="a") for _ in range(8)]
+    sim.step()
+    [sim.add(8, 200, tenant="b", weight=2.0) for _ in range(8)]
+    for _ in range(8):
+        sim.step()
+    assert _seats(sim) == {"a": 2, "b": 4}                     # 1:2
+    # a realtime stream of another tenant takes a seat of the lowest class, as before, but no
+    # same-class fairness applies to online work
+    rt = Sim(max_num_seqs=2, reserve_seats=0)
+    [rt.add(4, 100, "realtime", tenant="a") for _ in range(2)]
+    rt.step()
+    rt.add(4, 100, "realtime", tenant="b")
+    for _ in range(3):
+        assert not rt.step().preempted
+    assert _seats(rt, "realtime") == {"a": 2}
+    frozen = Sim(max_num_seqs=4, policy="no_evict")
+    [frozen.add(4, 20, tenant="a") for _ in range(4)]
+    frozen.step()
+    frozen.add(4, 20, tenant="b")
+    assert not frozen.step().preempted and _seats(frozen) == {"a": 4}
 
 
 def test_memory_pressure_swaps_the_lowest_class_and_swaps_it_back_before_it_resumes():

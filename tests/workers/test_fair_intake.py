@@ -4,6 +4,7 @@ tenant, private lanes handed back whole, the FIFO fallback, and exactly-once und
 tenants (the Redis restart is tests/workers/test_faults.py's, which runs the fair take too)."""
 import signal
 import time
+from collections import Counter
 from datetime import datetime, timezone
 
 import pytest
@@ -175,6 +176,20 @@ def test_a_private_lane_is_taken_with_its_shared_queue_and_handed_back_whole(cha
     assert {"job-a-p2", "job-c-p0", "job-c-p1"} <= rest and _take(channel) is None
 
 
+def test_an_over_take_passes_over_the_excluded_tenants_and_needs_the_fair_take(channel):
+    r = channel.client
+    _push(r, "a", 3)
+    _push(r, "b", 2)
+    lanes = [_lane(channel)]
+    picked = []
+    for _ in range(3):
+        message = broker.take(lanes, accept=["json"], fair=(Q, NO_DECAY), exclude=["a"])
+        picked.append(None if message is None else _tenant(message_job_id(message)))
+    assert picked == ["b", "b", None]
+    assert broker.take(lanes, accept=["json"], fair=None, exclude=["b"]) is None     # FIFO cannot pick by tenant
+    assert _take(channel) == "job-a-0"                                                # a is still all there
+
+
 def test_take_latency_with_1000_jobs_over_100_tenants(channel):
     r = channel.client
     for t in range(100):
@@ -229,5 +244,31 @@ def test_max_running_still_holds_and_a_throttled_take_is_given_back(stack):
         # only the running job's estimate stays charged: the throttled takes were given back
         served, weight = fair.services(st.redis, "interactive", 60.0)[tenant_id]
         assert abs(served - running.estimated_tokens) < 0.5 and weight == 1.0
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("fair_intake", [True, False])
+def test_a_full_worker_over_takes_a_late_tenants_offline_job_up_to_its_share(stack, fair_intake):
+    """The engine's seats are all A's when B's batch jobs arrive: a fair worker takes B's jobs anyway, as many as
+    an even split of the seats gives B (the engine then hands A's seats over); a FIFO one leaves them queued."""
+    st = stack
+    (_, key_a), (_, key_b) = st.tenant(), st.tenant()
+    a = st.submit(key_a, 12, sla_class="batch", prompt="flood", max_tokens=64)
+    w = Worker(WorkerConfig(model=st.model, database_url=st.db_url, broker_url=st.redis_url, redis_url=st.redis_url,
+                            device="cpu", name="full", lease_seconds=30, low_water=1, fair_intake=fair_intake,
+                            engine={"max_num_seqs": 8}))
+    w.connect()
+    try:
+        for _ in range(10):
+            w.pull()
+        held_a = len(w.inflight)
+        assert 0 < held_a < len(a)                  # room: the seats and the low-water reserve
+        b = st.submit(key_b, 6, sla_class="batch", prompt="late", max_tokens=64)
+        for _ in range(10):
+            w.pull()
+        held = Counter(inf.job_id in b for inf in w.inflight.values())
+        assert held[False] == held_a
+        assert held[True] == (w.engine.stats()["offline_seats"] // 2 if fair_intake else 0)
     finally:
         w.close()

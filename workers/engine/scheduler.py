@@ -1,7 +1,9 @@
 """Iteration-level scheduling: which sequences run this step, and how many tokens each computes.
 
-Order: SLA class, then (within a class) running, then displaced (suspended or swapped), then waiting by
-tenant fair share (tokens served divided by tenant weight) and arrival. A step holds at most max_num_seqs
+Order: SLA class, then (within a class) running, then the others by tenant fair share (tokens served divided by
+tenant weight): a tenant's displaced (suspended or swapped) before its waiting, each by arrival. An offline
+sequence whose tenant holds less than its weighted share of its class's seats may take one from a tenant that
+holds more (suspended, it keeps its blocks), so a flood that filled the seats first does not keep them. A step holds at most max_num_seqs
 sequences and max_num_batched_tokens tokens; a prompt that doesn't fit is prefilled in chunks.
 
 The step policy while online work (realtime, interactive) is running or waiting, as users feel it:
@@ -155,17 +157,12 @@ class Scheduler:
         by_class_running = defaultdict(list)
         for seq in self.running:
             by_class_running[seq.rank].append(seq)
-        by_class_parked = defaultdict(list)
-        by_class_waiting = defaultdict(lambda: defaultdict(deque))
-        for seq in sorted(self.waiting, key=lambda s: s.arrival):
-            if seq.status == WAITING:
-                by_class_waiting[seq.rank][seq.tenant].append(seq)
-            else:
-                by_class_parked[seq.rank].append(seq)
+        by_class_waiting = defaultdict(lambda: defaultdict(deque))   # a tenant's parked ones, then its waiting
+        for seq in sorted(self.waiting, key=lambda s: (s.status == WAITING, s.arrival)):
+            by_class_waiting[seq.rank][seq.tenant].append(seq)
         for rank in range(len(SLA_CLASSES)):
             yield from sorted(by_class_running.get(rank, ()),
                               key=lambda s: (s.num_uncomputed_tokens > 1, self._share(s), s.arrival))
-            yield from by_class_parked.get(rank, ())
             tenants = by_class_waiting.get(rank, {})
             while tenants:
                 tenant = min(tenants, key=lambda t: (self.served[(rank, t)], tenants[t][0].arrival))
@@ -255,6 +252,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: set[int] = set()
         offline_running = sum(not s.is_online for s in self.running)    # kept current: O(1) per admission
+        rebalanced = self._rebalance(batch)
         preempted_seen = 0
         admitting = True           # once a sequence is kept out, nothing below it may jump the queue
         for seq in list(self._candidates()):
@@ -279,7 +277,7 @@ class Scheduler:
                 continue
             if new:
                 # Don't admit work that ranks no higher than what this step just evicted.
-                admitting = admitting and not any(p.rank <= seq.rank for p in batch.preempted)
+                admitting = admitting and not any(p.rank <= seq.rank for p in batch.preempted if p is not rebalanced)
                 if not admitting or not self._seat(seq, offline_running, scheduled, batch):
                     admitting = False
                     continue
@@ -337,6 +335,40 @@ class Scheduler:
             self.waiting.append(victim)
             self._count(victim, "suspend", batch)
             offline_running -= not victim.is_online
+
+    def _rebalance(self, batch: ScheduledBatch) -> Sequence | None:
+        """With every seat taken: suspend one offline sequence of a tenant holding more than its weighted share of
+        its class's seats, for the least-served waiting tenant of that class holding less (the suspended one keeps
+        its blocks). The latest-arrived sequence of the tenant with the most seats per weight goes, and only if
+        handing one seat over leaves that tenant no worse off than the other (no seat flips back). At most one a
+        step; returns it."""
+        offline = sum(not s.is_online for s in self.running)
+        if self.capacity_policy == "no_evict" or (len(self.running) < self.max_num_seqs
+                                                   and offline < self.max_num_seqs - self.reserve_seats):
+            return None
+        running = set(map(id, self.running))
+        for rank in sorted({s.rank for s in self.waiting if not s.is_online and s.status != RUNNING}):
+            seats: dict[str, list[Sequence]] = defaultdict(list)
+            for s in self.running:
+                if s.rank == rank:
+                    seats[s.tenant].append(s)
+            tenant = max(seats, key=lambda t: len(seats[t]) / seats[t][0].weight, default=None)
+            if tenant is None:
+                continue
+            theirs = seats[tenant]
+            for seq in sorted((s for s in self.waiting if s.rank == rank and id(s) not in running),
+                              key=lambda s: (self._share(s), s.arrival)):
+                if seq.tenant == tenant or self._share(seq) >= self.served[(rank, tenant)]:
+                    break
+                if (len(theirs) - 1) / theirs[0].weight >= (len(seats.get(seq.tenant, ())) + 1) / seq.weight:
+                    victim = max(theirs, key=lambda s: s.arrival)
+                    self.running.remove(victim)
+                    victim.status = SUSPENDED
+                    self.waiting.append(victim)
+                    self._count(victim, "suspend", batch)
+                    return victim
+                break
+        return None
 
     def _admit(self, seq: Sequence, budget: int, limit: float | None, time_left: float,
                scheduled: set[int], batch: ScheduledBatch) -> int | None:
