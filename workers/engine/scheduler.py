@@ -244,7 +244,10 @@ class Scheduler:
         pace_room = self._pace_room(self.clock())
         batch = ScheduledBatch(time_limit_s=pace_room)
         limit = None               # the bound offline tokens fit under; with online work, set at the first one
-        if pace_room is None and self.idle_limit_s is not None:
+        if pace_room is None and self.idle_limit_s is not None and self.idle_limit_s > self.cost_model.fixed + sum(
+                self._step_cost(s.num_computed_tokens, 1) for s in self.running):
+            # (a device too slow for the cap, one token of every running sequence above it, gets no cap: the cap
+            # can't be met, and would leave a step one token of all its work)
             limit = batch.idle_limit_s = self.idle_limit_s
         online_s = None            # with online work: the step's predicted time before any offline token
         first_token_step = False   # an online prompt is computed in this step
@@ -277,7 +280,8 @@ class Scheduler:
                 continue
             if new:
                 # Don't admit work that ranks no higher than what this step just evicted.
-                admitting = admitting and not any(p.rank <= seq.rank for p in batch.preempted if p is not rebalanced)
+                admitting = admitting and not any(p.rank <= seq.rank for p in batch.preempted
+                                                  if all(p is not r for r in rebalanced))
                 if not admitting or not self._seat(seq, offline_running, scheduled, batch):
                     admitting = False
                     continue
@@ -336,18 +340,33 @@ class Scheduler:
             self._count(victim, "suspend", batch)
             offline_running -= not victim.is_online
 
-    def _rebalance(self, batch: ScheduledBatch) -> Sequence | None:
-        """With every seat taken: suspend one offline sequence of a tenant holding more than its weighted share of
-        its class's seats, for the least-served waiting tenant of that class holding less (the suspended one keeps
-        its blocks). The latest-arrived sequence of the tenant with the most seats per weight goes, and only if
-        handing one seat over leaves that tenant no worse off than the other (no seat flips back). At most one a
-        step; returns it."""
-        offline = sum(not s.is_online for s in self.running)
-        if self.capacity_policy == "no_evict" or (len(self.running) < self.max_num_seqs
-                                                   and offline < self.max_num_seqs - self.reserve_seats):
+    def _rebalance(self, batch: ScheduledBatch) -> list[Sequence]:
+        """With every seat taken: suspend offline sequences of tenants holding more than their weighted share of
+        their class's seats, for the least-served waiting tenant of that class holding less (a suspended one keeps
+        its blocks; the waiting one takes its seat in this step). Each time the latest-arrived sequence of the
+        tenant with the most seats per weight goes, and only if handing its seat over leaves that tenant no worse
+        off than the other (no seat flips back). Returns the suspended ones."""
+        moved: list[Sequence] = []
+        if self.capacity_policy == "no_evict":
+            return moved
+        handed: dict[str, int] = defaultdict(int)      # seats handed to a waiting tenant in this step
+        while (victim := self._fair_victim(handed, len(moved))) is not None:
+            victim, tenant = victim
+            self.running.remove(victim)
+            victim.status = SUSPENDED
+            self.waiting.append(victim)
+            self._count(victim, "suspend", batch)
+            moved.append(victim)
+            handed[tenant] += 1
+        return moved
+
+    def _fair_victim(self, handed: dict[str, int], moved: int) -> tuple[Sequence, str] | None:
+        """(the running sequence to suspend, the waiting tenant its seat goes to), or None."""
+        offline = sum(not s.is_online for s in self.running) + moved
+        if len(self.running) + moved < self.max_num_seqs and offline < self.max_num_seqs - self.reserve_seats:
             return None
         running = set(map(id, self.running))
-        for rank in sorted({s.rank for s in self.waiting if not s.is_online and s.status != RUNNING}):
+        for rank in sorted({s.rank for s in self.waiting if not s.is_online}):
             seats: dict[str, list[Sequence]] = defaultdict(list)
             for s in self.running:
                 if s.rank == rank:
@@ -355,19 +374,19 @@ class Scheduler:
             tenant = max(seats, key=lambda t: len(seats[t]) / seats[t][0].weight, default=None)
             if tenant is None:
                 continue
-            theirs = seats[tenant]
-            for seq in sorted((s for s in self.waiting if s.rank == rank and id(s) not in running),
-                              key=lambda s: (self._share(s), s.arrival)):
-                if seq.tenant == tenant or self._share(seq) >= self.served[(rank, tenant)]:
-                    break
-                if (len(theirs) - 1) / theirs[0].weight >= (len(seats.get(seq.tenant, ())) + 1) / seq.weight:
-                    victim = max(theirs, key=lambda s: s.arrival)
-                    self.running.remove(victim)
-                    victim.status = SUSPENDED
-                    self.waiting.append(victim)
-                    self._count(victim, "suspend", batch)
-                    return victim
-                break
+            waiting: dict[str, list[Sequence]] = defaultdict(list)
+            for s in self.waiting:
+                if s.rank == rank and id(s) not in running:
+                    waiting[s.tenant].append(s)
+            takers = [t for t in waiting if t != tenant and len(waiting[t]) > handed[t]]
+            if not takers:
+                continue
+            taker = min(takers, key=lambda t: (self.served[(rank, t)], min(s.arrival for s in waiting[t])))
+            weight = waiting[taker][0].weight
+            if self.served[(rank, taker)] < self.served[(rank, tenant)] and \
+                    (len(seats[tenant]) - 1) / seats[tenant][0].weight >= \
+                    (len(seats.get(taker, ())) + handed[taker] + 1) / weight:
+                return max(seats[tenant], key=lambda s: s.arrival), taker
         return None
 
     def _admit(self, seq: Sequence, budget: int, limit: float | None, time_left: float,
