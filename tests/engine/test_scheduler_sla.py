@@ -224,7 +224,7 @@ def test_a_tenant_that_filled_the_seats_hands_them_over_until_shares_are_even_an
     assert all(s.status == SequenceStatus.WAITING for s in late if s not in sim.sched.running)
 
 
-def test_seats_are_handed_over_by_weight_and_never_for_online_work_or_under_no_evict():
+def test_seats_are_handed_over_by_weight_online_too_and_never_under_no_evict():
     sim = Sim(max_num_seqs=6)
     [sim.add(8, 200, tenant="a") for _ in range(8)]
     sim.step()
@@ -232,15 +232,19 @@ def test_seats_are_handed_over_by_weight_and_never_for_online_work_or_under_no_e
     for _ in range(8):
         sim.step()
     assert _seats(sim) == {"a": 2, "b": 4}                     # 1:2
-    # a realtime stream of another tenant takes a seat of the lowest class, as before, but no
-    # same-class fairness applies to online work
-    rt = Sim(max_num_seqs=2, reserve_seats=0)
-    [rt.add(4, 100, "realtime", tenant="a") for _ in range(2)]
+    # a tenant whose realtime streams hold every seat hands one to another tenant's request, once it has been
+    # served more, and the request's prompt goes into that very step
+    rt = Sim(max_num_seqs=4, reserve_seats=0)
+    [rt.add(4, 100, "realtime", tenant="a") for _ in range(5)]
     rt.step()
-    rt.add(4, 100, "realtime", tenant="b")
+    late = rt.add(4, 100, "realtime", tenant="b")
+    rt.step()
+    batch = rt.step()
+    assert [p.tenant for p in batch.preempted] == ["a"] and late in batch.seqs
+    assert _seats(rt, "realtime") == {"a": 3, "b": 1}
     for _ in range(3):
         assert not rt.step().preempted
-    assert _seats(rt, "realtime") == {"a": 2}
+    assert _seats(rt, "realtime") == {"a": 3, "b": 1}
     frozen = Sim(max_num_seqs=4, policy="no_evict")
     [frozen.add(4, 20, tenant="a") for _ in range(4)]
     frozen.step()

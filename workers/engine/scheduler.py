@@ -1,10 +1,10 @@
 """Iteration-level scheduling: which sequences run this step, and how many tokens each computes.
 
 Order: SLA class, then (within a class) running, then the others by tenant fair share (tokens served divided by
-tenant weight): a tenant's displaced (suspended or swapped) before its waiting, each by arrival. An offline
-sequence whose tenant holds less than its weighted share of its class's seats may take one from a tenant that
-holds more (suspended, it keeps its blocks), so a flood that filled the seats first does not keep them. A step holds at most max_num_seqs
-sequences and max_num_batched_tokens tokens; a prompt that doesn't fit is prefilled in chunks.
+tenant weight): a tenant's displaced (suspended or swapped) before its waiting, each by arrival. A sequence whose
+tenant holds less than its weighted share of its class's seats may take one from a tenant that holds more
+(suspended, it keeps its blocks), so a flood that filled the seats first does not keep them. A step holds at most
+max_num_seqs sequences and max_num_batched_tokens tokens; a prompt that doesn't fit is prefilled in chunks.
 
 The step policy while online work (realtime, interactive) is running or waiting, as users feel it:
   - first token as soon as the device allows: a waiting online prompt goes whole (up to the token budget) into
@@ -341,9 +341,10 @@ class Scheduler:
             offline_running -= not victim.is_online
 
     def _rebalance(self, batch: ScheduledBatch) -> list[Sequence]:
-        """With every seat taken: suspend offline sequences of tenants holding more than their weighted share of
-        their class's seats, for the least-served waiting tenant of that class holding less (a suspended one keeps
-        its blocks; the waiting one takes its seat in this step). Each time the latest-arrived sequence of the
+        """With every seat taken: suspend sequences of tenants holding more than their weighted share of their
+        class's seats, for the least-served waiting tenant of that class holding less (a suspended one keeps its
+        blocks; the waiting one takes its seat in this step), online classes too: a tenant whose realtime flood
+        holds every seat does not make another's request wait for one of its streams to end. Each time the latest-arrived sequence of the
         tenant with the most seats per weight goes, and only if handing its seat over leaves that tenant no worse
         off than the other (no seat flips back). Returns the suspended ones."""
         moved: list[Sequence] = []
@@ -362,11 +363,11 @@ class Scheduler:
 
     def _fair_victim(self, handed: dict[str, int], moved: int) -> tuple[Sequence, str] | None:
         """(the running sequence to suspend, the waiting tenant its seat goes to), or None."""
-        offline = sum(not s.is_online for s in self.running) + moved
-        if len(self.running) + moved < self.max_num_seqs and offline < self.max_num_seqs - self.reserve_seats:
-            return None
+        full = len(self.running) + moved >= self.max_num_seqs
+        offline_full = full or sum(not s.is_online for s in self.running) + moved >= \
+            self.max_num_seqs - self.reserve_seats
         running = set(map(id, self.running))
-        for rank in sorted({s.rank for s in self.waiting if not s.is_online}):
+        for rank in sorted({s.rank for s in self.waiting if (offline_full, full)[s.is_online]}):
             seats: dict[str, list[Sequence]] = defaultdict(list)
             for s in self.running:
                 if s.rank == rank:
