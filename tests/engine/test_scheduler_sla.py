@@ -224,6 +224,23 @@ def test_a_tenant_that_filled_the_seats_hands_them_over_until_shares_are_even_an
     assert all(s.status == SequenceStatus.WAITING for s in late if s not in sim.sched.running)
 
 
+def test_the_odd_seat_is_time_shared_by_service_not_flipped_every_step():
+    sim = Sim(max_num_seqs=7, num_blocks=4000)
+    [sim.add(8, 400, tenant="a") for _ in range(10)]
+    sim.step()
+    [sim.add(8, 400, tenant="b") for _ in range(10)]
+    holders, moves = [], 0
+    for _ in range(120):
+        moves += len(sim.step().preempted)
+        seats = _seats(sim)
+        assert sorted(seats.values()) == [3, 4] or len(holders) < 2
+        holders.append(max(seats, key=seats.get))
+    # each holds the odd seat in turn, for stretches of steps (a lead of ODD_SEAT_LEAD tokens each way)
+    runs = sum(1 for x, y in zip(holders, holders[1:]) if x != y)
+    assert 2 <= runs <= 12 and moves <= 3 + runs
+    assert abs(sim.sched.served[(2, "a")] - sim.sched.served[(2, "b")]) <= 2 * 16 + 7
+
+
 def test_seats_are_handed_over_by_weight_online_too_and_never_under_no_evict():
     sim = Sim(max_num_seqs=6)
     [sim.add(8, 200, tenant="a") for _ in range(8)]

@@ -39,6 +39,7 @@ CAPACITY_POLICIES = ("max_utilization", "no_evict")
 PREEMPTION_KINDS = ("suspend", "swap", "recompute")
 
 PACE_CREDIT = 2.0          # a stream ahead of its pace banks at most this many of its class's token gaps
+ODD_SEAT_LEAD = 16.0       # weighted tokens of service the giver of an odd seat must be ahead (Scheduler._rebalance)
 OWED_CAP_S = 1.0           # offline time owed beyond this is paid even in a step that brings a first token
 
 RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
@@ -384,9 +385,11 @@ class Scheduler:
                 continue
             taker = min(takers, key=lambda t: (self.served[(rank, t)], min(s.arrival for s in waiting[t])))
             weight = waiting[taker][0].weight
-            if self.served[(rank, taker)] < self.served[(rank, tenant)] and \
-                    (len(seats[tenant]) - 1) / seats[tenant][0].weight >= \
-                    (len(seats.get(taker, ())) + handed[taker] + 1) / weight:
+            lead = self.served[(rank, tenant)] - self.served[(rank, taker)]
+            left, has = (len(seats[tenant]) - 1) / seats[tenant][0].weight, len(seats.get(taker, ())) + handed[taker]
+            # a seat that evens the split moves; one that would leave the giver holding what the taker held (the
+            # odd seat of an uneven number) moves only with a lead in service, and back after as long
+            if lead > 0 and left >= (has + 1) / weight or lead > ODD_SEAT_LEAD and left >= has / weight:
                 return max(seats[tenant], key=lambda s: s.arrival), taker
         return None
 
