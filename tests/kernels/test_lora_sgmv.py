@@ -47,15 +47,38 @@ def test_triton_sgmv_matches_reference(seed, tokens, slots, rank, dim_in, dim_ou
     assert torch.equal(out[untouched], y[untouched])
 
 
-@pytest.mark.parametrize("none_share,tokens", [(0.0, 64), (0.3, 64), (0.0, 3), (0.5, 200)])
-def test_cpu_paths_match_reference(none_share, tokens):
+def block_diagonal(b, blocks):
+    """b with rank block i feeding output block i only (the slot pool's layout of q/k/v and gate/up)."""
+    r, c = b.shape[1] // len(blocks), 0
+    out = torch.zeros_like(b)
+    for i, width in enumerate(blocks):
+        out[:, i * r:(i + 1) * r, c:c + width] = b[:, i * r:(i + 1) * r, c:c + width]
+        c += width
+    return out
+
+
+@pytest.mark.parametrize("none_share,tokens,prefill", [(0.0, 64, False), (0.3, 64, False), (0.0, 3, False),
+                                                        (0.5, 200, False), (0.0, 200, True), (0.3, 300, True)])
+def test_cpu_paths_match_reference(none_share, tokens, prefill):
     for seed in range(3):
-        token_slots, x, y, a, b = make_case(seed, tokens, 8, 16, 64, 96, torch.float32, none_share)
+        token_slots, x, y, a, b = make_case(seed, tokens, 8, 18, 64, 96, torch.float32, none_share)
         token_slots = [s if s < 0 else s % 6 for s in token_slots]           # a gap at slots 6, 7
-        for waste in (0.0, 2.0, 100.0):                                      # loop, either, padded
-            plan = make_plan(token_slots, "cpu", pad_waste=waste)
-            ref = sgmv_ref(y.clone(), x, a, b, plan.rows, plan.seg_starts, plan.seg_slots)
-            out = sgmv(y.clone(), x, a, b, plan)
-            assert (out - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+        if prefill:      # chunks of 1-40 rows of one slot (or of none) between single decode rows
+            rng, token_slots = random.Random(seed), []
+            while len(token_slots) < tokens:
+                slot = -1 if rng.random() < none_share else rng.randrange(6)
+                token_slots += [slot] * (rng.randint(1, 40) if rng.random() < 0.5 else 1)
+            token_slots = token_slots[:tokens]
+        for blocks in (None, (32, 64), (16, 40, 40)):
+            bb = b if blocks is None else block_diagonal(b, blocks)
+            for waste, min_run in ((0.0, 8), (2.0, 8), (100.0, 8), (100.0, 1), (2.0, 10 ** 9)):
+                # per-slot loop, either, padded rest; every row in runs; no runs
+                plan = make_plan(token_slots, "cpu", pad_waste=waste, min_run=min_run)
+                ref = sgmv_ref(y.clone(), x, a, bb, plan.rows, plan.seg_starts, plan.seg_slots)
+                out = sgmv(y.clone(), x, a, bb, plan, blocks)
+                assert (out - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+                assert sum(r1 - r0 for _, r0, r1 in plan.runs) + sum(len(r) for _, r in plan.rest) == \
+                    sum(s >= 0 for s in token_slots)
     assert make_plan([-1, -1], "cpu") is None
-    assert make_plan([2, 2, 0, 2], "cpu").contiguous == [True, False]
+    plan = make_plan([2, 2, 2, 0, 2, -1, 1, 1, 1], "cpu", min_run=3)
+    assert plan.runs == [(2, 0, 3), (1, 6, 9)] and [(s, r.tolist()) for s, r in plan.rest] == [(0, [3]), (2, [4])]

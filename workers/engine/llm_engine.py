@@ -300,6 +300,8 @@ class LLMEngine:
                 if id(seq) not in in_batch:
                     seq.draft_token_ids = []
         if not batch:
+            if self.lora is not None:
+                self.lora.wait_loading(0.005)      # all there is to run waits on adapters being read: no busy loop
             return outputs
         prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
                             for s, n in zip(batch.seqs, batch.num_new_tokens))

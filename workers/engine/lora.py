@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,50 +135,36 @@ def check_adapter(folder: str | Path, cfg: ModelConfig, max_lora_rank: int) -> A
                        tuple(sorted({k[0] for k in seen})))
 
 
-def read_adapter(folder: str | Path, spec: AdapterSpec, cfg: ModelConfig, max_rank: int, dtype: torch.dtype,
-                 pin: bool = False) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
-    """Host tensors in slot layout: per layer, {stack: (a [in, n*R], b [n*R, out])}, R = max_rank, zero where
-    the adapter has no weights; stacks the adapter does not touch at all are left out."""
+def read_adapter(folder: str | Path, pin: bool = False) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
+    """The adapter's host copy, as stored: (layer, projection) -> (lora_A [rank, in], lora_B [out, rank]).
+    It runs on the loader thread, so it only reads the file (no torch compute there: a second thread running
+    intra-op parallel kernels slows every small kernel of the engine's thread several times over on CPU, and its
+    many small ops would wait on the GIL of a busy engine). Laying it out in a slot is `LoRAManager._fill`'s."""
     from safetensors.torch import load_file
     weights = {}
     for name, t in load_file(str(Path(folder) / "adapter_model.safetensors")).items():
         m = KEY.match(name)
-        weights[(int(m[1]), m[2], m[3])] = t.float()
-    dims = module_dims(cfg)
-    out = []
-    for layer in range(cfg.num_hidden_layers):
-        stacks = {}
-        for stack, parts in STACKS.items():
-            if not any((layer, p, "A") in weights for p in parts):
-                continue
-            d_in = dims[parts[0]][0]
-            outs = [dims[p][1] for p in parts]
-            a = torch.zeros(d_in, len(parts) * max_rank)
-            b = torch.zeros(len(parts) * max_rank, sum(outs))
-            for i, p in enumerate(parts):
-                if (layer, p, "A") in weights:
-                    r0, c0 = i * max_rank, sum(outs[:i])
-                    a[:, r0:r0 + spec.rank] = weights[(layer, p, "A")].T
-                    b[r0:r0 + spec.rank, c0:c0 + outs[i]] = weights[(layer, p, "B")].T * spec.scale
-            a, b = a.to(dtype), b.to(dtype)
-            stacks[stack] = (a.pin_memory(), b.pin_memory()) if pin else (a, b)
-        out.append(stacks)
-    return out
+        key = (int(m[1]), m[2])
+        a, b = weights.get(key, (None, None))
+        weights[key] = (t, b) if m[3] == "A" else (a, t)
+    return {k: (a.pin_memory(), b.pin_memory()) if pin else (a, b) for k, (a, b) in weights.items()}
 
 
 class LoRALinear(nn.Module):
     """A base linear plus the adapters' products of the step's tokens (the base GEMM runs once for all)."""
 
-    def __init__(self, base: nn.Module, weights: tuple[torch.Tensor, torch.Tensor], manager: "LoRAManager"):
+    def __init__(self, base: nn.Module, weights: tuple[torch.Tensor, torch.Tensor], manager: "LoRAManager",
+                 blocks: tuple[int, ...]):
         super().__init__()
         self.base = base
         self.a, self.b = weights       # [slots, in, n*R], [slots, n*R, out]
+        self.blocks = blocks if len(blocks) > 1 else None    # output widths of the stacked projections
         self._manager = [manager]      # in a list: not a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         plan = self._manager[0].plan
-        return y if plan is None else sgmv(y, x, self.a, self.b, plan)
+        return y if plan is None else sgmv(y, x, self.a, self.b, plan, self.blocks)
 
 
 class LoRAManager:
@@ -214,7 +200,8 @@ class LoRAManager:
                 stacks[stack] = (torch.zeros(max_loras, d_in, n, dtype=dtype, device=self.device),
                                  torch.zeros(max_loras, n, d_out, dtype=dtype, device=self.device))
                 owner = layer.self_attn if stack in ("qkv_proj", "o_proj") else layer.mlp
-                setattr(owner, stack, LoRALinear(getattr(owner, stack), stacks[stack], self))
+                setattr(owner, stack, LoRALinear(getattr(owner, stack), stacks[stack], self,
+                                                 tuple(dims[p][1] for p in parts)))
             self.weights.append(stacks)
 
     # -- registration and loading ------------------------------------------------------------------
@@ -262,7 +249,7 @@ class LoRAManager:
 
         def load():
             started = time.perf_counter()
-            tensors = read_adapter(lora.path, spec, self.cfg, self.max_rank, self.dtype, pin)
+            tensors = read_adapter(lora.path, pin)
             return tensors, time.perf_counter() - started
         self.loading[name] = self._executor.submit(load)
         return True
@@ -299,6 +286,14 @@ class LoRAManager:
         if name not in self.loading and name not in self.failed:
             self._start_load(name)
         return False
+
+    def wait_loading(self, timeout: float) -> None:
+        """Block until a pending load ends or `timeout` seconds pass (a step that found nothing to run calls it, so
+        an engine whose requests all wait on adapters does not spin against the loader)."""
+        with self._lock:
+            pending = list(self.loading.values())
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
 
     def take_failed(self) -> dict[str, str]:
         with self._lock:
@@ -372,19 +367,31 @@ class LoRAManager:
                     self._start_load(name, force=True)
                 self.loading[name].result()
                 self._poll()
-        host = self.host[name]
         self.host.move_to_end(name)
-        for layer, stacks in zip(self.weights, host):
-            for stack, (a, b) in layer.items():
-                if stack in stacks:
-                    a[slot].copy_(stacks[stack][0], non_blocking=True)
-                    b[slot].copy_(stacks[stack][1], non_blocking=True)
-                else:
-                    a[slot].zero_()
-                    b[slot].zero_()
+        self._fill(slot, name)
         self.slots[slot] = name
         self.slot_of[name] = slot
         return slot
+
+    def _fill(self, slot: int, name: str) -> None:
+        """Lay the adapter's host copy out in the slot: its A's side by side along the rank (one shrink per stacked
+        linear), its B's (times the adapter's scale) as the diagonal blocks of the stack's B, zero elsewhere."""
+        host, spec, r_max = self.host[name], self.specs[name], self.max_rank
+        dims = module_dims(self.cfg)
+        for layer, stacks in enumerate(self.weights):
+            for stack, (a, b) in stacks.items():
+                a[slot].zero_()
+                b[slot].zero_()
+                col = 0
+                for i, part in enumerate(STACKS[stack]):
+                    width = dims[part][1]
+                    if (layer, part) in host:
+                        lora_a, lora_b = host[(layer, part)]
+                        a[slot, :, i * r_max:i * r_max + spec.rank].copy_(lora_a.T, non_blocking=True)
+                        block = b[slot, i * r_max:i * r_max + spec.rank, col:col + width]
+                        block.copy_(lora_b.T, non_blocking=True)
+                        block.mul_(spec.scale)
+                    col += width
 
     def stats(self) -> dict:
         with self._lock:
