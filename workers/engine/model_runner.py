@@ -10,6 +10,7 @@ import torch
 from kernels import cpu_ops
 from kernels.attention import resolve_backend
 from kernels.cpu_linear import prepack_linears
+from kernels.paged_attention import SHORT_CHUNK
 from workers.engine import host_pools
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -20,7 +21,6 @@ from workers.engine.pooling import PoolingSpec, embed_rows
 from workers.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
-ROW_CHUNK = 16          # chunks of at most this many new tokens are attended as decode rows (_run_eager)
 CPU_KV_SHARE = 0.25     # CPU default pool: at most this share of *available* memory (pages touched as blocks
                         # are first written; vLLM-CPU takes 90% of memory by default)
 
@@ -181,7 +181,7 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
         tables, context_lens, cu_seqlens_q = step["block_tables"], step["context_lens"], step["cu_seqlens_q"]
-        if 1 < max_seqlen_q <= ROW_CHUNK and self.backend == "torch":
+        if 1 < max_seqlen_q <= SHORT_CHUNK and self.backend == "torch":
             # Short chunks (a verify step's k + 1 positions, a prompt's last few tokens): row i of a chunk of n
             # over context L attends positions 0 .. L - n + i, which is a decode row with context L - n + i + 1.
             # Attended as decode rows they take the decode kernel, as a step without them would, instead of the
