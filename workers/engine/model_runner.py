@@ -190,7 +190,8 @@ class ModelRunner:
             for table, end, a, b in zip(tables, context_lens, cu_seqlens_q, cu_seqlens_q[1:]):
                 rows_tables += [table] * (b - a)
                 rows_lens += range(end - (b - a) + 1, end + 1)
-            tables, context_lens, cu_seqlens_q, max_seqlen_q = rows_tables, rows_lens, list(range(len(rows_lens) + 1)), 1
+            tables, context_lens, max_seqlen_q = rows_tables, rows_lens, 1
+            cu_seqlens_q = list(range(len(rows_lens) + 1))
         width = max(map(len, tables))
         ctx = AttentionContext(
             backend=self.backend,
