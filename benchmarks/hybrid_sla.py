@@ -111,9 +111,10 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
                 f.write(json.dumps({"scenario": name, "job": i, "queued": (j.queued_at - rows[rt_ids[0]].queued_at)
                                     .total_seconds(), "ttft": (j.first_token_at - j.queued_at).total_seconds(),
                                     "engine_ttft": firsts.get(i)}) + "\n")
-            for t, n, b, p, seqs, sampled, att in steps:
+            for t, n, b, p, seqs, sampled, att, verifying, drafted, accepted in steps:
                 f.write(json.dumps({"scenario": name, "s": t, "tokens": n, "bound": b, "predicted": p,
-                                    "seqs": seqs, "sampled": sampled, "attended": att}) + "\n")
+                                    "seqs": seqs, "sampled": sampled, "attended": att, "verifying": verifying,
+                                    "drafted": drafted, "accepted": accepted}) + "\n")
     if rt_ids:
         rt = [rows[i] for i in rt_ids]
         ttft = [(j.first_token_at - j.queued_at).total_seconds() * 1000 for j in rt]
@@ -160,7 +161,7 @@ def _time_steps(engine) -> tuple[list, dict]:
         outs = step()
         if batch[0]:
             steps.append((time.perf_counter() - t0, batch[0].num_tokens, batch[0].time_limit_s,
-                          batch[0].predicted_s, *shape[0]))
+                          batch[0].predicted_s, *shape[0], *engine.speculator.last))
         for out in outs:
             job = out.request_id.rpartition("@")[0]
             if out.first_token_time is not None and job not in firsts:

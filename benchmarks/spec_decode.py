@@ -72,8 +72,9 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
-def stream_alone(engine, prompts, max_tokens: int) -> dict:
-    """One realtime request at a time; per request its ITL, its stream-event gaps, its tokens."""
+def stream_alone(engine, prompts, max_tokens: int, trace=None) -> dict:
+    """One realtime request at a time; per request its ITL, its stream-event gaps, its tokens. trace: a list that
+    gets every step as (seconds, predicted seconds, tokens computed, verifying sequences, drafted, accepted)."""
     from workers.engine import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     before = engine.stats().get("spec_decode", {})
@@ -84,7 +85,13 @@ def stream_alone(engine, prompts, max_tokens: int) -> dict:
                            on_token=lambda out: events.append((time.perf_counter(), len(out.new_token_ids))))
         final = None
         while engine.has_unfinished():
-            for out in engine.step():
+            t0 = time.perf_counter()
+            outs = engine.step()
+            if trace is not None:
+                last = engine._last_step or {}
+                trace.append((time.perf_counter() - t0, last.get("predicted_s", 0.0), last.get("tokens", 0),
+                              *engine.speculator.last))
+            for out in outs:
                 if out.finished:
                     final = out
         times = [t for t, n in events if n]
@@ -112,9 +119,18 @@ def part_one(args) -> dict:
         tok = engine.tokenizer
         workloads = {"grounded": [tok.encode_chat(grounded_messages(i)) for i in range(args.requests)],
                      "chat": [tok.encode_chat(chat_messages(i)) for i in range(args.requests)]}
+        if args.only:
+            workloads = {args.only: workloads[args.only]}
         stream_alone(engine, workloads["chat"][:1], 8)            # warm-up
         for name, prompts in workloads.items():
-            results[(name, mode)] = stream_alone(engine, prompts, args.max_tokens)
+            trace = [] if args.steps_out else None
+            results[(name, mode)] = stream_alone(engine, prompts, args.max_tokens, trace)
+            if trace:
+                with open(args.steps_out, "a") as f:
+                    for t, p, n, verifying, drafted, accepted in trace:
+                        f.write(json.dumps({"scenario": f"{name} [{mode}]", "s": t, "predicted": p, "tokens": n,
+                                            "verifying": verifying, "drafted": drafted, "accepted": accepted})
+                                + "\n")
         cm = engine.cost_model
         print(f"  [{mode}] cost model: fixed {1000 * cm.fixed:.1f} ms, per token {1000 * cm.per_token:.2f} ms, "
               f"per context token {1000 * cm.per_context:.4f} ms", flush=True)
@@ -128,7 +144,7 @@ def part_two(args) -> dict:
     h = argparse.Namespace(model=args.model, device=args.device, offline=args.offline,
                            offline_tokens=args.offline_tokens,
                            rt_rate=args.rt_rate, rt_tokens=args.rt_tokens, rt_duration=None, max_num_seqs=64,
-                           low_water=8, rt_ttft_ms=None, rt_itl_ms=None, steps_out=None,
+                           low_water=8, rt_ttft_ms=None, rt_itl_ms=None, steps_out=args.steps_out,
                            offline_floor=args.offline_floor,
                            rt_body=lambda i: {"messages": grounded_messages(i, seed=1)})
     out = {}
@@ -155,11 +171,14 @@ def main():
     p.add_argument("--requests", type=int, default=8, help="requests per workload in (1)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--no-hybrid", action="store_true", help="skip (2)")
+    p.add_argument("--no-stream", action="store_true", help="skip (1)")
     p.add_argument("--offline", type=int, default=48, help="(2): offline jobs")
     p.add_argument("--offline-tokens", type=int, default=64)
     p.add_argument("--rt-rate", type=float, default=2.0)
     p.add_argument("--rt-tokens", type=int, default=48)
     p.add_argument("--offline-floor", type=float, default=None, help="(2): offline floor share (hybrid_sla.py's)")
+    p.add_argument("--only", choices=("grounded", "chat"), default=None, help="(1): one workload only")
+    p.add_argument("--steps-out", default=None, help="append every step (time, prediction, drafts) as JSON lines")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.model is None:
@@ -169,14 +188,22 @@ def main():
         else:
             from workers.tools.tiny_model import make_tiny_model
             args.model = str(make_tiny_model(tempfile.mkdtemp(prefix="tiny-") + "/tiny", seed=1))
-    spec = args.speculative
-    print(f"model {args.model} on {args.device}; speculative {spec} vs none", flush=True)
-    one = part_one(args)
+    print(f"model {args.model} on {args.device}; speculative {args.speculative} vs none", flush=True)
+    result = {"model": args.model, "device": args.device, "speculative": args.speculative}
+    if not args.no_stream:
+        result.update(report_one(args, part_one(args)))
+    if not args.no_hybrid:
+        result.update(report_two(args, part_two(args)))
+    print(json.dumps(result))
+
+
+def report_one(args, one) -> dict:
+    spec, result = args.speculative, {}
     print(f"\n(1) realtime stream alone, {args.requests} requests x <= {args.max_tokens} tokens, greedy")
     print(f"{'workload':<10}{'mode':<10}{'ITL p50':>9}{'ITL p99':>9}{'gap p50':>9}{'gap p99':>9}{'accept':>8}"
           f"{'mean len':>9}{'tokens':>8}{'same out':>9}")
-    result = {"model": args.model, "device": args.device, "speculative": spec}
-    for name in ("grounded", "chat"):
+    names = [n for n in ("grounded", "chat") if (n, "off") in one]
+    for name in names:
         off, on = one[(name, "off")], one[(name, spec)]
         same = sum(a == b for a, b in zip(off["outputs"], on["outputs"]))
         for mode, r in (("none", off), (spec, on)):
@@ -191,20 +218,23 @@ def main():
                         "mean_accepted_length": round(on.get("mean_accepted_length", 0.0), 2),
                         "same_outputs": f"{same}/{len(off['outputs'])}"}
     print("goals: grounded ITL p50 ratio <= 0.6, chat <= 1.05: "
-          f"{result['grounded']['itl_p50_ratio']:.2f}, {result['chat']['itl_p50_ratio']:.2f}")
-    if not args.no_hybrid:
-        two = part_two(args)
-        print(f"\n(2) hybrid_sla (a, b, c), grounded realtime prompts, {args.offline} offline x {args.offline_tokens}")
-        print(f"{'mode':<10}{'goodput':>9}{'TTFT p99':>10}{'ITL p99':>9}{'rt ITL p50 b/c ms':>19}"
-              f"{'offline tok/s a/c':>19}")
-        for mode, r in two.items():
-            print(f"{mode:<10}{r['goodput_ratio']:>9.2f}{r['ttft_p99_ratio']:>10.2f}{r['itl_p99_ratio']:>9.2f}"
-                  f"{r['rt_itl_p50_b']:>9.1f}/{r['rt_itl_p50_c']:<9.1f}{r['offline_tok_s_a']:>9.1f}/"
-                  f"{r['offline_tok_s_c']:<9.1f}")
-        result["hybrid"] = {m: {k: round(v, 3) for k, v in r.items()} for m, r in two.items()}
-        result["goodput_gain"] = round(two[spec]["goodput_ratio"] - two["off"]["goodput_ratio"], 3)
-        print(f"goal: goodput_ratio up by >= 0.1 ({result['goodput_gain']:+.2f}) with TTFT and ITL p99 ratios <= 1.5")
-    print(json.dumps(result))
+          + ", ".join(f"{n} {result[n]['itl_p50_ratio']:.2f}" for n in names))
+    return result
+
+
+def report_two(args, two) -> dict:
+    spec, result = args.speculative, {}
+    print(f"\n(2) hybrid_sla (a, b, c), grounded realtime prompts, {args.offline} offline x {args.offline_tokens}")
+    print(f"{'mode':<10}{'goodput':>9}{'TTFT p99':>10}{'ITL p99':>9}{'rt ITL p50 b/c ms':>19}"
+          f"{'offline tok/s a/c':>19}")
+    for mode, r in two.items():
+        print(f"{mode:<10}{r['goodput_ratio']:>9.2f}{r['ttft_p99_ratio']:>10.2f}{r['itl_p99_ratio']:>9.2f}"
+              f"{r['rt_itl_p50_b']:>9.1f}/{r['rt_itl_p50_c']:<9.1f}{r['offline_tok_s_a']:>9.1f}/"
+              f"{r['offline_tok_s_c']:<9.1f}")
+    result["hybrid"] = {m: {k: round(v, 3) for k, v in r.items()} for m, r in two.items()}
+    result["goodput_gain"] = round(two[spec]["goodput_ratio"] - two["off"]["goodput_ratio"], 3)
+    print(f"goal: goodput_ratio up by >= 0.1 ({result['goodput_gain']:+.2f}) with TTFT and ITL p99 ratios <= 1.5")
+    return result
 
 
 if __name__ == "__main__":

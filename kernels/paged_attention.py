@@ -36,6 +36,7 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
 
 
 DECODE_GROUP = 8     # decode sequences of similar length attended together; bounds padding
+SHORT_CHUNK = 16     # paged_attention_ref attends chunks of at most this many queries as decode rows
 
 
 def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -85,17 +86,25 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     starts = cu_seqlens_q[:-1].tolist()
     out = torch.empty_like(q)
 
-    decode_rows = [b for b, n in enumerate(q_lens) if n == 1]
-    if len(decode_rows) == len(q_lens):          # a pure decode step: rows are sequences, no gathers
+    if all(n == 1 for n in q_lens):          # a pure decode step: rows are sequences, no gathers
         return decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-    if decode_rows:
-        idx = torch.tensor(decode_rows, device=q.device)
-        rows = cu_seqlens_q[:-1][idx].long()
-        out[rows] = decode(q[rows], k_cache, v_cache, block_tables[idx], context_lens[idx], scale)
+    # Short chunks (decodes, a verify step's k + 1 positions) go to `decode` row by row: query i of a chunk of n
+    # over context L is a decode row with context L - n + i + 1. Longer ones are attended per sequence below.
+    rows, seq_of_row, row_lens = [], [], []
+    for b, n in enumerate(q_lens):
+        if 0 < n <= SHORT_CHUNK:
+            rows += range(starts[b], starts[b] + n)
+            seq_of_row += [b] * n
+            row_lens += range(ctx[b] - n + 1, ctx[b] + 1)
+    if rows:
+        idx = torch.tensor(seq_of_row, device=q.device)
+        at = torch.tensor(rows, device=q.device)
+        out[at] = decode(q[at], k_cache, v_cache, block_tables[idx],
+                         torch.tensor(row_lens, dtype=context_lens.dtype, device=q.device), scale)
 
     group = q.shape[1] // k_cache.shape[2]
     for b, n in enumerate(q_lens):
-        if n <= 1:
+        if n <= SHORT_CHUNK:
             continue
         length = ctx[b]
         if n == length and key is not None and key.dtype == k_cache.dtype:

@@ -14,7 +14,7 @@ from workers.engine.drafters import NgramDrafter
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.config import SpeculativeConfig
-from workers.engine.spec_decode import RETRY_EVERY, Speculator
+from workers.engine.spec_decode import RETRY_EVERY, Speculator, match_bucket
 
 FORCED = {"method": "ngram", "num_tokens": 4, "adaptive": False}     # every eligible decode drafts
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -334,13 +334,15 @@ def test_draft_model_must_share_the_tokenizer(tiny_model_dir, tmp_path):
 
 
 def test_an_offline_sequence_whose_drafts_missed_is_probed_and_drafts_again_once_they_hit():
-    """Offline drafts pass a throughput test judged by the sequence's acceptance; a probe must not be, or one
-    early miss (a copy not begun yet) ends drafting for the rest of the sequence."""
+    """A sequence whose drafts miss stops drafting at once, however long its n-gram match; it is probed every
+    RETRY_EVERY steps (a probe is judged at the prior inside the throughput test, or one early miss, a copy not
+    begun yet, would end drafting for the rest of the sequence), and drafts in full again once a probe hits."""
     cpu = CostModel(fixed=0.040, per_token=0.0003, per_context=1e-7)
     spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4))
     sched = _scheduler()
     seq = _running(sched, 1, "batch")[0]
-    spec.record(seq, 4, 0)                                      # the first draft missed: acceptance 0
+    assert spec.propose(sched, cpu, 4096) == [seq] and len(seq.draft_token_ids) == 4    # a long match: k = 4
+    spec.record(seq, 4, 0)                                      # ... and all of it missed
     drafted = []
     for _ in range(2 * RETRY_EVERY):
         seq.draft_token_ids = []
@@ -350,3 +352,30 @@ def test_an_offline_sequence_whose_drafts_missed_is_probed_and_drafts_again_once
     spec.record(seq, 1, 1)                                      # the probe hit: the copy has begun
     seq.draft_token_ids = []
     assert spec.propose(sched, cpu, 4096) == [seq] and len(seq.draft_token_ids) > 1
+
+
+def test_acceptance_follows_the_match_length_and_is_learned_per_class():
+    """A draft backed by a long n-gram match is trusted more than one backed by a single token; verified drafts
+    move the class's rate for their match length, and a realtime stream beside offline work drafts only the
+    positions that raise the step's predicted tokens per second."""
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4))
+    sched = _scheduler()
+    seq = _running(sched, 1, "realtime")[0]
+    short, long = match_bucket(1), match_bucket(16)
+    assert spec.base_acceptance(seq, short) < 0.5 < 0.9 < spec.base_acceptance(seq, long)
+    before = spec.base_acceptance(seq, long)
+    for _ in range(20):
+        spec._state(seq)[3] = long
+        spec.record(seq, 4, 1)
+    assert spec.base_acceptance(seq, long) < before - 0.3                 # learned: long matches miss here
+    other = _running(_scheduler(), 1, "interactive")[0]
+    assert spec.base_acceptance(other, long) == before                    # per class
+    # Beside a large offline batch on a token-bound device, a draft must beat the batch's own tokens/s.
+    sched = _scheduler(256)
+    online = _running(sched, 1, "realtime", length=41)[0]
+    _running(sched, 100, "batch")
+    heavy = CostModel(fixed=0.004, per_token=0.004, per_context=0.0)      # the fixed cost is 1% of the step
+    spec = Speculator(SpeculativeConfig(method="ngram", num_tokens=4))
+    assert spec.propose(sched, heavy, 4096) == [] and online.draft_token_ids == []
+    light = CostModel(fixed=0.040, per_token=0.0001, per_context=0.0)
+    assert online in spec.propose(sched, light, 4096) and len(online.draft_token_ids) == 4

@@ -19,6 +19,8 @@ from workers.engine.sequence import Sequence
 
 class Drafter:
     method = "none"
+    match_lengths: list[int] | None = None   # a drafter that can tell sets this per proposal: how much context
+                                              # backs each draft (the n-gram drafter: the matched suffix's length)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         """For each sequence, at most ks[i] token ids to follow its tokens so far."""
@@ -30,20 +32,30 @@ class Drafter:
 
 class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from max_n down to
-    min_n) in its prompt and output, and propose the k tokens that followed it."""
+    min_n) in its prompt and output, and propose the k tokens that followed it. `match_lengths` tells, per
+    proposal, how long the match really is (counted back past max_n, up to MATCH_CAP tokens): how likely the
+    continuation is to be copied (spec_decode reads acceptance by match length)."""
     method = "ngram"
+    MATCH_CAP = 16
 
     def __init__(self, min_n: int = 1, max_n: int = 4, window: int = 4096):
         if not 1 <= min_n <= max_n:
             raise ValueError("ngram drafter needs 1 <= min_n <= max_n")
         self.min_n, self.max_n, self.window = min_n, max_n, window
+        self.match_lengths = []
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
-        return [self.lookup(seq.token_ids, k) for seq, k in zip(seqs, ks)]
+        found = [self.match(seq.token_ids, k) for seq, k in zip(seqs, ks)]
+        self.match_lengths = [m for _, m in found]
+        return [d for d, _ in found]
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
+        return self.match(tokens, k)[0]
+
+    def match(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """(the continuation of the latest match of the longest suffix, up to k tokens; the match's length)."""
         if k <= 0:
-            return []
+            return [], 0
         tokens = tokens[-self.window:]
         size = len(tokens)
         data = array("i", tokens).tobytes()     # bytes.rfind does the search in C; matches must sit on 4-byte edges
@@ -55,8 +67,11 @@ class NgramDrafter(Drafter):
                 at = data.rfind(tail, 0, at + len(tail) - 1)
             if at >= 0 and at % 4 == 0:
                 start = at // 4 + n
-                return tokens[start:start + k]
-        return []
+                m = n          # extend the match backwards past max_n
+                while m < self.MATCH_CAP and start - m > 0 and tokens[start - m - 1] == tokens[size - m - 1]:
+                    m += 1
+                return tokens[start:start + k], m
+        return [], 0
 
 
 class DraftModelDrafter(Drafter):

@@ -10,6 +10,7 @@ import torch
 from kernels import cpu_ops
 from kernels.attention import resolve_backend
 from kernels.cpu_linear import prepack_linears
+from kernels.paged_attention import SHORT_CHUNK
 from workers.engine import host_pools
 from workers.engine.config import EngineConfig
 from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -179,13 +180,25 @@ class ModelRunner:
         def tensor(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=self.device)
 
-        width = max(map(len, step["block_tables"]))
+        tables, context_lens, cu_seqlens_q = step["block_tables"], step["context_lens"], step["cu_seqlens_q"]
+        if 1 < max_seqlen_q <= SHORT_CHUNK and self.backend == "torch":
+            # Short chunks (a verify step's k + 1 positions, a prompt's last few tokens): row i of a chunk of n
+            # over context L attends positions 0 .. L - n + i, which is a decode row with context L - n + i + 1.
+            # Attended as decode rows they take the decode kernel, as a step without them would, instead of the
+            # per-sequence gather-and-SDPA path that costs a verify step more than its extra rows.
+            rows_tables, rows_lens = [], []
+            for table, end, a, b in zip(tables, context_lens, cu_seqlens_q, cu_seqlens_q[1:]):
+                rows_tables += [table] * (b - a)
+                rows_lens += range(end - (b - a) + 1, end + 1)
+            tables, context_lens, max_seqlen_q = rows_tables, rows_lens, 1
+            cu_seqlens_q = list(range(len(rows_lens) + 1))
+        width = max(map(len, tables))
         ctx = AttentionContext(
             backend=self.backend,
             slot_mapping=tensor(step["slot_mapping"]),
-            block_tables=tensor([t + [0] * (width - len(t)) for t in step["block_tables"]], torch.int32),
-            context_lens=tensor(step["context_lens"], torch.int32),
-            cu_seqlens_q=tensor(step["cu_seqlens_q"], torch.int32),
+            block_tables=tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+            context_lens=tensor(context_lens, torch.int32),
+            cu_seqlens_q=tensor(cu_seqlens_q, torch.int32),
             max_seqlen_q=max_seqlen_q,
         )
         return self.model(tensor(step["input_ids"]), tensor(step["positions"]), ctx)
