@@ -8,7 +8,14 @@ to text, so with [CLS] and [SEP] it is 8-256 tokens. Engines, one after the othe
   run-batch  the same sentences as a Batch JSONL file through workers.batch_runner.run_batch (the CLI's path)
   st         SentenceTransformer.encode (batch size --st-batch-size, its length-sorted batching)
   vllm       vLLM's pooling runner in the peer venv ($PEER_DIR/vllm, see shared/bench/README.md), a subprocess
-Each vector set is checked against the engine's (cosine). Prints a table, then one JSON line.
+Each vector set is checked against the engine's (cosine). Then realtime beside a batch (skip with
+`--skip realtime`): a generation model's engine (--gen-model, SmolLM2-135M) and the embedding model's engine step
+through one DeviceStepper, as a worker hosting both runs them (`tidepool worker --models a,b`, `tidepool serve`);
+realtime requests arrive at the hybrid benchmark's rate and shape (benchmarks/hybrid_sla.py: --rt-rate 4/s,
+"Question i: what is up?", 16 tokens) for --rt-seconds, first with nothing else to do, then while the embedding
+engine works through the same sentences as a batch (one batch-class request per input). Realtime TTFT (request
+added -> first token, in the engine) p50/p99 of both; goal: p99 beside the batch <= 1.5x idle. Prints a table, then
+one JSON line.
 
     python benchmarks/embeddings.py [--model models/all-minilm-l6-v2] [--n 10000] [--threads 2]
 """
@@ -20,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -141,6 +149,63 @@ def run_vllm(args, texts):
     return {k: v for k, v in got.items() if k != "sample"}, got["sample"]
 
 
+def realtime_beside_batch(args, texts) -> dict:
+    """Realtime TTFT on the generation engine, idle and beside an embedding batch on the embedding engine; both
+    engines stepped through one DeviceStepper (multi_model.Stepping "shared": the worker's way)."""
+    from hybrid_sla import _pct
+    from multi_model import Stepping
+
+    from workers.engine import EngineConfig, LLMEngine, SamplingParams
+    gen = LLMEngine(EngineConfig(model=args.gen_model, device="cpu"))
+    emb = LLMEngine(EngineConfig(model=args.model, device="cpu"))
+    stepping = Stepping({"gen": gen, "emb": emb}, "shared")
+    params = SamplingParams(max_tokens=args.rt_tokens, temperature=0.0, ignore_eos=True)
+    embedded = [0]
+
+    def probes(tag: str) -> list[float]:
+        firsts, lock, n = {}, threading.Lock(), int(args.rt_seconds * args.rt_rate)
+        t0 = time.perf_counter()
+        for i in range(n):
+            time.sleep(max(0.0, t0 + i / args.rt_rate - time.perf_counter()))
+            rid, sent = f"{tag}-{i}", time.perf_counter()
+
+            def on_token(out, rid=rid, sent=sent):
+                with lock:
+                    if rid not in firsts and out.token_ids:
+                        firsts[rid] = 1000 * (time.perf_counter() - sent)
+            gen.add_request(rid, f"Question {i}: what is up?", params, sla_class="realtime", on_token=on_token)
+        while gen.has_unfinished():
+            time.sleep(0.01)
+        return list(firsts.values())
+
+    def counted(out):
+        if out.finished:
+            embedded[0] += 1
+    try:
+        probes("warm")
+        idle = probes("idle")
+        for i, text in enumerate(texts):
+            emb.add_request(f"bg-{i}", [text], PoolingParams(truncate=True), sla_class="batch", on_token=counted)
+        time.sleep(0.5)
+        started, before = embedded[0], emb.stats()
+        busy = probes("busy")
+        during, after = embedded[0] - started, emb.stats()
+        left = len(texts) - embedded[0]
+    finally:
+        for rid in list(emb.requests):
+            emb.abort(rid)
+        while emb.has_unfinished():
+            time.sleep(0.01)
+        stepping.close()
+    out = {"rt_rate": args.rt_rate, "rt_n": len(busy), "idle_ttft_ms": [round(_pct(idle, q), 1) for q in (0.5, 0.99)],
+           "busy_ttft_ms": [round(_pct(busy, q), 1) for q in (0.5, 0.99)],
+           "batch_inputs_s_beside": round(during / args.rt_seconds, 1), "batch_left_at_end": left,
+           "batch_tokens_per_step": round((after["total_embedded_tokens"] - before["total_embedded_tokens"])
+                                          / max(1, after["total_steps"] - before["total_steps"]), 1)}
+    out["ttft_p99_ratio"] = round(out["busy_ttft_ms"][1] / out["idle_ttft_ms"][1], 3)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="models/all-minilm-l6-v2")
@@ -148,11 +213,15 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=10_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=256)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the engine's default")
     ap.add_argument("--st-batch-size", type=int, default=64)
     ap.add_argument("--vllm-timeout", type=int, default=1800)
     ap.add_argument("--bf16", action="store_true", help="also run the engine in bfloat16")
-    ap.add_argument("--skip", default="", help="comma-separated: run-batch,st,vllm")
+    ap.add_argument("--skip", default="", help="comma-separated: run-batch,st,vllm,realtime")
+    ap.add_argument("--gen-model", default="models/smollm2-135m", help="the realtime part's generation model")
+    ap.add_argument("--rt-rate", type=float, default=4.0, help="realtime requests/s (hybrid_sla.py's default)")
+    ap.add_argument("--rt-tokens", type=int, default=16)
+    ap.add_argument("--rt-seconds", type=float, default=15.0, help="seconds of realtime arrivals, idle and busy")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     skip = set(filter(None, args.skip.split(",")))
@@ -173,6 +242,7 @@ def main() -> int:
         rows["vllm"], sample = run_vllm(args, texts)
         if sample:
             rows["vllm"]["min_cosine_vs_engine"] = round(cosine_min(sample, vectors[:len(sample)]), 6)
+    realtime = None if "realtime" in skip else realtime_beside_batch(args, texts)
     tokens = engine["tokens"]
     print(f"{args.n} sentences, {tokens} tokens ({tokens / args.n:.0f} per sentence), {args.threads} threads")
     print(f"{'':10s} {'inputs/s':>10s} {'tokens/s':>10s} {'vs engine':>10s}")
@@ -192,6 +262,14 @@ def main() -> int:
                 out[f"engine_bf16_vs_{name}"] = round(rows["engine-bf16"]["inputs_s"] / rows[name]["inputs_s"], 3)
     if "inputs_s" in rows.get("run-batch", {}):
         out["run_batch_vs_engine"] = round(rows["run-batch"]["inputs_s"] / rows["engine"]["inputs_s"], 3)
+    if realtime is not None:
+        print(f"realtime beside an embedding batch ({realtime['rt_n']} requests at {args.rt_rate}/s each way): TTFT "
+              f"p50/p99 idle {realtime['idle_ttft_ms'][0]:.0f}/{realtime['idle_ttft_ms'][1]:.0f} ms, beside the batch "
+              f"{realtime['busy_ttft_ms'][0]:.0f}/{realtime['busy_ttft_ms'][1]:.0f} ms: p99 ratio "
+              f"{realtime['ttft_p99_ratio']:.2f} (goal <= 1.5); the batch embedded "
+              f"{realtime['batch_inputs_s_beside']} inputs/s meanwhile ({realtime['batch_tokens_per_step']} tokens a step), "
+              f"{realtime['batch_left_at_end']} left at the end")
+        out["realtime"] = realtime
     print(json.dumps(out))
     return 0
 

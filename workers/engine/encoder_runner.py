@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from kernels import cpu_ops
-from kernels.cpu_linear import prepack_linears
+from kernels.cpu_linear import fuse_activation, prepack_linears
 from workers.engine.config import EngineConfig
-from workers.engine.models.bert import AttentionPlan, BertConfig, BertModel
+from workers.engine.models.bert import POST_OP_NAMES, AttentionPlan, BertConfig, BertModel
 from workers.engine.models.loader import iter_weights, safetensors_files
 from workers.engine.pooling import PoolingSpec, embed_rows
 from workers.engine.scheduler import ScheduledBatch
@@ -36,6 +36,12 @@ class EncoderRunner:
                  time.perf_counter() - started)
         if self.device.type == "cpu":
             log.info("linear layers on oneDNN with prepacked weights: %d", prepack_linears(self.model))
+            fused = 0
+            for layer in self.model.layers:      # the activation inside the intermediate matmul
+                if fuse_activation(layer.intermediate, POST_OP_NAMES[model_config.hidden_act]):
+                    layer.act = torch.nn.Identity()
+                    fused += 1
+            log.info("activation fused into the intermediate matmul: %d layers", fused)
         self.pooling = PoolingSpec.from_dir(config.model, encoder=True)
         # The scheduler's block book-keeping needs a pool; embedding inputs never take a block of it.
         self.num_kv_blocks = config.blocks_per_sequence
@@ -59,6 +65,6 @@ class EncoderRunner:
             positions.extend(range(start, start + n))
             lens.append(n)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                            AttentionPlan(lens, self.device))
+                            AttentionPlan(lens))
         self.embeddings = embed_rows(hidden, rows, self.pooling) if rows else []
         return None

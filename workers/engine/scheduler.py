@@ -18,7 +18,11 @@ The step policy while online work (realtime, interactive) is running or waiting,
     give it is owed and paid back in the next steps (at most one floor's worth extra a step).
 Without online work the token budget applies, and a step is kept within the tightest `ttft_ms - itl_ms` of the
 online classes: an online prompt arriving while it runs waits for it, so an offline prefill wave must not stall it
-past its ttft (each such step still makes progress).
+past its ttft (each such step still makes progress). Offline embedding inputs fill a step only up to the tightest
+`itl_ms` (an input that opens the step runs whole whatever it costs): an embedding input is computed whole and
+gives nothing back until its step ends, and a realtime prompt arriving mid-step, for this engine or another on the
+device (workers/device_stepper.py starts it beside the step in flight), must find that step short, so an embedding
+batch leaves realtime TTFT about where it is idle.
 
 Preemption keeps work where it can: a sequence displaced for a seat is suspended and keeps its blocks; one
 displaced for memory goes to the host pool when there is one with room (swap), else is recomputed. Victims:
@@ -41,6 +45,7 @@ PREEMPTION_KINDS = ("suspend", "swap", "recompute")
 PACE_CREDIT = 2.0          # a stream ahead of its pace banks at most this many of its class's token gaps
 ODD_SEAT_LEAD = 16.0       # weighted tokens of service the giver of an odd seat must be ahead (Scheduler._rebalance)
 OWED_CAP_S = 1.0           # offline time owed beyond this is paid even in a step that brings a first token
+EMBED_LOOKAHEAD = 16       # offline embedding inputs passed over for time before a step stops looking for smaller ones
 
 RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
 SUSPENDED, SWAPPED = SequenceStatus.SUSPENDED, SequenceStatus.SWAPPED
@@ -108,6 +113,9 @@ class Scheduler:
         # ttft: wait for this step, then one step (<= itl) of its own. None: no class has both targets.
         idle = [t["ttft_ms"] - t["itl_ms"] for t in self.sla_targets.values() if "ttft_ms" in t and "itl_ms" in t]
         self.idle_limit_s = min(idle) / 1000 if cost_model is not None and idle and min(idle) > 0 else None
+        # Offline embedding inputs fill a step up to the tightest online pace (see the module docstring).
+        itl = [t["itl_ms"] for t in self.sla_targets.values() if "itl_ms" in t]
+        self.embed_limit_s = min(itl) / 1000 if cost_model is not None and itl else None
 
     @property
     def num_preemptions(self) -> int:
@@ -259,6 +267,7 @@ class Scheduler:
         rebalanced = self._rebalance(batch)
         preempted_seen = 0
         admitting = True           # once a sequence is kept out, nothing below it may jump the queue
+        passed_over = 0            # offline embedding inputs that did not fit (EMBED_LOOKAHEAD)
         for seq in list(self._candidates()):
             if budget == 0:
                 break
@@ -270,10 +279,13 @@ class Scheduler:
             if pace_room is not None and online_s is None and not seq.is_online:
                 online_s = time_used     # candidates come by class: the online part of the step is complete
                 limit = batch.time_limit_s = self._offline_limit(pace_room, online_s, first_token_step)
-            time_left = 0.0 if limit is None else limit - time_used
-            if limit is not None and not batch.seqs:    # no time bound stops all work: an empty step changes
+            seq_limit = limit
+            if seq.pooling is not None and not seq.is_online and self.embed_limit_s is not None:
+                seq_limit = self.embed_limit_s if limit is None else min(limit, self.embed_limit_s)
+            time_left = 0.0 if seq_limit is None else seq_limit - time_used
+            if seq_limit is not None and not batch.seqs:    # no time bound stops all work: an empty step changes
                 time_left = max(time_left, 1.000001 * self._step_cost(seq.num_computed_tokens, 1))   # nothing
-            if limit is not None and not seq.is_online and \
+            if seq_limit is not None and not seq.is_online and \
                     time_left < self._step_cost(seq.num_computed_tokens, 1):
                 continue   # not even one more offline token fits in the time bound
             new = seq.status != RUNNING
@@ -286,14 +298,20 @@ class Scheduler:
                 if not admitting or not self._seat(seq, offline_running, scheduled, batch):
                     admitting = False
                     continue
-                n = self._admit(seq, budget, limit, time_left, scheduled, batch)
+                n = self._admit(seq, budget, seq_limit, time_left, scheduled, batch)
                 if n is None:
                     admitting = False
                     continue
             else:
-                n = self._num_new(seq, budget, limit, time_left)
+                n = self._num_new(seq, budget, seq_limit, time_left)
             if n == 0:
-                continue      # (an embedding input too long for what is left: smaller ones behind it may fit)
+                # an embedding input too long for what is left: smaller ones behind it may fit, but a step looks
+                # only so far (with thousands of inputs waiting, a scan of all of them would cost more than a step)
+                if seq.pooling is not None and not seq.is_online:
+                    passed_over += 1
+                    if passed_over >= EMBED_LOOKAHEAD:
+                        break
+                continue
             if not self._make_room(seq, n, scheduled, batch):
                 if new:
                     self._unadmit(seq)
