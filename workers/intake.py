@@ -62,27 +62,26 @@ class Intake:
         if self.conn is not None:
             self.conn.release()
 
-    def _has_room(self) -> bool:
-        """Spare capacity for offline work: free sequence slots outside the engine's online reserve, plus a
-        low-water reserve of waiting requests so a finishing sequence is replaced in the very next step."""
+    def _offline_room(self, sla_class: str, fair: bool) -> list[str] | None:
+        """Whether offline work of `sla_class` may be taken now: [] when there is spare capacity (free sequence
+        slots outside the engine's online reserve, plus a low-water reserve of waiting requests so a finishing
+        sequence is replaced in the very next step); with none, under fair intake, the tenants an over-take must
+        pass over (`_over_share`); None: take nothing."""
         try:
             stats = self.engine.stats()
         except Exception:  # read racing the engine thread: try again next pass
-            return False
-        free_slots = stats["offline_seats_free"] if stats["offline_blocks_free"] else 0
-        return stats["waiting"] < self.cfg.low_water + free_slots
-
-    def _over_share(self, sla_class: str) -> list[str] | None:
-        """With no spare capacity: the tenants an over-take of `sla_class` work must pass over, those holding at
-        least an even split of the offline seats among this class's tenants here (two at least); None when no tenant
-        holds more than that (no seat the engine could hand over: see the scheduler's `_seat`), so nothing is
-        over-taken. A tenant whose flood filled the seats before another's jobs arrived thus gives up seats to
-        them now, not when its running jobs finish."""
-        counts = Counter(inf.tenant for inf in self.attempts.values() if inf.sla_class == sla_class)
-        try:
-            seats = self.engine.stats()["offline_seats"]
-        except Exception:  # read racing the engine thread: try again next pass
             return None
+        free_slots = stats["offline_seats_free"] if stats["offline_blocks_free"] else 0
+        if stats["waiting"] < self.cfg.low_water + free_slots:
+            return []
+        return self._over_share(sla_class, stats["offline_seats"]) if fair else None
+
+    def _over_share(self, sla_class: str, seats: int) -> list[str] | None:
+        """The tenants holding at least an even split of the `seats` offline seats among this class's tenants here
+        (two at least); None when no tenant holds more than that (no seat the engine could hand over: see the
+        scheduler's `_rebalance`), so nothing is over-taken. A tenant whose flood filled the seats before another's
+        jobs arrived thus gives up seats to them now, not when its running jobs finish."""
+        counts = Counter(inf.tenant for inf in self.attempts.values() if inf.sla_class == sla_class)
         share = max(1, seats // max(2, len(counts)))
         if not any(n > share for n in counts.values()):
             return None
@@ -107,10 +106,11 @@ class Intake:
             fair = (name, self.cfg.fair_window) if self.cfg.fair_intake else None
             while len(self.attempts) < self.cfg.max_inflight:
                 exclude = None
-                if not online and not self._has_room():
-                    exclude = self._over_share(sla_class) if fair is not None else None
+                if not online:
+                    exclude = self._offline_room(sla_class, fair is not None)
                     if exclude is None:
                         return got   # no spare capacity: leave offline work in the broker
+                    exclude = exclude or None     # [] (room): take anyone's
                 message = take(lanes, accept=["json"], owner=self.owner, fair=fair, exclude=exclude)
                 if message is None:
                     if exclude is not None:

@@ -363,9 +363,9 @@ class Scheduler:
         """With every seat taken: suspend sequences of tenants holding more than their weighted share of their
         class's seats, for the least-served waiting tenant of that class holding less (a suspended one keeps its
         blocks; the waiting one takes its seat in this step), online classes too: a tenant whose realtime flood
-        holds every seat does not make another's request wait for one of its streams to end. Each time the latest-arrived sequence of the
-        tenant with the most seats per weight goes, and only if handing its seat over leaves that tenant no worse
-        off than the other (no seat flips back). Returns the suspended ones."""
+        holds every seat does not make another's request wait for one of its streams to end. Each time the
+        latest-arrived sequence of the tenant with the most seats per weight goes, and only if handing its seat
+        over leaves that tenant no worse off than the other (no seat flips back). Returns the suspended ones."""
         moved: list[Sequence] = []
         if self.capacity_policy == "no_evict":
             return moved
@@ -385,6 +385,8 @@ class Scheduler:
         full = len(self.running) + moved >= self.max_num_seqs
         offline_full = full or sum(not s.is_online for s in self.running) + moved >= \
             self.max_num_seqs - self.reserve_seats
+        if not offline_full:
+            return None        # a free seat: nobody needs to give one up (the usual step: no scan of the waiting)
         running = set(map(id, self.running))
         for rank in sorted({s.rank for s in self.waiting if (offline_full, full)[s.is_online]}):
             seats: dict[str, list[Sequence]] = defaultdict(list)
