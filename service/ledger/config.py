@@ -213,6 +213,10 @@ class Config:
                                           "that waiting offline work gets beside realtime and interactive work (a "
                                           "step that brings an online first token gives it none and owes it)",
                                           parse=FLOAT, check=SHARE, shown="`0.5`", engine=True)
+    step_trace: str | None = setting("TIDEPOOL_STEP_TRACE", None, "A file every engine step appends one JSON line "
+                                     "to: its time split (schedule, model, sample, idle before it), predicted time "
+                                     "and bound, online and offline rows and tokens (a diagnosis of where step time "
+                                     "goes)", shown="off", engine=True)
     swap_space_gib: float | None = setting("TIDEPOOL_SWAP_SPACE_GIB", None, "Host pool for KV blocks swapped out "
                                            "under memory pressure (pinned on CUDA)", parse=FLOAT, check=NON_NEGATIVE,
                                            shown="`4` on CUDA, `0` on CPU", engine=True)

@@ -9,7 +9,7 @@ import threading
 import time
 
 import requests
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from service.ledger.models import Batch, BatchStatus, Job, JobStatus
@@ -100,7 +100,11 @@ def test_three_gpu_workers_share_a_batch_and_survive_a_kill_9(stack):
         procs[victim].wait()
         t_kill = time.monotonic()
         time.sleep(0.5)         # a claim or completion in flight at the kill has committed or rolled back by now
-        held = {j.id for j in st.jobs(Job.worker == victim, Job.status == JobStatus.running)}
+        # the victim's jobs: still running under its name, or already reclaimed by the sweeper (its lease lapsed
+        # within the 0.5 s): queued again with the attempt counted, or claimed by another worker for a second one
+        held = {j.id for j in st.jobs(or_(and_(Job.worker == victim, Job.status == JobStatus.running),
+                                          and_(Job.status == JobStatus.queued, Job.attempts >= 1),
+                                          Job.attempts >= 2))}
         with Session(st.engine) as s:
             while_three = dict(s.execute(select(Job.worker, func.count()).where(
                 Job.batch_id == batch_id, Job.status == JobStatus.completed).group_by(Job.worker)).all())

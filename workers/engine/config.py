@@ -114,6 +114,7 @@ class EngineConfig:
     # Speculative decoding (SpeculativeConfig above; workers/engine/spec_decode.py): a dict such as
     # {"method": "ngram", "num_tokens": 4}, or text "ngram:4"; None: off.
     speculative: SpeculativeConfig | dict | str | None = None
+    step_trace: str | None = None               # a file each step appends one JSON line to (step_trace.py)
 
     def __post_init__(self):
         path = Path(self.model)

@@ -18,6 +18,7 @@ from workers.engine.sampling_params import SamplingParams
 from workers.engine.scheduler import Scheduler
 from workers.engine.sequence import Sequence, SequenceStatus
 from workers.engine.spec_decode import Speculator, make_drafter
+from workers.engine.step_trace import StepTrace
 from workers.engine.structured import StructuredDecoding
 from workers.engine.swap import HostKVPool, copy_blocks
 from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -164,6 +165,7 @@ class LLMEngine:
                         "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "finished": 0, "aborted": 0,
                         "embedded_inputs": 0, "embedded_tokens": 0}
         self._last_step = {"tokens": 0, "seqs": 0, "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
+        self._trace = StepTrace(config.step_trace) if config.step_trace else None
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -305,6 +307,7 @@ class LLMEngine:
             return outputs
         prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
                             for s, n in zip(batch.seqs, batch.num_new_tokens))
+        counts = self._trace.count(batch) if self._trace is not None else None
         if batch.swap_out:
             self.host_pool.copy(batch.swap_out, [])
         if batch.copies:     # copy-on-write: after swap-outs read their blocks, before swap-ins overwrite any
@@ -333,6 +336,8 @@ class LLMEngine:
         t3 = time.perf_counter()
         self.cost_model.observe(batch.num_tokens, batch.attended, t3 - t0)
         self._record(batch, prompt_tokens, t1 - t0, t2 - t1, t3 - t2)
+        if self._trace is not None:
+            self._trace.write(batch, counts, t0, t1, t2, t3)
         return outputs
 
     def _fork(self, ready: list[Sequence], logits):
