@@ -10,9 +10,12 @@ Per server, one after the other (never two at once), three phases:
   (2) offline alone: --offline jobs of --offline-tokens tokens, all submitted at once (Tidepool: POST /v1/jobs
       at the batch class; a peer: non-streamed /v1/completions with "priority": 10, one connection each),
       measured to the last completion;
-  (3) both: the same offline batch and, from the same moment, the realtime stream for (2)'s span (at least
-      --rt-duration); offline tok/s counts the jobs finished inside that window (Tidepool: the ledger's
-      finished_at) over the window, or over the span to the last one when all finished inside it.
+  (3) both: the same offline batch and, from the same moment, the realtime stream for at least (2)'s span (and
+      --rt-duration), on until the batch is done (at most MIXED_SPANS spans), so offline tok/s is the batch's
+      tokens over the span to its last completion (Tidepool: the ledger's finished_at), as in (2); a batch not
+      done by then counts the jobs finished inside the window over the window. (Counting only the jobs finished
+      inside a fixed window undercounts: jobs finish in waves of max_num_seqs, and a wave nearly done at the
+      window's end counts nothing.)
 
 TTFT runs from just before the client connects to the first chunk with text; inter-token gaps are the times
 between consecutive chunks with text of one stream (what a reader of the stream sees). Without --url, the
@@ -45,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from online_latency import _get, _stop, _wait, make_prompts, paced, pct  # noqa: E402
 
 VOCAB = 49152          # SmolLM2's; prompts are random ids in [100, VOCAB)
+MIXED_SPANS = 4        # the mixed phase's realtime stream runs until the batch is done, at most this many spans
 
 
 def _ts(value) -> float:
@@ -204,11 +208,14 @@ def run(server: Server, args) -> dict:
     off_alone, off_alone_done = off.rate()
     span = max(args.rt_duration, (max(t for t, _ in off.done) - off.start) if off.done else args.rt_duration)
     n_mixed = max(1, int(span * args.rate))
-    print(f"[{server.name}] both: {n_mixed} realtime requests over {span:.0f} s beside the batch", file=sys.stderr,
-          flush=True)
-    mixed_prompts = make_prompts(n_mixed, VOCAB, args.seed + 2)
+    print(f"[{server.name}] both: at least {n_mixed} realtime requests over {span:.0f} s beside the batch, on until "
+          f"the batch is done (at most {MIXED_SPANS}x that)", file=sys.stderr, flush=True)
+    mixed_prompts = make_prompts(n_mixed * MIXED_SPANS, VOCAB, args.seed + 2)
     off2 = server.offline([[t + 1 if t + 1 < VOCAB else 100 for t in ids] for ids in offline_prompts])  # no cache hits
-    mixed = summary(paced(server, mixed_prompts, args.rate))
+    batch_done = threading.Event()
+    threading.Thread(target=lambda: (off2.wait(until=off2.start + MIXED_SPANS * span, every=2.0), batch_done.set()),
+                     daemon=True).start()
+    mixed = summary(paced(server, mixed_prompts, args.rate, stop=lambda i: i >= n_mixed and batch_done.is_set()))
     window_end = time.time()
     off2.poll()
     off_mixed, off_mixed_done = off2.rate(window_end)

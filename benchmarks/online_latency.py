@@ -157,13 +157,15 @@ def measure(client, idle_prompts, steady_prompts, rate, gap, warmup):
     return idle, paced(client, steady_prompts, rate)
 
 
-def paced(client, prompts, rate) -> list[dict]:
-    """Stream each prompt through client.stream, the i-th sent at i / rate seconds (a steady arrival rate)."""
+def paced(client, prompts, rate, stop=None) -> list[dict]:
+    """Stream each prompt through client.stream, the i-th sent at i / rate seconds (a steady arrival rate);
+    with stop, the i-th is not sent once stop(i) is true (the stream ends early)."""
     results, threads, start = [None] * len(prompts), [], time.time() + 0.2
 
     def one(i, ids):
         time.sleep(max(0.0, start + i / rate - time.time()))
-        results[i] = client.stream(ids)
+        if stop is None or not stop(i):
+            results[i] = client.stream(ids)
 
     for i, ids in enumerate(prompts):
         t = threading.Thread(target=one, args=(i, ids), daemon=True)
@@ -171,7 +173,7 @@ def paced(client, prompts, rate) -> list[dict]:
         threads.append(t)
     for t in threads:
         t.join()
-    return results
+    return [r for r in results if r is not None]
 
 
 # -- servers ---------------------------------------------------------------------------------------------

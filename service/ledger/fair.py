@@ -5,10 +5,11 @@ Publishers keep pushing kombu messages onto each queue's list (LPUSH); a message
 [tenant, weight, deadline or null, estimated tokens]` (`meta()`). The take (TAKE, one Lua script, so atomic) first
 moves what arrived on the lists into one sorted set per (lane, tenant), scored by deadline (EDF; none = +inf) with
 an arrival sequence in the member (FIFO among equal deadlines), keeping the set of backlogged tenants per lane.
-Then it picks the backlogged tenant with the least weighted service (tokens served / weight), pops its earliest
-job and records it as unacked exactly as broker.py's FIFO take does (unacked hash, index, owner): ack, reject,
-restore and restore_visible see a usual kombu message, and a restored message goes back to its list, to be sorted
-in again at the next take.
+Then it picks the backlogged tenant with the least weighted service (tokens served / weight; a sorted set per
+lane keeps them in that order, so the pick costs O(log n) in backlogged tenants), pops its earliest job and
+records it as unacked exactly as broker.py's FIFO take does (unacked hash, index, owner): ack, reject, restore
+and restore_visible see a usual kombu message, and a restored message goes back to its list, to be sorted in
+again at the next take.
 
 Service is per (class, tenant), shared by every worker through Redis: the take charges a job's estimate at once
 (so a take right after it sees it), the worker corrects it by the tokens actually served when the result is
@@ -62,6 +63,39 @@ local function weight(t)
   if not w or w <= 0 then w = 1 end
   return w
 end
+-- Backlogged tenants are also kept per lane in a sorted set ('tidepool:fair:z:' .. lane) scored by weighted service
+-- normalised to the class's origin time ('tidepool:fair:o:' .. queue): decayed service / weight x exp((now - origin)
+-- / tau). Decay scales every tenant's service alike, so the order of these scores never changes with time, and the
+-- pick is the set's first member (O(log n), not a pass over every backlogged tenant). Whatever changes a tenant's
+-- service or weight rescores it in every lane of the class ('tidepool:fair:l:' .. queue); the origin moves up
+-- (rescaling every score) once it is REBASE time constants old, so the scores stay far from overflow.
+local REBASE = 20
+local function class_of(skey) return string.sub(skey, string.len('tidepool:fair:s:') + 1) end
+local function norm_factor(queue)
+  if tau <= 0 then return 1 end
+  local okey = 'tidepool:fair:o:' .. queue
+  local origin = tonumber(redis.call('GET', okey) or '')
+  if origin == nil or now - origin > REBASE * tau then     -- (a worker's clock a little behind: factor < 1, fine)
+    local scale = 1
+    if origin ~= nil then scale = math.exp((origin - now) / tau) end
+    for _, lane in ipairs(redis.call('SMEMBERS', 'tidepool:fair:l:' .. queue)) do
+      local zkey = 'tidepool:fair:z:' .. lane
+      local all = redis.call('ZRANGE', zkey, 0, -1, 'WITHSCORES')
+      for i = 1, #all, 2 do redis.call('ZADD', zkey, tonumber(all[i + 1]) * scale, all[i]) end
+    end
+    redis.call('SET', okey, ARGV[1])
+    origin = now
+  end
+  return math.exp((now - origin) / tau)
+end
+local function rescore(skey, tkey, t)
+  local queue = class_of(skey)
+  local score = decayed(skey, tkey, t) / weight(t) * norm_factor(queue)
+  for _, lane in ipairs(redis.call('SMEMBERS', 'tidepool:fair:l:' .. queue)) do
+    redis.call('ZADD', 'tidepool:fair:z:' .. lane, 'XX', score, t)
+  end
+  return score
+end
 """
 
 # KEYS: for each lane its lists (kombu's priority lists, ARGV[5] of them), then unacked, unacked_index, owners,
@@ -75,10 +109,21 @@ local base = nl * p
 local excluded = {}
 for _, t in ipairs(cjson.decode(ARGV[6])) do excluded[t] = true end
 local SKEY, TKEY, WKEY, QKEY = KEYS[base + 4], KEYS[base + 5], KEYS[base + 6], KEYS[base + 7]
-local lanes, backlog = {}, {}
+local queue = class_of(SKEY)
+local lanes, backlog, zsets = {}, {}, {}
 for j = 1, nl do
   lanes[j] = ARGV[6 + j]
   backlog[j] = 'tidepool:fair:b:' .. lanes[j]
+  zsets[j] = 'tidepool:fair:z:' .. lanes[j]
+  redis.call('SADD', 'tidepool:fair:l:' .. queue, lanes[j])
+end
+local factor = norm_factor(queue)
+local function tscore(t) return decayed(SKEY, TKEY, t) / weight(t) * factor end
+for j = 1, nl do      -- a backlog sorted in before the sets existed (or by hand): scored from the counters
+  if redis.call('ZCARD', zsets[j]) ~= redis.call('SCARD', backlog[j]) then
+    redis.call('DEL', zsets[j])
+    for _, t in ipairs(redis.call('SMEMBERS', backlog[j])) do redis.call('ZADD', zsets[j], tscore(t), t) end
+  end
 end
 local function backlogged_elsewhere(t, j)
   for k = 1, nl do
@@ -86,18 +131,15 @@ local function backlogged_elsewhere(t, j)
   end
   return false
 end
-local function lift(t, j)
+local function lift(t)
+  -- a tenant backlogged again starts level with the least served of those backlogged (VTC's counter lift)
   local least = nil
   for k = 1, nl do
-    for _, o in ipairs(redis.call('SMEMBERS', backlog[k])) do
-      if o ~= t then
-        local v = decayed(SKEY, TKEY, o) / weight(o)
-        if least == nil or v < least then least = v end
-      end
-    end
+    local first = redis.call('ZRANGE', zsets[k], 0, 0, 'WITHSCORES')
+    if first[2] ~= nil and (least == nil or tonumber(first[2]) < least) then least = tonumber(first[2]) end
   end
   local own = decayed(SKEY, TKEY, t)
-  if least ~= nil and least * weight(t) > own then own = least * weight(t) end
+  if least ~= nil and least / factor * weight(t) > own then own = least / factor * weight(t) end
   redis.call('HSET', SKEY, t, own)
   redis.call('HSET', TKEY, t, ARGV[1])
 end
@@ -114,12 +156,18 @@ for j = 1, nl do
       if ok and type(msg) == 'table' and type(msg['headers']) == 'table' and type(msg['headers']['fair']) == 'table' then
         local f = msg['headers']['fair']
         if type(f[1]) == 'string' then tenant = f[1] end
-        if type(f[2]) == 'number' and f[2] > 0 then redis.call('HSET', WKEY, tenant, f[2]) end
+        if type(f[2]) == 'number' and f[2] > 0 and tonumber(redis.call('HGET', WKEY, tenant) or '') ~= f[2] then
+          redis.call('HSET', WKEY, tenant, f[2])
+          rescore(SKEY, TKEY, tenant)
+        end
         if type(f[3]) == 'number' then score = f[3] end
       end
       local seq = redis.call('INCR', QKEY)
       redis.call('ZADD', 'tidepool:fair:q:' .. lanes[j] .. '|' .. tenant, score, string.format('%016d', seq) .. raw)
-      if redis.call('SADD', backlog[j], tenant) == 1 and not backlogged_elsewhere(tenant, j) then lift(tenant, j) end
+      if redis.call('SADD', backlog[j], tenant) == 1 then
+        if not backlogged_elsewhere(tenant, j) then lift(tenant) end
+        redis.call('ZADD', zsets[j], tscore(tenant), tenant)
+      end
     end
   end
 end
@@ -137,21 +185,29 @@ local function head(t)
   end
   return h
 end
-for j = 1, nl do
-  for _, t in ipairs(redis.call('SMEMBERS', backlog[j])) do
-    if not seen[t] and not excluded[t] then
-      seen[t] = true
-      local v = decayed(SKEY, TKEY, t) / weight(t)
-      if best == nil or v < bestv - 1e-9 then
-        best, bestv, besthead = t, v, nil
-      elseif v <= bestv + 1e-9 then
-        if besthead == nil then besthead = head(best) end
-        local h = head(t)
-        if h ~= nil and (besthead == nil or h[1] < besthead[1] or (h[1] == besthead[1] and h[2] < besthead[2])) then
-          best, bestv, besthead = t, v, h
+local tol = 1e-9 * factor
+for j = 1, nl do      -- each lane's least-served tenants not passed over: its first one and any tied with it
+  local from, done = 0, false
+  while not done do
+    local part = redis.call('ZRANGE', zsets[j], from, from + 15, 'WITHSCORES')
+    if #part == 0 then break end
+    for i = 1, #part, 2 do
+      local t, v = part[i], tonumber(part[i + 1])
+      if bestv ~= nil and v > bestv + tol then done = true; break end
+      if not seen[t] and not excluded[t] then
+        seen[t] = true
+        if best == nil or v < bestv - tol then
+          best, bestv, besthead = t, v, nil
+        else
+          if besthead == nil then besthead = head(best) end
+          local h = head(t)
+          if h ~= nil and (besthead == nil or h[1] < besthead[1] or (h[1] == besthead[1] and h[2] < besthead[2])) then
+            best, bestv, besthead = t, v, h
+          end
         end
       end
     end
+    from = from + 16
   end
 end
 if best == nil then return false end
@@ -162,10 +218,14 @@ for j = 1, nl do
   local r = redis.call('ZPOPMIN', zkey)
   if r[1] then
     raw = string.sub(r[1], 17)
-    if redis.call('EXISTS', zkey) == 0 then redis.call('SREM', backlog[j], best) end
+    if redis.call('EXISTS', zkey) == 0 then
+      redis.call('SREM', backlog[j], best)
+      redis.call('ZREM', zsets[j], best)
+    end
     break
   else
     redis.call('SREM', backlog[j], best)
+    redis.call('ZREM', zsets[j], best)
   end
 end
 if raw == nil then return false end
@@ -175,6 +235,7 @@ local hdr = msg['headers']
 if type(hdr) == 'table' and type(hdr['fair']) == 'table' and type(hdr['fair'][4]) == 'number' then cost = hdr['fair'][4] end
 redis.call('HSET', SKEY, best, decayed(SKEY, TKEY, best) + cost)
 redis.call('HSET', TKEY, best, ARGV[1])
+rescore(SKEY, TKEY, best)
 -- 4. unacked, as broker.py's FIFO take records it
 local props = msg['properties']
 local info = props['delivery_info']
@@ -192,6 +253,7 @@ local v = decayed(KEYS[1], KEYS[2], ARGV[2]) + tonumber(ARGV[4])
 if v < 0 then v = 0 end
 redis.call('HSET', KEYS[1], ARGV[2], v)
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[1])
+rescore(KEYS[1], KEYS[2], ARGV[2])
 return tostring(v)
 """
 
@@ -208,6 +270,8 @@ for _, t in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   redis.call('DEL', zkey)
 end
 redis.call('DEL', KEYS[1])
+redis.call('DEL', 'tidepool:fair:z:' .. ARGV[1])
+redis.call('SREM', 'tidepool:fair:l:' .. KEYS[2], ARGV[1])     -- (KEYS[2]: the lane's shared queue)
 return n
 """
 
