@@ -212,7 +212,8 @@ def realtime_beside_batch(args, texts) -> dict:
            "busy_ttft_ms": [round(_pct(busy, q), 1) for q in (0.5, 0.99)],
            "batch_inputs_s_beside": round(during / args.rt_seconds, 1), "batch_left_at_end": left,
            "batch_tokens_per_step": round((after["total_embedded_tokens"] - before["total_embedded_tokens"])
-                                          / max(1, after["total_steps"] - before["total_steps"]), 1)}
+                                          / max(1, after["total_steps"] - before["total_steps"]), 1),
+           "emb_cost_model": {k: float(f"{v:.3g}") for k, v in after["cost_model"].items()}}
     out["ttft_p99_ratio"] = round(out["busy_ttft_ms"][1] / out["idle_ttft_ms"][1], 3)
     return out
 
