@@ -42,29 +42,37 @@ CORPUS = Path(__file__).resolve().parent.parent / "workers" / "tools" / "data" /
 PEERS = Path(os.environ.get("PEER_DIR", "/tmp/peers"))
 
 VLLM_SCRIPT = textwrap.dedent("""
-    import json, sys, time
-    model, path, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    import os
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
-    from vllm import LLM
-    texts = json.load(open(path))
-    t0 = time.perf_counter()
-    try:
-        llm = LLM(model=model, runner="pooling", dtype="float32", enforce_eager=True, seed=0)
-        how = "runner=pooling"
-    except TypeError:
-        llm = LLM(model=model, task="embed", dtype="float32", enforce_eager=True, seed=0)
-        how = "task=embed"
-    load = time.perf_counter() - t0
-    llm.embed(texts[:32], use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.embed(texts, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    sample = [o.outputs.embedding for o in outs[:64]]
-    tokens = sum(len(o.prompt_token_ids) for o in outs)
-    print("RESULT " + json.dumps({"seconds": wall, "load_s": load, "how": how, "tokens": tokens, "sample": sample}))
+    import json, os, sys, time
+
+
+    def main(model, path, out, threads):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        import numpy as np
+        import vllm
+        from vllm import LLM
+        texts = json.load(open(path))
+        t0 = time.perf_counter()
+        try:
+            llm = LLM(model=model, runner="pooling", dtype="float32", enforce_eager=True, seed=0)
+            how = "runner=pooling"
+        except TypeError:
+            llm = LLM(model=model, task="embed", dtype="float32", enforce_eager=True, seed=0)
+            how = "task=embed"
+        load = time.perf_counter() - t0
+        llm.embed(texts[:32], use_tqdm=False)
+        t0 = time.perf_counter()
+        outs = llm.embed(texts, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        np.save(out, np.array([o.outputs.embedding for o in outs], dtype=np.float32))
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        print("RESULT " + json.dumps({"seconds": wall, "load_s": load, "how": how, "version": vllm.__version__,
+                                      "tokens": tokens}), flush=True)
+
+
+    if __name__ == "__main__":      # vLLM starts its engine core with spawn: this file is imported again there
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
 """)
 
 
@@ -132,21 +140,24 @@ def run_st(args, texts):
 
 
 def run_vllm(args, texts):
+    """vLLM's pooling runner in its own venv and process: (row, all its vectors) or (row with "error", None)."""
     python = PEERS / "vllm" / "bin" / "python"
     if not python.exists():
         return {"error": f"no vLLM venv at {python.parent.parent}"}, None
+    import numpy as np
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "texts.json"
+        path, out = Path(tmp) / "texts.json", Path(tmp) / "vectors.npy"
         path.write_text(json.dumps(texts))
         script = Path(tmp) / "vllm_embed.py"
         script.write_text(VLLM_SCRIPT)
-        proc = subprocess.run([str(python), str(script), args.vllm_model or args.model, str(path),
+        proc = subprocess.run([str(python), str(script), args.vllm_model or args.model, str(path), str(out),
                                str(args.threads)], capture_output=True, text=True, timeout=args.vllm_timeout)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    if line is None:
-        return {"error": (proc.stderr or proc.stdout)[-600:]}, None
-    got = json.loads(line[len("RESULT "):])
-    return {k: v for k, v in got.items() if k != "sample"}, got["sample"]
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:      # the root cause, not the traceback of the process that waited on vLLM's engine core
+            log = (proc.stderr or "") + (proc.stdout or "")
+            causes = [ln.strip() for ln in log.splitlines() if "Error" in ln or "error:" in ln]
+            return {"error": f"rc={proc.returncode}: " + (" | ".join(dict.fromkeys(causes))[-1500:] or log[-600:])}, None
+        return json.loads(line[len("RESULT "):]), np.load(out)
 
 
 def realtime_beside_batch(args, texts) -> dict:
@@ -201,7 +212,8 @@ def realtime_beside_batch(args, texts) -> dict:
            "busy_ttft_ms": [round(_pct(busy, q), 1) for q in (0.5, 0.99)],
            "batch_inputs_s_beside": round(during / args.rt_seconds, 1), "batch_left_at_end": left,
            "batch_tokens_per_step": round((after["total_embedded_tokens"] - before["total_embedded_tokens"])
-                                          / max(1, after["total_steps"] - before["total_steps"]), 1)}
+                                          / max(1, after["total_steps"] - before["total_steps"]), 1),
+           "emb_cost_model": {k: float(f"{v:.3g}") for k, v in after["cost_model"].items()}}
     out["ttft_p99_ratio"] = round(out["busy_ttft_ms"][1] / out["idle_ttft_ms"][1], 3)
     return out
 
@@ -239,9 +251,11 @@ def main() -> int:
         rows["st"], st_vectors = run_st(args, texts)
         rows["st"]["min_cosine_vs_engine"] = round(cosine_min(st_vectors, vectors), 6)
     if "vllm" not in skip:
-        rows["vllm"], sample = run_vllm(args, texts)
-        if sample:
-            rows["vllm"]["min_cosine_vs_engine"] = round(cosine_min(sample, vectors[:len(sample)]), 6)
+        rows["vllm"], vllm_vectors = run_vllm(args, texts)
+        if vllm_vectors is not None:
+            rows["vllm"]["min_cosine_vs_engine"] = round(cosine_min(vllm_vectors, vectors), 6)
+            if "st" in rows:
+                rows["vllm"]["min_cosine_vs_st"] = round(cosine_min(vllm_vectors, st_vectors), 6)
     realtime = None if "realtime" in skip else realtime_beside_batch(args, texts)
     tokens = engine["tokens"]
     print(f"{args.n} sentences, {tokens} tokens ({tokens / args.n:.0f} per sentence), {args.threads} threads")
