@@ -14,6 +14,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "simd.h"     // vec8
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -21,71 +23,73 @@
 
 namespace {
 
-// 16 fp32 lanes by GCC/Clang vector extensions: one AVX-512 register with -march=native there, split elsewhere
-typedef float v16 __attribute__((vector_size(64)));
-inline v16 ld16(const float* p) {
-  v16 v;
+// 8 fp32 lanes by GCC/Clang vector extensions (simd.h's vec8): one AVX2 register, split into narrower ones
+// elsewhere. A micro-tile is TM rows x NV vectors of accumulators: 4 x 3 = 12 registers, plus 3 loads and a
+// broadcast, fits the 16 registers of AVX2 (wider tiles spill, several times slower).
+using v8 = simd::vec8;
+inline v8 ld8(const float* p) {
+  v8 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void st16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+inline void st8(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 
 constexpr int TM = 4;          // rows per tile
+constexpr int kMaxNV = 3;      // vectors of columns per micro-tile
 constexpr int kMaxN = 512;     // widest shrink (len(blocks) * rank) a tile keeps on the stack
 
-// out[i][c + 16j] = sum_k x[i][k] a[k][c + 16j] for the tile's rows i < m (rows past m repeat row 0, unused)
+// out[i][c + 8j] = sum_k x[i][k] a[k][c + 8j] for the tile's rows i < m (rows past m repeat row 0, unused)
 template <int NV>
 inline void shrink_cols(const float* const* x, int m, const float* a, int64_t in, int64_t n, int64_t c,
                         float (*out)[kMaxN]) {
-  v16 acc[TM][NV];
+  v8 acc[TM][NV];
   for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = v16{};
+    for (int j = 0; j < NV; ++j) acc[i][j] = v8{};
   for (int64_t k = 0; k < in; ++k) {
     const float* ak = a + k * n + c;
-    v16 av[NV];
-    for (int j = 0; j < NV; ++j) av[j] = ld16(ak + 16 * j);
+    v8 av[NV];
+    for (int j = 0; j < NV; ++j) av[j] = ld8(ak + 8 * j);
     for (int i = 0; i < TM; ++i) {
-      const v16 xv = v16{} + x[i][k];
+      const v8 xv = v8{} + x[i][k];
       for (int j = 0; j < NV; ++j) acc[i][j] += xv * av[j];
     }
   }
   for (int i = 0; i < m; ++i)
-    for (int j = 0; j < NV; ++j) st16(&out[i][c + 16 * j], acc[i][j]);
+    for (int j = 0; j < NV; ++j) st8(&out[i][c + 8 * j], acc[i][j]);
 }
 
-// y[i][c + 16j] += sum_q xa[i][q] b[q][c + 16j], q < r (xa and b at the block's rank offset)
+// y[i][c + 8j] += sum_q xa[i][q] b[q][c + 8j], q < r (xa and b at the block's rank offset)
 template <int NV>
 inline void expand_cols(float (*xa)[kMaxN], int64_t q0, int m, const float* b, int64_t r, int64_t out_stride,
                         int64_t c, float* const* y) {
-  v16 acc[TM][NV];
+  v8 acc[TM][NV];
   for (int i = 0; i < TM; ++i)
-    for (int j = 0; j < NV; ++j) acc[i][j] = v16{};
+    for (int j = 0; j < NV; ++j) acc[i][j] = v8{};
   for (int64_t q = 0; q < r; ++q) {
     const float* bq = b + q * out_stride + c;
-    v16 bv[NV];
-    for (int j = 0; j < NV; ++j) bv[j] = ld16(bq + 16 * j);
+    v8 bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = ld8(bq + 8 * j);
     for (int i = 0; i < TM; ++i) {
-      const v16 xv = v16{} + xa[i][q0 + q];
+      const v8 xv = v8{} + xa[i][q0 + q];
       for (int j = 0; j < NV; ++j) acc[i][j] += xv * bv[j];
     }
   }
   for (int i = 0; i < m; ++i)
-    for (int j = 0; j < NV; ++j) st16(y[i] + c + 16 * j, ld16(y[i] + c + 16 * j) + acc[i][j]);
+    for (int j = 0; j < NV; ++j) st8(y[i] + c + 8 * j, ld8(y[i] + c + 8 * j) + acc[i][j]);
 }
 
 void tile(const float* const* x, float* const* y, int m, const float* a, const float* b, int64_t in, int64_t n,
           int64_t out, const std::vector<int64_t>& blocks) {
   float xa[TM][kMaxN];
   int64_t c = 0;
-  while (c + 16 <= n) {                      // up to 4 vectors of columns a pass over x
-    const int64_t v = std::min<int64_t>(4, (n - c) / 16);
+  while (c + 8 <= n) {                       // up to kMaxNV vectors of columns a pass over x
+    const int64_t v = std::min<int64_t>(kMaxNV, (n - c) / 8);
     switch (v) {
-      case 4: shrink_cols<4>(x, m, a, in, n, c, xa); break;
       case 3: shrink_cols<3>(x, m, a, in, n, c, xa); break;
       case 2: shrink_cols<2>(x, m, a, in, n, c, xa); break;
       default: shrink_cols<1>(x, m, a, in, n, c, xa); break;
     }
-    c += 16 * v;
+    c += 8 * v;
   }
   for (; c < n; ++c) {                       // a rank off the vector width
     for (int i = 0; i < m; ++i) {
@@ -102,15 +106,14 @@ void tile(const float* const* x, float* const* y, int m, const float* a, const f
     float* yc[TM];
     for (int i = 0; i < TM; ++i) yc[i] = y[i] + col;
     int64_t cc = 0;
-    while (cc + 16 <= width) {
-      const int64_t v = std::min<int64_t>(4, (width - cc) / 16);
+    while (cc + 8 <= width) {
+      const int64_t v = std::min<int64_t>(kMaxNV, (width - cc) / 8);
       switch (v) {
-        case 4: expand_cols<4>(xa, q0, m, bb + col, r, out, cc, yc); break;
         case 3: expand_cols<3>(xa, q0, m, bb + col, r, out, cc, yc); break;
         case 2: expand_cols<2>(xa, q0, m, bb + col, r, out, cc, yc); break;
         default: expand_cols<1>(xa, q0, m, bb + col, r, out, cc, yc); break;
       }
-      cc += 16 * v;
+      cc += 8 * v;
     }
     for (; cc < width; ++cc) {
       for (int i = 0; i < m; ++i) {
