@@ -2,7 +2,8 @@
 
 `paged_decode_op()` returns torch.ops.tidepool_cpu.paged_decode (decode attention that reads the paged KV cache
 in place, same contract as kernels/paged_attention.py), or None, in which case callers use the pure-torch path;
-`native_op(name)` does the same for the fused element-wise ops of kernels/layer_ops.py (fused_cpu.cpp).
+`native_op(name)` does the same for the fused element-wise ops of kernels/layer_ops.py (fused_cpu.cpp) and the
+LoRA rows op of kernels/lora_ops.py (lora_cpu.cpp).
 They are None (a build or load failure is logged once, as a warning; see unavailable_reason()) when:
 
 * they are switched off: configure(enabled=False), which the engine calls with its config's `cpu_kernels` (the
@@ -37,7 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = [CSRC / name for name in ("paged_decode_cpu.cpp", "fused_cpu.cpp")]     # compiled into one library
+SOURCES = [CSRC / name for name in ("paged_decode_cpu.cpp", "fused_cpu.cpp", "lora_cpu.cpp")]     # compiled into one library
 BUILD_TIMEOUT_S = 600
 _lock = threading.Lock()
 _op = None

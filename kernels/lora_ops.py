@@ -6,12 +6,22 @@ holding rows[seg_starts[g]:seg_starts[g + 1]], all of slot seg_slots[g]. For eve
 Tokens of no adapter are in no segment and cost nothing. `sgmv_ref` defines the result; `sgmv` is the one entry
 point the model calls: the Triton kernel (kernels/triton_lora.py) on CUDA tensors; on CPU, GEMMs straight on the
 x / y slices of long runs of one adapter's rows (a prefill chunk: no gather, no temporary of y's size, only the
-diagonal blocks of a stacked b), and for the remaining rows (decode tokens) a padded batched matmul over the slots
-when their counts are similar, else a loop over slots.
+diagonal blocks of a stacked b), and for the remaining rows (decode tokens) the native op of
+kernels/csrc/lora_cpu.cpp (fp32: one call per linear, tiles of a few rows of one adapter through its a and the
+diagonal blocks of its b in registers, nothing gathered, padded or scattered; self-checked against sgmv_ref
+once), else a padded batched matmul over the slots when their counts are similar, else a loop over slots.
 """
+import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch
+
+from kernels.cpu_ops import native_op
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_checked: bool | None = None     # the native op passed _self_check() (None: not run yet in this process)
 
 
 @dataclass
@@ -26,6 +36,10 @@ class SGMVPlan:
     # the other rows (decode tokens) gathered per slot, or as one padded batched matmul over the slots
     runs: list[tuple[int, int, int]] = field(default_factory=list)     # (slot, r0, r1): rows r0..r1-1
     rest: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, rows) outside the runs
+    # the same rows as segments for the native op: int64 rows grouped by slot, offsets, slots
+    rest_rows: torch.Tensor | None = None
+    rest_starts: torch.Tensor | None = None
+    rest_slots: torch.Tensor | None = None
     pad_rows: torch.Tensor | None = None    # [hi - lo + 1, L] rest rows per slot lo..hi, padding points at row 0
     pad_mask: torch.Tensor | None = None    # [hi - lo + 1, L, 1] 1 for real rows, 0 for padding
     slot_range: tuple[int, int] | None = None
@@ -70,6 +84,13 @@ def make_plan(token_slots: list[int], device: torch.device | str, dtype: torch.d
     if not rest:
         return plan
     plan.rest = [(slot, torch.tensor(r, dtype=torch.int64)) for slot, r in sorted(rest.items())]
+    flat, offsets = [], [0]
+    for _, r in sorted(rest.items()):
+        flat.extend(r)
+        offsets.append(len(flat))
+    plan.rest_rows = torch.tensor(flat, dtype=torch.int64)
+    plan.rest_starts = torch.tensor(offsets, dtype=torch.int64)
+    plan.rest_slots = torch.tensor(sorted(rest), dtype=torch.int64)
     lo, hi = min(rest), max(rest)
     longest = max(map(len, rest.values()))
     if len(rest) > 1 and (hi - lo + 1) * longest <= pad_waste * sum(map(len, rest.values())):
@@ -127,7 +148,12 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pla
         return sgmv_triton(y, x, a, b, plan.rows, plan.seg_starts, plan.seg_slots, plan.max_len)
     for slot, r0, r1 in plan.runs:                      # prefill chunks: GEMMs on slices, no gather, no copy
         _expand(y[r0:r1], x[r0:r1] @ a[slot], b[slot], blocks)
-    if plan.pad_rows is not None:                       # decode tokens of several adapters: two batched matmuls
+    if not plan.rest:
+        return y
+    op = _native_rows(y, x, a, b)
+    if op is not None:                                  # decode tokens: the native op, one call
+        op(y, x, a, b, plan.rest_rows, plan.rest_starts, plan.rest_slots, list(blocks or ()))
+    elif plan.pad_rows is not None:                     # decode tokens of several adapters: two batched matmuls
         lo, hi = plan.slot_range
         xa = torch.bmm(x[plan.pad_rows], a[lo:hi + 1]) * plan.pad_mask     # [G, L, R]; padding rows zeroed
         delta = torch.bmm(xa, b[lo:hi + 1])                                 # [G, L, out]
@@ -136,3 +162,59 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pla
         for slot, idx in plan.rest:
             y.index_add_(0, idx, (x[idx] @ a[slot]) @ b[slot])
     return y
+
+
+def _native_rows(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    """torch.ops.tidepool_cpu.lora_rows when built, self-checked and fit for these tensors (fp32, rows of x and y
+    contiguous, a and b contiguous), else None (the torch paths serve)."""
+    global _checked
+    if not (y.dtype == x.dtype == a.dtype == b.dtype == torch.float32 and x.stride(-1) == 1 and y.stride(-1) == 1
+            and a.is_contiguous() and b.is_contiguous() and a.shape[2] <= 512):
+        return None
+    op = native_op("lora_rows")
+    if op is None:
+        return None
+    if _checked is None:
+        with _lock:
+            if _checked is None:
+                try:
+                    _self_check(op)
+                    _checked = True
+                except Exception as e:  # noqa: BLE001 - any failure means the torch path
+                    log.warning("native CPU LoRA op unavailable, using the torch path: %s", e)
+                    _checked = False
+    return op if _checked else None
+
+
+def _self_check(op) -> None:
+    """The op against sgmv_ref: stacked blocks, ranks and widths off the vector width, full and partial tiles, rows
+    of no adapter, an adapter's rows scattered through the step, x and y with padded row strides."""
+    gen = torch.Generator().manual_seed(0)
+    for d_in, rank, blocks in ((40, 16, (24, 8, 8)), (70, 5, (33,)), (64, 16, (80, 80))):
+        n, d_out = rank * len(blocks), sum(blocks)
+        a = torch.randn(3, d_in, n, generator=gen)
+        b = torch.randn(3, n, d_out, generator=gen)
+        x = torch.randn(13, d_in + 3, generator=gen)[:, :d_in]
+        y = torch.randn(13, d_out + 5, generator=gen)[:, :d_out]
+        slots = [2, -1, 0, 2, 2, 1, 0, -1, 2, 2, 1, 2, 0]
+        segs = {}
+        for row, slot in enumerate(slots):
+            if slot >= 0:
+                segs.setdefault(slot, []).append(row)
+        rows = [r for s in sorted(segs) for r in segs[s]]
+        starts = [0]
+        for s in sorted(segs):
+            starts.append(starts[-1] + len(segs[s]))
+        rows_t, starts_t, slots_t = (torch.tensor(v, dtype=torch.int64) for v in (rows, starts, sorted(segs)))
+        want = y.clone()
+        bd = torch.zeros_like(b)            # a stack's b is block diagonal (the op reads the diagonal blocks only)
+        r0, c0 = 0, 0
+        for width in blocks:
+            bd[:, r0:r0 + rank, c0:c0 + width] = b[:, r0:r0 + rank, c0:c0 + width]
+            r0, c0 = r0 + rank, c0 + width
+        sgmv_ref(want, x, a, bd, rows_t, starts_t.to(torch.int32), slots_t.to(torch.int32))
+        got = y                             # a view with a padded row stride
+        op(got, x, a, bd, rows_t, starts_t, slots_t, list(blocks))
+        err = (got - want).abs().max().item()
+        if not err <= 1e-3:
+            raise RuntimeError(f"self-check: max abs err {err} against sgmv_ref (blocks {blocks}, rank {rank})")

@@ -142,3 +142,48 @@ def test_stalls_on_a_correct_seed_never_rescale():
     observe_with_stalls(cost, 2000, seed=6)
     assert cost.recalibrations == 0
     assert cost.predict(64, 64 * 200) == pytest.approx(true_time(64, 64 * 200), rel=0.1)
+
+
+PER_ADAPTER = 0.0015      # what each distinct LoRA adapter adds to a step (seconds)
+
+
+def test_per_adapter_term_is_fitted_from_steps_with_and_without_adapters():
+    """Steps of base-model work and of 1-8 adapters mixed: the fit recovers every term, the adapters' too."""
+    cost = CostModel()
+    rng = random.Random(8)
+    for tokens, att in shapes(400, seed=8):
+        k = rng.choice([0, 0, 1, 2, 4, 8])
+        cost.observe(tokens, att, true_time(tokens, att) + PER_ADAPTER * k, k)
+    assert (cost.fixed, cost.per_token, cost.per_context, cost.per_adapter) == \
+        pytest.approx(TRUE + (PER_ADAPTER,), rel=0.03)
+    assert cost.predict(64, 64 * 200, 8) == pytest.approx(true_time(64, 64 * 200) + 8 * PER_ADAPTER, rel=0.02)
+    assert cost.as_dict()["per_adapter_s"] == cost.per_adapter
+
+
+def test_per_adapter_seed_holds_until_steps_with_adapters_come():
+    """The calibration's per-adapter seed is kept through any number of base-model steps (their adapter column is
+    zero: nothing to fit it on), and steps with adapters then move it to what they cost."""
+    cost = CostModel()
+    cost.seed(*TRUE, per_adapter=0.004)
+    for tokens, att in shapes(300, seed=9):
+        cost.observe(tokens, att, true_time(tokens, att))
+    assert cost.per_adapter == 0.004
+    assert cost.per_token == pytest.approx(TRUE[1], rel=0.03)
+    rng = random.Random(9)
+    for tokens, att in shapes(600, seed=10):
+        k = rng.choice([0, 2, 8])
+        cost.observe(tokens, att, true_time(tokens, att) + PER_ADAPTER * k, k)
+    assert cost.per_adapter == pytest.approx(PER_ADAPTER, rel=0.05)
+    cost.seed(cost.fixed, cost.per_token, cost.per_context)     # a seed without the term keeps it
+    assert cost.per_adapter == pytest.approx(PER_ADAPTER, rel=0.05)
+
+
+def test_a_rescale_scales_the_per_adapter_term_too():
+    """A calibration ten times too fast, adapter term included: the drift check's rescale moves that term too."""
+    cost = CostModel()
+    cost.seed(*(c / 10 for c in TRUE), per_adapter=PER_ADAPTER / 10)
+    for _ in range(DRIFT_WINDOW + 4):
+        cost.observe(*DECODE, true_time(*DECODE) + 4 * PER_ADAPTER, 4)
+    assert cost.recalibrations == 1
+    assert cost.per_adapter > 3 * PER_ADAPTER / 10
+    assert cost.predict(*DECODE, 4) == pytest.approx(true_time(*DECODE) + 4 * PER_ADAPTER, rel=0.2)

@@ -116,6 +116,8 @@ def test_greedy_parity_with_peft(lora_setup, random_prompts, scenario):
         assert value > 0, stats
     assert stats["kv_blocks_used"] == 0 and stats["lora"]["loading"] == 0
     assert set(stats["lora"]["tokens"]) == set(ADAPTERS)
+    # calibration timed the decode batch over the (zero) slots for the per-adapter term, and left no plan behind
+    assert engine.lora.calibration_slots is None and stats["cost_model"]["per_adapter_s"] >= 0
 
 
 def test_adapters_differ_from_base_and_prefix_cache_is_per_adapter(lora_setup, random_prompts):

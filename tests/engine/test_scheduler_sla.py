@@ -388,3 +388,20 @@ def test_block_seat_and_budget_invariants_with_suspension_and_swap(reqs, num_blo
 
 def test_attended_counts_each_new_token_against_its_context():
     assert attended(0, 1) == 1 and attended(10, 1) == 11 and attended(0, 4) == 10 and attended(5, 2) == 13
+
+
+def test_a_step_pays_each_lora_adapter_once_and_fits_offline_work_around_it():
+    """With a per-adapter cost (each distinct adapter in a step reads its weights once), the idle cap's 150 ms hold
+    one adapter's 20 ms: the first prompt (adapter a) takes 10 + 20 + 100 ms, a prompt of adapter b would bring
+    another 20 ms and does not fit, the next ones of a take the 20 tokens left. The prediction counts it."""
+    cost = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0, per_adapter=0.020)
+    sim = Sim(max_num_seqs=64, budget=256, cost=cost)
+    for i in range(6):
+        sim.n += 1
+        seq = Sequence(f"s{sim.n}", [7] * 100, SamplingParams(max_tokens=5), sla_class="batch", lora="ab"[i % 2])
+        seq.arrival_time = sim.now
+        sim.sched.add(seq)
+    batch = sim.step()
+    assert {s.lora for s in batch.seqs} == {"a"} and batch.num_adapters == 1
+    assert batch.num_new_tokens[0] == 100 and 119 <= batch.num_tokens <= 120     # (float rounding of the ms)
+    assert batch.predicted_s <= 0.150 + 1e-9

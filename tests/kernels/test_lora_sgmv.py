@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from kernels import cpu_ops, lora_ops
 from kernels.lora_ops import make_plan, sgmv, sgmv_ref
 from kernels.triton_lora import sgmv_triton
 
@@ -57,9 +58,30 @@ def block_diagonal(b, blocks):
     return out
 
 
+@pytest.fixture(params=["native", "torch"])
+def cpu_path(request, monkeypatch):
+    """The decode rows through the native op (kernels/csrc/lora_cpu.cpp; skipped where it cannot be built) or,
+    with the op ruled out, the torch paths."""
+    if request.param == "torch":
+        monkeypatch.setattr(lora_ops, "_native_rows", lambda *args: None)
+    elif cpu_ops.paged_decode_op() is None:
+        pytest.skip(f"native CPU kernels unavailable: {cpu_ops.unavailable_reason()}")
+    return request.param
+
+
+def test_native_op_serves_fp32_decode_rows():
+    if cpu_ops.paged_decode_op() is None:
+        pytest.skip(f"native CPU kernels unavailable: {cpu_ops.unavailable_reason()}")
+    x, y = torch.randn(4, 8), torch.randn(4, 16)
+    a, b = torch.randn(2, 8, 4), torch.randn(2, 4, 16)
+    assert lora_ops._native_rows(y, x, a, b) is not None           # built and self-checked
+    assert lora_ops._native_rows(y.half(), x.half(), a.half(), b.half()) is None    # fp32 only: torch for the rest
+    assert lora_ops._native_rows(y, x, a.transpose(1, 2).contiguous().transpose(1, 2), b) is None
+
+
 @pytest.mark.parametrize("none_share,tokens,prefill", [(0.0, 64, False), (0.3, 64, False), (0.0, 3, False),
                                                         (0.5, 200, False), (0.0, 200, True), (0.3, 300, True)])
-def test_cpu_paths_match_reference(none_share, tokens, prefill):
+def test_cpu_paths_match_reference(none_share, tokens, prefill, cpu_path):
     for seed in range(3):
         token_slots, x, y, a, b = make_case(seed, tokens, 8, 18, 64, 96, torch.float32, none_share)
         token_slots = [s if s < 0 else s % 6 for s in token_slots]           # a gap at slots 6, 7

@@ -1,8 +1,15 @@
-"""Predicted step time: fixed + per_token * new tokens + per_context * context tokens attended.
+"""Predicted step time: fixed + per_token * new tokens + per_context * context tokens attended
++ per_adapter * distinct LoRA adapters in the step.
 
 Fitted from the engine's own measured steps (exponentially weighted least squares, so it follows the
 device's current speed), seeded by a short calibration when the engine starts. The scheduler reads the
-three coefficients only, so a test can hand it any object that has them.
+coefficients only, so a test can hand it any object that has them (`per_adapter` may be missing: 0).
+
+per_adapter is what each distinct adapter adds to a step beyond its tokens' share of per_token: every
+adapted linear reads that adapter's A and B once per step (at rank 16 on every projection of SmolLM2-135M,
+~20 MB of fp32, ~4% of the base model's bytes) and runs its own tiles (workers/engine/lora.py,
+kernels/lora_ops.py). Calibration seeds it from the same decode batch run with and without adapters in the
+(zero-filled) slots, which costs what real weights cost; steps with and without adapters refine it.
 
 The fit is robust to stalls: on a shared or oversubscribed host a step now and then takes many times its
 usual time (the OS ran another thread, a GC pause), and a least-squares mean over such steps would predict
@@ -33,6 +40,7 @@ WARMUP = 8
 DRIFT_WINDOW = 16         # recent steps whose observed / predicted ratios are checked
 DRIFT_BAND = 1.5          # observed / predicted beyond this either way is off
 DRIFT_QUORUM = 0.75       # this share of the window off the same way rescales the model (by the median)
+NF = 4                    # features: 1 (fixed), new tokens, context tokens attended, distinct adapters
 
 
 def attended(start: int, num_new: int) -> int:
@@ -42,38 +50,46 @@ def attended(start: int, num_new: int) -> int:
 
 class CostModel:
     def __init__(self, fixed: float = 0.0, per_token: float = 0.0, per_context: float = 0.0,
-                 decay: float = 0.995, prior_weight: float = 0.2):
-        self.fixed, self.per_token, self.per_context = fixed, per_token, per_context
+                 per_adapter: float = 0.0, decay: float = 0.995, prior_weight: float = 0.2):
+        self.fixed, self.per_token, self.per_context, self.per_adapter = fixed, per_token, per_context, per_adapter
         self.decay = decay
         self.prior_weight = prior_weight   # in steps: how many observations the prior counts as
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
-        self._prior = np.array([fixed, per_token, per_context])
+        self._xtx = np.zeros((NF, NF))
+        self._xty = np.zeros(NF)
+        self._prior = self._theta()
         self.observations = 0
         self.seeded = False                # seeded by calibration: observations are clipped from the start
         self.recalibrations = 0            # times drift rescaled the model
-        self._recent = np.zeros((DRIFT_WINDOW, 4))   # rows of [1, new tokens, attended, seconds], unclipped
+        self._recent = np.zeros((DRIFT_WINDOW, NF + 1))   # rows of [features..., seconds], unclipped
         self._recent_n = 0                 # rows filled since the last seed or rescale
 
-    def predict(self, num_tokens: int, num_attended: int) -> float:
-        return self.fixed + self.per_token * num_tokens + self.per_context * num_attended
+    def _theta(self) -> np.ndarray:
+        return np.array([self.fixed, self.per_token, self.per_context, self.per_adapter])
 
-    def seed(self, fixed: float, per_token: float, per_context: float) -> None:
-        self.fixed, self.per_token, self.per_context = fixed, per_token, per_context
-        self._prior = np.array([fixed, per_token, per_context])
+    def _set(self, theta) -> None:
+        self.fixed, self.per_token, self.per_context, self.per_adapter = (float(v) for v in theta)
+
+    def predict(self, num_tokens: int, num_attended: int, num_adapters: int = 0) -> float:
+        return self.fixed + self.per_token * num_tokens + self.per_context * num_attended + \
+            self.per_adapter * num_adapters
+
+    def seed(self, fixed: float, per_token: float, per_context: float, per_adapter: float | None = None) -> None:
+        """per_adapter None keeps the current one."""
+        self._set((fixed, per_token, per_context, self.per_adapter if per_adapter is None else per_adapter))
+        self._prior = self._theta()
         self.seeded = True
         self._recent_n = 0
 
-    def observe(self, num_tokens: int, num_attended: int, seconds: float) -> None:
+    def observe(self, num_tokens: int, num_attended: int, seconds: float, num_adapters: int = 0) -> None:
         armed = self.seeded or self.observations >= WARMUP
-        self._recent[self._recent_n % DRIFT_WINDOW] = (1.0, num_tokens, num_attended, seconds)
+        self._recent[self._recent_n % DRIFT_WINDOW] = (1.0, num_tokens, num_attended, num_adapters, seconds)
         self._recent_n += 1
-        predicted = self.predict(num_tokens, num_attended)
+        predicted = self.predict(num_tokens, num_attended, num_adapters)
         if predicted > 0 and armed:
             # One step slowed by something outside the engine (another process, a GC pause) must not
             # drag the fit: clip it to a little more than what the model expected.
             seconds = min(seconds, STALL_CLIP * predicted)
-        x = np.array([1.0, float(num_tokens), float(num_attended)])
+        x = np.array([1.0, float(num_tokens), float(num_attended), float(num_adapters)])
         self._xtx = self.decay * self._xtx + np.outer(x, x)
         self._xty = self.decay * self._xty + x * seconds
         self.observations += 1
@@ -83,40 +99,45 @@ class CostModel:
 
     def _check_drift(self) -> None:
         """Rescale the model when the current fit keeps mispredicting the recent (unclipped) steps."""
-        theta = np.array([self.fixed, self.per_token, self.per_context])
-        predicted = self._recent[:, :3] @ theta
+        theta = self._theta()
+        predicted = self._recent[:, :NF] @ theta
         ok = predicted > 0
         if ok.sum() < DRIFT_WINDOW // 2:
             return
-        ratios = self._recent[ok, 3] / predicted[ok]
+        ratios = self._recent[ok, NF] / predicted[ok]
         quorum = DRIFT_QUORUM * ratios.size
         if (ratios > DRIFT_BAND).sum() < quorum and (ratios < 1 / DRIFT_BAND).sum() < quorum:
             return
         ratio = float(np.median(ratios))
         if not 0 < ratio < np.inf:
             return
-        self.fixed, self.per_token, self.per_context = (float(v) for v in theta * ratio)
+        self._set(theta * ratio)
         self._prior = theta * ratio
-        self._xtx = np.zeros((3, 3))
-        self._xty = np.zeros(3)
+        self._xtx = np.zeros((NF, NF))
+        self._xty = np.zeros(NF)
         self._recent_n = 0
         self.recalibrations += 1
 
     def _refit(self) -> None:
+        # The adapter term is fitted once observed steps had adapters; until then it keeps its prior (its
+        # column is all zero: a least-squares fit would drop it to 0).
+        n = NF if self._xtx[NF - 1, NF - 1] > 1e-12 * self._xtx[0, 0] else NF - 1
+        xtx, xty, prior = self._xtx[:n, :n], self._xty[:n], self._prior[:n]
         # Ridge toward the prior, each coefficient scaled by its feature's typical size so the pull is even.
-        ridge = self.prior_weight * np.diag(np.maximum(np.diag(self._xtx), 1e-9) / self._xtx[0, 0])
-        a = self._xtx + ridge
-        b = self._xty + ridge @ self._prior
+        ridge = self.prior_weight * np.diag(np.maximum(np.diag(xtx), 1e-9) / xtx[0, 0])
+        a = xtx + ridge
+        b = xty + ridge @ prior
         theta = np.linalg.lstsq(a, b, rcond=None)[0]
         free = theta > 0
         if not free.all():                 # no negative costs: refit with those coefficients at zero
-            theta = np.zeros(3)
+            theta = np.zeros(n)
             idx = np.flatnonzero(free)
             if idx.size:
                 theta[idx] = np.linalg.lstsq(a[np.ix_(idx, idx)], b[idx], rcond=None)[0]
             theta = np.maximum(theta, 0.0)
-        self.fixed, self.per_token, self.per_context = (float(v) for v in theta)
+        self._set(np.concatenate([theta, self._prior[n:]]))
 
     def as_dict(self) -> dict:
         return {"fixed_s": self.fixed, "per_token_s": self.per_token, "per_context_s": self.per_context,
-                "observations": self.observations, "recalibrations": self.recalibrations}
+                "per_adapter_s": self.per_adapter, "observations": self.observations,
+                "recalibrations": self.recalibrations}

@@ -334,7 +334,7 @@ class LLMEngine:
         for seq, rows in verify:
             outputs.append(self._verify(seq, rows))
         t3 = time.perf_counter()
-        self.cost_model.observe(batch.num_tokens, batch.attended, t3 - t0)
+        self.cost_model.observe(batch.num_tokens, batch.attended, t3 - t0, batch.num_adapters)
         self._record(batch, prompt_tokens, t1 - t0, t2 - t1, t3 - t2)
         if self._trace is not None:
             self._trace.write(batch, counts, t0, t1, t2, t3)

@@ -186,6 +186,7 @@ class LoRAManager:
         self.load_s = 0.0
         self.tokens: dict[str, int] = {}
         self.plan = None
+        self.calibration_slots: list[int] | None = None   # set by calibration: every step plans these token slots
         self.running: list = []     # the scheduler's running sequences (their adapters keep their slots)
         self.waiting: list = []     # and its waiting ones (their adapters keep their host copies)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
@@ -324,6 +325,9 @@ class LoRAManager:
 
     def begin_step(self, seqs, num_new_tokens) -> bool:
         """Put the step's adapters in slots and plan its per-token products; False when no token has one."""
+        if self.calibration_slots is not None:       # the engine's calibration: the slots as they are (zeros)
+            self.plan = make_plan(self.calibration_slots, self.device, self.dtype)
+            return True
         needed = {s.lora for s in seqs if s.lora is not None}
         if not needed:
             self.plan = None

@@ -71,6 +71,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def num_adapters(self) -> int:
+        """Distinct LoRA adapters among the step's sequences (the cost model's per-adapter term)."""
+        return len({s.lora for s in self.seqs if s.lora is not None})
+
     def __bool__(self) -> bool:
         return bool(self.seqs)
 
@@ -234,6 +239,13 @@ class Scheduler:
         c = self.cost_model
         return c.per_token * n + c.per_context * attended(start, n)
 
+    def _adapter_cost(self, seq: Sequence, adapters: set) -> float:
+        """What the sequence's LoRA adapter adds to a step whose sequences so far use `adapters` (the cost
+        model's per_adapter when it is the first of its adapter, else 0; objects without the term: 0)."""
+        if seq.lora is None or seq.lora in adapters:
+            return 0.0
+        return getattr(self.cost_model, "per_adapter", 0.0)
+
     def _num_new(self, seq: Sequence, budget: int, limit: float | None, time_left: float, first: bool = False) -> int:
         """Online work runs whole (a prompt up to the token budget; a decode with its speculative drafts, which
         spec_decode sized to pay for themselves); offline tokens, drafts included, fit in the time left. An
@@ -258,7 +270,8 @@ class Scheduler:
         batch = ScheduledBatch(time_limit_s=pace_room)
         limit = None               # the bound offline tokens fit under; with online work, set at the first one
         if pace_room is None and self.idle_limit_s is not None and self.idle_limit_s > self.cost_model.fixed + sum(
-                self._step_cost(s.num_computed_tokens, 1) for s in self.running):
+                self._step_cost(s.num_computed_tokens, 1) for s in self.running) + getattr(
+                self.cost_model, "per_adapter", 0.0) * len({s.lora for s in self.running if s.lora is not None}):
             # (a device too slow for the cap, one token of every running sequence above it, gets no cap: the cap
             # can't be met, and would leave a step one token of all its work)
             limit = batch.idle_limit_s = self.idle_limit_s
@@ -272,6 +285,7 @@ class Scheduler:
         preempted_seen = 0
         admitting = True           # once a sequence is kept out, nothing below it may jump the queue
         passed_over = 0            # offline embedding inputs that did not fit (EMBED_LOOKAHEAD)
+        adapters: set[str] = set()     # the LoRA adapters of the step's sequences so far
         for seq in list(self._candidates()):
             if budget == 0:
                 break
@@ -286,7 +300,8 @@ class Scheduler:
             seq_limit = limit
             if seq.pooling is not None and not seq.is_online and self.embed_limit_s is not None:
                 seq_limit = self.embed_limit_s if limit is None else min(limit, self.embed_limit_s)
-            time_left = 0.0 if seq_limit is None else seq_limit - time_used
+            adapter_s = 0.0 if self.cost_model is None else self._adapter_cost(seq, adapters)
+            time_left = 0.0 if seq_limit is None else seq_limit - time_used - adapter_s
             if seq_limit is not None and not batch.seqs:    # no time bound stops all work: an empty step changes
                 time_left = max(time_left, 1.000001 * self._step_cost(seq.num_computed_tokens, 1))   # nothing
             if seq_limit is not None and not seq.is_online and \
@@ -330,7 +345,9 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             batch.attended += attended(seq.num_computed_tokens, n)
             if self.cost_model is not None:
-                time_used += self._step_cost(seq.num_computed_tokens, n)
+                time_used += self._step_cost(seq.num_computed_tokens, n) + adapter_s
+            if seq.lora is not None:
+                adapters.add(seq.lora)
             budget -= n
             self.served[(seq.rank, seq.tenant)] += n / seq.weight
             first_token_step = first_token_step or (seq.is_online and seq.first_token_s is None)

@@ -146,7 +146,8 @@ class Speculator:
                    and s.num_uncomputed_tokens == 1 and s.params.speculate]
         if not running:
             return []
-        step_s = cost.predict(len(running), sum(s.num_tokens for s in running)) if cost is not None else 0.0
+        step_s = cost.predict(len(running), sum(s.num_tokens for s in running),
+                              len({s.lora for s in running if s.lora is not None})) if cost is not None else 0.0
         full = bool(scheduler.waiting) or len(scheduler.running) >= scheduler.max_num_seqs
         beside_offline = any(not s.is_online for s in scheduler.running)
         candidates = [s for s in running if s.is_online or not full]
