@@ -285,6 +285,26 @@ def _build_in_background() -> None:
                  time.perf_counter() - started)
 
 
+class CheckedOnce:
+    """A native op's self-check against its torch reference, run once per process (thread-safe): ok() is its
+    verdict; a failure is logged once and the torch path serves from then on."""
+
+    def __init__(self, check, what: str):
+        self._check, self._what, self._ok, self._lock = check, what, None, threading.Lock()
+
+    def ok(self) -> bool:
+        if self._ok is None:
+            with self._lock:
+                if self._ok is None:
+                    try:
+                        self._check()
+                        self._ok = True
+                    except Exception as e:  # noqa: BLE001 - any failure means the torch path
+                        log.warning("%s unavailable, using the torch path: %s", self._what, e)
+                        self._ok = False
+        return self._ok
+
+
 def native_op(name: str):
     """torch.ops.tidepool_cpu.<name> when the native library is built, loaded and self-checked, else None (also
     while a background build runs)."""

@@ -6,12 +6,10 @@ Each `*_ref` is the torch definition. The dispatchers run the fused native CPU o
 the two agree to fp32 rounding (~1e-6 relative), and to the last bit of bf16/fp16 but for reduction order.
 argmax_rows agrees with torch.argmax(dim=-1) exactly (first index among equal maxima, the first NaN wins).
 """
-import logging
-import threading
 
 import torch
 
-from kernels.cpu_ops import native_op
+from kernels.cpu_ops import CheckedOnce, native_op
 from kernels.paged_attention import store_kv_ref
 
 
@@ -38,28 +36,11 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
-log = logging.getLogger(__name__)
-_lock = threading.Lock()
-_checked: bool | None = None     # the fused ops passed self_check() (None: not run yet in this process)
-
-
 def _fused_op(name: str):
     """torch.ops.tidepool_cpu.<name> once the native library is loaded and its fused ops pass self_check(), else
     None (the definitions above serve)."""
-    global _checked
     op = native_op(name)
-    if op is None:
-        return None
-    if _checked is None:
-        with _lock:
-            if _checked is None:
-                try:
-                    self_check()
-                    _checked = True
-                except Exception as e:  # noqa: BLE001 - any failure means the torch definitions
-                    log.warning("native fused CPU ops unavailable, using the torch definitions: %s", e)
-                    _checked = False
-    return op if _checked else None
+    return op if op is not None and _fused_checked.ok() else None
 
 
 def _native(x: torch.Tensor, name: str):
@@ -155,3 +136,6 @@ def self_check() -> None:
         for logits in _argmax_cases(dtype, gen):
             if not torch.equal(ops.argmax_rows(logits), argmax_rows_ref(logits)):
                 raise RuntimeError(f"self-check: argmax_rows differs from torch.argmax on {tuple(logits.shape)} {dtype}")
+
+
+_fused_checked = CheckedOnce(self_check, "native fused CPU ops")

@@ -11,17 +11,12 @@ kernels/csrc/lora_cpu.cpp (fp32: one call per linear, tiles of a few rows of one
 diagonal blocks of its b in registers, nothing gathered, padded or scattered; self-checked against sgmv_ref
 once), else a padded batched matmul over the slots when their counts are similar, else a loop over slots.
 """
-import logging
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
-from kernels.cpu_ops import native_op
+from kernels.cpu_ops import CheckedOnce, native_op
 
-log = logging.getLogger(__name__)
-_lock = threading.Lock()
-_checked: bool | None = None     # the native op passed _self_check() (None: not run yet in this process)
 
 
 @dataclass
@@ -167,23 +162,13 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pla
 def _native_rows(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
     """torch.ops.tidepool_cpu.lora_rows when built, self-checked and fit for these tensors (fp32, rows of x and y
     contiguous, a and b contiguous), else None (the torch paths serve)."""
-    global _checked
     if not (y.dtype == x.dtype == a.dtype == b.dtype == torch.float32 and x.stride(-1) == 1 and y.stride(-1) == 1
             and a.is_contiguous() and b.is_contiguous() and a.shape[2] <= 512):
         return None
     op = native_op("lora_rows")
     if op is None:
         return None
-    if _checked is None:
-        with _lock:
-            if _checked is None:
-                try:
-                    _self_check(op)
-                    _checked = True
-                except Exception as e:  # noqa: BLE001 - any failure means the torch path
-                    log.warning("native CPU LoRA op unavailable, using the torch path: %s", e)
-                    _checked = False
-    return op if _checked else None
+    return op if _native_checked.ok() else None
 
 
 def _self_check(op) -> None:
@@ -218,3 +203,6 @@ def _self_check(op) -> None:
         err = (got - want).abs().max().item()
         if not err <= 1e-3:
             raise RuntimeError(f"self-check: max abs err {err} against sgmv_ref (blocks {blocks}, rank {rank})")
+
+
+_native_checked = CheckedOnce(lambda: _self_check(native_op("lora_rows")), "native CPU LoRA op")
