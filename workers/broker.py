@@ -77,13 +77,14 @@ def take(queues, accept: list[str], owner: str = "", fair: tuple[str, float] | N
     keys = [channel._q_for_pri(queue.name, pri) for queue in queues for pri in steps]
     with channel.conn_or_acquire() as client:
         if fair is None:
-            raw = client.eval(_TAKE, len(keys) + 3, *keys, channel.unacked_key, channel.unacked_index_key,
-                              OWNERS_KEY, time.time(), owner)
+            raw = fair_queues.run_script(client, _TAKE, len(keys) + 3, *keys, channel.unacked_key,
+                                         channel.unacked_index_key, OWNERS_KEY, time.time(), owner)
         else:
-            raw = client.eval(fair_queues.TAKE, len(keys) + 7, *keys, channel.unacked_key,
-                              channel.unacked_index_key, OWNERS_KEY, *fair_queues.service_keys(fair[0]),
-                              fair_queues.WEIGHTS_KEY, fair_queues.SEQ_KEY, time.time(), owner, fair[1], limit,
-                              len(steps), json.dumps(sorted(exclude or ())), *(queue.name for queue in queues))
+            raw = fair_queues.run_script(client, fair_queues.TAKE, len(keys) + 7, *keys, channel.unacked_key,
+                                         channel.unacked_index_key, OWNERS_KEY, *fair_queues.service_keys(fair[0]),
+                                         fair_queues.WEIGHTS_KEY, fair_queues.SEQ_KEY, time.time(), owner, fair[1],
+                                         limit, len(steps), json.dumps(sorted(exclude or ())),
+                                         *(queue.name for queue in queues))
     if raw is None:
         return None
     message = channel.Message(loads(bytes_to_str(raw)), channel=channel)

@@ -134,7 +134,7 @@ def move_private(client, name: str) -> int:
     parts = split_private(name)
     if parts is None:
         return 0
-    return int(client.eval(_MOVE, 2, name, parts[0]) or 0) + fair.move_lane(client, name, parts[0])
+    return int(fair.run_script(client, _MOVE, 2, name, parts[0]) or 0) + fair.move_lane(client, name, parts[0])
 
 
 def private_depths(client) -> dict[str, int]:

@@ -19,8 +19,11 @@ banks no credit and a newcomer does not monopolise the device. A lane is one of 
 or a worker's private one (prefix affinity); the take looks at a worker's lanes of a class together, preferring
 the private lane's jobs of the tenant it picked.
 """
+import hashlib
 import math
 import time
+
+from redis.exceptions import NoScriptError
 
 PREFIX = "tidepool:fair:"
 WEIGHTS_KEY = PREFIX + "w"            # tenant -> weight (the last one its messages carried)
@@ -276,16 +279,31 @@ return n
 """
 
 
+_SHAS: dict[str, str] = {}
+
+
+def run_script(client, script: str, numkeys: int, *args):
+    """EVAL `script` by its SHA (EVALSHA), sending the text only when this Redis has not cached it yet (a restart,
+    SCRIPT FLUSH): the take runs per job, and its text is kilobytes."""
+    sha = _SHAS.get(script)
+    if sha is None:
+        sha = _SHAS.setdefault(script, hashlib.sha1(script.encode()).hexdigest())
+    try:
+        return client.evalsha(sha, numkeys, *args)
+    except NoScriptError:
+        return client.eval(script, numkeys, *args)
+
+
 def charge(client, queue: str, tenant: str, tokens: float, window: float, now: float | None = None) -> float:
     """Add `tokens` (negative: a refund) to `tenant`'s decayed service in the class of shared queue `queue`."""
     skey, tkey = service_keys(queue)
-    return float(client.eval(CHARGE, 4, skey, tkey, WEIGHTS_KEY, SEQ_KEY, time.time() if now is None else now,
+    return float(run_script(client, CHARGE, 4, skey, tkey, WEIGHTS_KEY, SEQ_KEY, time.time() if now is None else now,
                              tenant, window, tokens))
 
 
 def move_lane(client, lane: str, to_list: str) -> int:
     """Hand what waits in `lane`'s sorted sets to the list `to_list` (a private lane handed back to its shared queue)."""
-    return int(client.eval(MOVE, 2, backlog_key(lane), to_list, lane) or 0)
+    return int(run_script(client, MOVE, 2, backlog_key(lane), to_list, lane) or 0)
 
 
 def _text(raw) -> str:

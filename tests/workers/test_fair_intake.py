@@ -110,6 +110,18 @@ def test_equal_weights_alternate_and_a_late_tenant_is_served_at_once(channel):
     assert order.count("b") == 3 and order[0] in ("a", "b") and "bbb" not in "".join(order), order
 
 
+def test_the_take_runs_by_sha_and_survives_a_script_flush(channel):
+    r = channel.client
+    _push(r, "a", 3)
+    _push(r, "b", 3)
+    first = [_tenant(_take(channel)), _tenant(_take(channel))]
+    assert all(r.script_exists(sha)[0] for sha in fair._SHAS.values())    # cached by the server: EVALSHA from now on
+    r.script_flush()                                                      # a Redis restart forgets them
+    rest = [_tenant(_take(channel)) for _ in range(4)]
+    assert sorted(first + rest) == ["a"] * 3 + ["b"] * 3 and _take(channel) is None
+    assert fair.charge(r, Q, "a", 5.0, NO_DECAY) > 0
+
+
 def test_an_idle_tenant_banks_no_credit(channel):
     r = channel.client
     _push(r, "a", 40, cost=10)
