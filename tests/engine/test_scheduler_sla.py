@@ -163,6 +163,21 @@ def test_waiting_realtime_prompt_goes_whole_into_the_next_step_even_when_streams
     assert sim.offline_tokens(batch) == 0
 
 
+def test_a_flooding_tenants_prompts_never_ride_in_another_tenants_first_token_step():
+    sim = Sim(max_num_seqs=64, budget=512)
+    flood = [sim.add(40, 4, "realtime", tenant="a") for _ in range(3)]
+    sim.step()                                                          # a's three prompts start together
+    assert all(s.num_output_tokens == 1 for s in flood)
+    more = [sim.add(40, 4, "realtime", tenant="a") for _ in range(3)]
+    light = sim.add(40, 4, "realtime", tenant="b")                      # arrives last, least served
+    batch = sim.step()
+    assert light in batch.seqs and light.num_output_tokens == 1        # its first token in the next step
+    assert not any(s in batch.seqs for s in more)                      # without a's prompts lengthening it
+    assert all(s in batch.seqs for s in flood)                         # a's running streams still decode
+    batch = sim.step()
+    assert all(s in batch.seqs and s.num_output_tokens == 1 for s in more)    # a's come in the step after
+
+
 def test_long_realtime_prompt_is_prefilled_whole_within_the_token_budget():
     sim = Sim(max_num_seqs=8, budget=4096)
     rt = sim.add(400, 2, "realtime")

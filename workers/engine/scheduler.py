@@ -1,14 +1,16 @@
 """Iteration-level scheduling: which sequences run this step, and how many tokens each computes.
 
 Order: SLA class, then (within a class) running, then the others by tenant fair share (tokens served divided by
-tenant weight): a tenant's displaced (suspended or swapped) before its waiting, each by arrival. A sequence whose
+tenant weight; on a tie, the tenant holding fewer of the class's seats first): a tenant's displaced (suspended or swapped) before its waiting, each by arrival. A sequence whose
 tenant holds less than its weighted share of its class's seats may take one from a tenant that holds more
 (suspended, it keeps its blocks), so a flood that filled the seats first does not keep them. A step holds at most
 max_num_seqs sequences and max_num_batched_tokens tokens; a prompt that doesn't fit is prefilled in chunks.
 
 The step policy while online work (realtime, interactive) is running or waiting, as users feel it:
   - first token as soon as the device allows: a waiting online prompt goes whole (up to the token budget) into
-    the very next step, and that step carries no offline tokens beyond what offline is owed (below);
+    the very next step, and that step carries no offline tokens beyond what offline is owed (below); a step starts
+    the online prompts of one tenant only (the least served first), so a tenant's flood of prompts never rides in
+    another's first-token step and lengthens it;
   - smoothness by delivered pace: a running online stream is on pace while it has delivered at least one token
     per `itl_ms` of its class since its first token. The next token of each stream is due at first token +
     delivered x itl_ms; the step may last until the earliest due time (a stream ahead of its pace absorbs a
@@ -179,11 +181,16 @@ class Scheduler:
         for seq in sorted(self.waiting, key=lambda s: (s.status == WAITING, s.arrival)):
             by_class_waiting[seq.rank][seq.tenant].append(seq)
         for rank in range(len(SLA_CLASSES)):
-            yield from sorted(by_class_running.get(rank, ()),
-                              key=lambda s: (s.num_uncomputed_tokens > 1, self._share(s), s.arrival))
+            running = by_class_running.get(rank, ())
+            yield from sorted(running, key=lambda s: (s.num_uncomputed_tokens > 1, self._share(s), s.arrival))
             tenants = by_class_waiting.get(rank, {})
+            # equal service (a tenant back from idle is lifted level with the least served): the one holding fewer
+            # of the class's seats first, then the earliest
+            holding = defaultdict(int)
+            for seq in running:
+                holding[seq.tenant] += 1
             while tenants:
-                tenant = min(tenants, key=lambda t: (self.served[(rank, t)], tenants[t][0].arrival))
+                tenant = min(tenants, key=lambda t: (self.served[(rank, t)], holding[t], tenants[t][0].arrival))
                 seq = tenants[tenant].popleft()
                 if not tenants[tenant]:
                     del tenants[tenant]
@@ -286,6 +293,7 @@ class Scheduler:
         admitting = True           # once a sequence is kept out, nothing below it may jump the queue
         passed_over = 0            # offline embedding inputs that did not fit (EMBED_LOOKAHEAD)
         adapters: set[str] = set()     # the LoRA adapters of the step's sequences so far
+        prompt_tenant = None       # the tenant whose online prompt this step starts (one tenant's a step)
         for seq in list(self._candidates()):
             if budget == 0:
                 break
@@ -310,6 +318,9 @@ class Scheduler:
             new = seq.status != RUNNING
             if new and self.admit_gate is not None and not self.admit_gate(seq, self.running):
                 continue
+            if new and seq.is_online and seq.first_token_s is None and prompt_tenant not in (None, seq.tenant):
+                admitting = False   # another tenant's prompt waits for the next step instead of lengthening this
+                continue            # one, and nothing ranked below it takes its place
             if new:
                 # Don't admit work that ranks no higher than what this step just evicted.
                 admitting = admitting and not any(p.rank <= seq.rank for p in batch.preempted
@@ -339,6 +350,8 @@ class Scheduler:
             if new:
                 self._start(seq)
                 offline_running += not seq.is_online
+                if seq.is_online and seq.first_token_s is None and prompt_tenant is None:
+                    prompt_tenant = seq.tenant
             del seq.draft_token_ids[n - 1:]
             scheduled.add(id(seq))
             batch.seqs.append(seq)
