@@ -1,6 +1,6 @@
 """One tenant's flood never stalls another (issue 26): fair intake against the FIFO baseline, production shape.
 
-    python benchmarks/fairness.py [--model DIR | --tiny] [--seats 16] [--backlog-s 60] [--rt-duration 30]
+    python benchmarks/fairness.py [--model DIR | --tiny] [--seats 16] [--backlog-s 60] [--rt-duration 90]
 
 Private Postgres and redis-server, gunicorn (the Procfile's web), `tidepool beat` and one gpu-kind `tidepool worker`
 with --seats sequences (TIDEPOOL_MAX_NUM_SEQS) over --model (SmolLM2-135M by default; --tiny: a random-weight
@@ -292,7 +292,8 @@ def main():
     ap.add_argument("--seats", type=int, default=16)
     ap.add_argument("--flood", type=int, default=96, help="A's offline jobs queued before B's 8")
     ap.add_argument("--offline-tokens", type=int, default=64)
-    ap.add_argument("--rt-duration", type=float, default=30.0)
+    ap.add_argument("--rt-duration", type=float, default=90.0,
+                    help="seconds of each realtime phase (B at 0.5/s: 45 requests, so its p95 is not its maximum)")
     ap.add_argument("--rt-tokens", type=int, default=16)
     ap.add_argument("--a-rate", type=float, default=4.0)
     ap.add_argument("--b-rate", type=float, default=0.5)
