@@ -158,6 +158,7 @@ class LLMEngine:
                                              self.runner.device)
         self.requests: dict[str, _Request] = {}
         self._inbox: list[_Request] = []
+        self._inbox_ids: set[str] = set()     # the inbox's request ids (a duplicate check per add in O(1))
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)    # notified by add_request
@@ -205,10 +206,10 @@ class LLMEngine:
 
     def _queue(self, request) -> None:
         with self._lock:
-            if request.seq.request_id in self.requests or \
-                    any(r.seq.request_id == request.seq.request_id for r in self._inbox):
+            if request.seq.request_id in self.requests or request.seq.request_id in self._inbox_ids:
                 raise ValueError(f"request id {request.seq.request_id!r} is already in use")
             self._inbox.append(request)
+            self._inbox_ids.add(request.seq.request_id)
             self._work.notify_all()
 
     @property
@@ -276,6 +277,7 @@ class LLMEngine:
         with self._lock:
             inbox, aborts = self._inbox, self._aborts
             self._inbox, self._aborts = [], []
+            self._inbox_ids = set()
         for request in inbox:
             self.requests[request.seq.request_id] = request
             for seq in getattr(request, "seqs", None) or [request.seq]:
