@@ -2,7 +2,7 @@
 import random
 from collections import Counter
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from workers.engine.block_manager import BlockManager
@@ -45,8 +45,16 @@ requests = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12), st.sampled
                               st.sampled_from("ab"), st.integers(0, 3)), min_size=1, max_size=30)
 
 
+# A seat handed over within the realtime class while an interactive sequence kept its seat (found by this test)
+HANDOVER_ABOVE_A_LOWER_CLASS = [(1, 1, "realtime", "a", 3)] + [(1, 1, "interactive", "a", 1)] * 2 + \
+    [(1, 2, "realtime", "b", 2)] * 2 + [(1, 1, "realtime", "a", 2)] * 3 + [(1, 1, "realtime", "b", 0)] * 2 + \
+    [(1, 1, "interactive", "a", 1)] * 6 + [(1, 3, "interactive", "a", 0)] * 3 + [(1, 1, "realtime", "a", 0)] * 2 + \
+    [(1, 3, "interactive", "a", 0)]
+
+
 @settings(max_examples=120, deadline=None)
 @given(requests, st.integers(12, 40), st.integers(2, 6), st.integers(4, 48))
+@example(HANDOVER_ABOVE_A_LOWER_CLASS, 12, 6, 6)
 def test_budget_capacity_and_preemption_order(reqs, num_blocks, max_num_seqs, budget):
     sim = Sim(num_blocks=num_blocks, max_num_seqs=max_num_seqs, budget=budget)
     pending = sorted(reqs, key=lambda r: r[4])

@@ -318,9 +318,12 @@ class Scheduler:
             new = seq.status != RUNNING
             if new and self.admit_gate is not None and not self.admit_gate(seq, self.running):
                 continue
-            if new and seq.is_online and seq.first_token_s is None and prompt_tenant not in (None, seq.tenant):
-                admitting = False   # another tenant's prompt waits for the next step instead of lengthening this
-                continue            # one, and nothing ranked below it takes its place
+            if new and seq.is_online and seq.first_token_s is None and prompt_tenant not in (None, seq.tenant) \
+                    and not any(p.rank <= seq.rank for p in batch.preempted):
+                # another tenant's prompt waits for the next step instead of lengthening this one, and nothing ranked
+                # below it takes its place (unless a seat was just given up for it: then it takes the seat now)
+                admitting = False
+                continue
             if new:
                 # Don't admit work that ranks no higher than what this step just evicted.
                 admitting = admitting and not any(p.rank <= seq.rank for p in batch.preempted
@@ -423,6 +426,8 @@ class Scheduler:
             return None        # a free seat: nobody needs to give one up (the usual step: no scan of the waiting)
         running = set(map(id, self.running))
         for rank in sorted({s.rank for s in self.waiting if (offline_full, full)[s.is_online]}):
+            if any(s.rank > rank and (full or not s.is_online) for s in self.running):
+                continue       # a lower class holds a seat _seat gives this class first: no handover within it
             seats: dict[str, list[Sequence]] = defaultdict(list)
             for s in self.running:
                 if s.rank == rank:
