@@ -169,11 +169,11 @@ class Scheduler:
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def _share(self, seq: Sequence) -> float:
-        return self.served[(seq.rank, seq.tenant)]
-
     def _candidates(self):
-        """Yield sequences in scheduling order, fair share updated as tokens are handed out."""
+        """Yield sequences in scheduling order, by the fair shares at the step's start (a snapshot: the step hands
+        out tokens as it goes, and the order must not shift under it). Lazy: a step that fills its budget early
+        stops asking, so thousands of waiting inputs are not walked through every step."""
+        served = dict(self.served)
         by_class_running = defaultdict(list)
         for seq in self.running:
             by_class_running[seq.rank].append(seq)
@@ -182,7 +182,8 @@ class Scheduler:
             by_class_waiting[seq.rank][seq.tenant].append(seq)
         for rank in range(len(SLA_CLASSES)):
             running = by_class_running.get(rank, ())
-            yield from sorted(running, key=lambda s: (s.num_uncomputed_tokens > 1, self._share(s), s.arrival))
+            yield from sorted(running, key=lambda s: (s.num_uncomputed_tokens > 1, served.get((rank, s.tenant), 0.0),
+                                                      s.arrival))
             tenants = by_class_waiting.get(rank, {})
             # equal service (a tenant back from idle is lifted level with the least served): the one holding fewer
             # of the class's seats first, then the earliest
@@ -190,7 +191,7 @@ class Scheduler:
             for seq in running:
                 holding[seq.tenant] += 1
             while tenants:
-                tenant = min(tenants, key=lambda t: (self.served[(rank, t)], holding[t], tenants[t][0].arrival))
+                tenant = min(tenants, key=lambda t: (served.get((rank, t), 0.0), holding[t], tenants[t][0].arrival))
                 seq = tenants[tenant].popleft()
                 if not tenants[tenant]:
                     del tenants[tenant]
@@ -294,7 +295,7 @@ class Scheduler:
         passed_over = 0            # offline embedding inputs that did not fit (EMBED_LOOKAHEAD)
         adapters: set[str] = set()     # the LoRA adapters of the step's sequences so far
         prompt_tenant = None       # the tenant whose online prompt this step starts (one tenant's a step)
-        for seq in list(self._candidates()):
+        for seq in self._candidates():
             if budget == 0:
                 break
             if len(batch.preempted) != preempted_seen:     # suspensions or evictions changed the running set
