@@ -297,8 +297,8 @@ def run_script(client, script: str, numkeys: int, *args):
 def charge(client, queue: str, tenant: str, tokens: float, window: float, now: float | None = None) -> float:
     """Add `tokens` (negative: a refund) to `tenant`'s decayed service in the class of shared queue `queue`."""
     skey, tkey = service_keys(queue)
-    return float(run_script(client, CHARGE, 4, skey, tkey, WEIGHTS_KEY, SEQ_KEY, time.time() if now is None else now,
-                             tenant, window, tokens))
+    now = time.time() if now is None else now
+    return float(run_script(client, CHARGE, 4, skey, tkey, WEIGHTS_KEY, SEQ_KEY, now, tenant, window, tokens))
 
 
 def move_lane(client, lane: str, to_list: str) -> int:

@@ -1,10 +1,11 @@
 """Iteration-level scheduling: which sequences run this step, and how many tokens each computes.
 
 Order: SLA class, then (within a class) running, then the others by tenant fair share (tokens served divided by
-tenant weight; on a tie, the tenant holding fewer of the class's seats first): a tenant's displaced (suspended or swapped) before its waiting, each by arrival. A sequence whose
-tenant holds less than its weighted share of its class's seats may take one from a tenant that holds more
-(suspended, it keeps its blocks), so a flood that filled the seats first does not keep them. A step holds at most
-max_num_seqs sequences and max_num_batched_tokens tokens; a prompt that doesn't fit is prefilled in chunks.
+tenant weight; on a tie, the tenant holding fewer of the class's seats first): a tenant's displaced (suspended or
+swapped) before its waiting, each by arrival. A sequence whose tenant holds less than its weighted share of its
+class's seats may take one from a tenant that holds more (suspended, it keeps its blocks), so a flood that filled
+the seats first does not keep them. A step holds at most max_num_seqs sequences and max_num_batched_tokens
+tokens; a prompt that doesn't fit is prefilled in chunks.
 
 The step policy while online work (realtime, interactive) is running or waiting, as users feel it:
   - first token as soon as the device allows: a waiting online prompt goes whole (up to the token budget) into
@@ -169,6 +170,11 @@ class Scheduler:
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.FINISHED
 
+    @staticmethod
+    def _online_prompt(seq: Sequence) -> bool:
+        """An online sequence whose first token is not out yet (its step is a first-token step)."""
+        return seq.is_online and seq.first_token_s is None
+
     def _candidates(self):
         """Yield sequences in scheduling order, by the fair shares at the step's start (a snapshot: the step hands
         out tokens as it goes, and the order must not shift under it). Lazy: a step that fills its budget early
@@ -319,7 +325,7 @@ class Scheduler:
             new = seq.status != RUNNING
             if new and self.admit_gate is not None and not self.admit_gate(seq, self.running):
                 continue
-            if new and seq.is_online and seq.first_token_s is None and prompt_tenant not in (None, seq.tenant) \
+            if new and self._online_prompt(seq) and prompt_tenant not in (None, seq.tenant) \
                     and not any(p.rank <= seq.rank for p in batch.preempted):
                 # another tenant's prompt waits for the next step instead of lengthening this one, and nothing ranked
                 # below it takes its place (unless a seat was just given up for it: then it takes the seat now)
@@ -354,7 +360,7 @@ class Scheduler:
             if new:
                 self._start(seq)
                 offline_running += not seq.is_online
-                if seq.is_online and seq.first_token_s is None and prompt_tenant is None:
+                if self._online_prompt(seq) and prompt_tenant is None:
                     prompt_tenant = seq.tenant
             del seq.draft_token_ids[n - 1:]
             scheduled.add(id(seq))
@@ -367,7 +373,7 @@ class Scheduler:
                 adapters.add(seq.lora)
             budget -= n
             self.served[(seq.rank, seq.tenant)] += n / seq.weight
-            first_token_step = first_token_step or (seq.is_online and seq.first_token_s is None)
+            first_token_step = first_token_step or self._online_prompt(seq)
         if pace_room is not None and any(not s.is_online for s in self.running + self.waiting):
             offline_s = 0.0 if online_s is None else time_used - online_s
             self.offline_owed = min(OWED_CAP_S, max(0.0, self.offline_owed + self.offline_floor * time_used
