@@ -11,6 +11,7 @@ from workers.engine.cost_model import CostModel
 from workers.engine.encoder_runner import EncoderRunner
 from workers.engine.lora import LoRAManager, LoRARequest
 from workers.engine.model_runner import ModelRunner, trim_heap
+from workers.engine.openmp import release_team
 from workers.engine.pooling import PoolingParams
 from kernels.layer_ops import argmax_rows
 from workers.engine.sampler import Sampler
@@ -167,6 +168,7 @@ class LLMEngine:
                         "embedded_inputs": 0, "embedded_tokens": 0}
         self._last_step = {"tokens": 0, "seqs": 0, "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
         self._trace = StepTrace(config.step_trace) if config.step_trace else None
+        release_team()      # the thread stepping the engine (a worker's engine thread) then holds the only team
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,

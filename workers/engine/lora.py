@@ -30,6 +30,7 @@ from torch import nn
 
 from kernels.lora_ops import make_plan, sgmv
 from workers.engine.models.config import ModelConfig
+from workers.engine.openmp import release_team
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,7 @@ class LoRAManager:
         def load():
             started = time.perf_counter()
             tensors = read_adapter(lora.path, pin)
+            release_team()      # this loader thread lives on: its OpenMP team would throttle the stepping one's
             return tensors, time.perf_counter() - started
         self.loading[name] = self._executor.submit(load)
         return True

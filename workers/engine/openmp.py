@@ -1,0 +1,43 @@
+"""The OpenMP thread teams behind PyTorch's CPU kernels.
+
+libgomp (the OpenMP runtime PyTorch's wheels carry) keeps one pool of team threads for every thread that ever ran
+a parallel region, until that thread ends. Once the pools hold more threads than the host has CPUs, every idle
+team thread of every pool stops spinning between regions and sleeps at once (libgomp's throttled spin count), so
+each parallel region of the thread that steps the engine first waits for its team to be woken. On the 2-core VM
+that is ~70 us a region (a 100k-element add: 7 us with one pool, 77 us with two), and a SmolLM2 prompt step of a
+worker, whose engine is built on the main thread and stepped on its own, took 66 ms instead of 42 ms
+(`/tmp/thread_prefill.py` in the session-13 note). The thread that built an engine gives its team back
+(release_team) so that the stepping thread's team is the only one; a later parallel region on the building thread
+starts a new team (one thread start), which is what an engine stepped where it was built pays once."""
+import ctypes
+import logging
+
+log = logging.getLogger(__name__)
+OMP_PAUSE_HARD = 2      # omp_pause_resource_t: end the team's threads (OpenMP 5.0)
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process loaded (PyTorch's), found by path in /proc/self/maps; None without one."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+def release_team() -> bool:
+    """End the calling thread's OpenMP team threads (libgomp's omp_pause_resource_all(omp_pause_hard)). False where
+    there is no libgomp or it refused (a call inside a parallel region)."""
+    gomp = _libgomp()
+    if gomp is None or not hasattr(gomp, "omp_pause_resource_all"):
+        return False
+    ok = gomp.omp_pause_resource_all(OMP_PAUSE_HARD) == 0
+    if not ok:
+        log.debug("omp_pause_resource_all refused: the OpenMP team of this thread stays")
+    return ok
