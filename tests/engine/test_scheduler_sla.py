@@ -15,7 +15,7 @@ from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
 # 10 ms a step, 1 ms a new token, no context cost: 50 ms of room hold 40 tokens.
 COST = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0)
 TARGETS = {"realtime": {"ttft_ms": 200.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 1000.0, "itl_ms": 100.0}}
-# ttft far above itl: without online work the idle cap (ttft - itl) is wider than any step here
+# ttft far above itl: without online work the idle cap is IDLE_GAPS of the tightest itl (100 ms), not ttft - itl
 LOOSE = {"realtime": {"ttft_ms": 5000.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 5000.0, "itl_ms": 100.0}}
 
 
@@ -57,7 +57,7 @@ def test_realtime_first_token_step_carries_no_offline_work_and_full_budget_retur
     for _ in range(60):
         sim.add(100, 50)
     full = sim.step()
-    assert full.time_limit_s is None and full.num_tokens == 256        # offline alone: the token budget
+    assert full.time_limit_s is None and full.num_tokens == 90         # offline alone: two 50 ms gaps (100 ms)
     rt = sim.add(8, 3, "realtime")
     batch = sim.step()
     assert rt in batch.seqs and rt.num_output_tokens == 1                # its whole prompt (some from the cache)
@@ -107,15 +107,34 @@ def test_a_stream_ahead_of_its_pace_absorbs_a_longer_step_and_one_behind_gets_on
     assert 10 <= sim.offline_tokens(behind) <= 11
 
 
+def test_while_a_stream_runs_offline_gets_its_floor_and_no_debt_is_kept_or_paid():
+    """A debt from first-token steps without streams is not paid beside a running stream (paying it stretched
+    every gap of the stream), nor does a streaming step add to it."""
+    sim = Sim(max_num_seqs=64, budget=512, targets=LOOSE)
+    offline = [sim.add(100, 50) for _ in range(30)]
+    rt = sim.add(8, 40, "realtime")
+    sim.step()                                      # its first token: offline gets nothing
+    assert rt.first_token_s is not None and sim.sched.offline_owed > 0
+    sim.sched.offline_owed = owed = 0.5
+    sim.now = rt.first_token_s + 0.5                # behind its pace: no pace room, only the floor
+    streaming = sim.step()
+    online_s = COST.fixed + COST.per_token
+    assert abs(streaming.time_limit_s - 2 * online_s) < 1e-9          # the floor share, no payback
+    assert sim.sched.offline_owed == owed
+    assert 10 <= sim.offline_tokens(streaming) <= 11 and not any(s.is_finished for s in offline)
+
+
 def test_without_online_work_a_step_leaves_a_new_arrival_its_ttft():
     """Offline alone, a prefill wave is chunked so that a realtime prompt arriving mid-step (it waits for the
-    step, then gets one of its own, <= itl) can still meet its ttft: steps stay within ttft - itl (150 ms)."""
+    step, then gets one of its own, <= itl) can still meet its ttft, and waits no longer than two of its token
+    gaps: steps stay within ttft - itl (150 ms) and IDLE_GAPS x itl (100 ms)."""
     sim = Sim(max_num_seqs=64, budget=256)
     for _ in range(60):
         sim.add(100, 50)
     wave = sim.step()
-    assert wave.time_limit_s is None and wave.idle_limit_s == 0.150
-    assert wave.predicted_s <= 0.150 + 1e-9 and wave.num_tokens == 140      # (150 - 10) ms at 1 ms a token
+    assert wave.time_limit_s is None and wave.idle_limit_s == 0.100
+    assert wave.predicted_s <= 0.100 + 1e-9 and wave.num_tokens == 90       # (100 - 10) ms at 1 ms a token
+    assert Sim(targets={"realtime": {"ttft_ms": 130.0, "itl_ms": 50.0}}).sched.idle_limit_s == 0.080
     rt = sim.add(30, 2, "realtime")
     batch = sim.step()
     assert rt in batch.seqs and batch.idle_limit_s is None and sim.offline_tokens(batch) == 0
@@ -375,7 +394,7 @@ def test_block_seat_and_budget_invariants_with_suspension_and_swap(reqs, num_blo
             if offline:
                 assert batch.predicted_s <= batch.time_limit_s + 1e-9
         else:      # no online work: within the idle cap, or a single token (progress)
-            assert batch.idle_limit_s == 0.150
+            assert batch.idle_limit_s == 0.100
             assert batch.predicted_s <= batch.idle_limit_s + 1e-9 or batch.num_tokens == 1
         if policy == "no_evict":
             assert not batch.preempted
@@ -410,7 +429,7 @@ def test_a_step_pays_each_lora_adapter_once_and_fits_offline_work_around_it():
     one adapter's 20 ms: the first prompt (adapter a) takes 10 + 20 + 100 ms, a prompt of adapter b would bring
     another 20 ms and does not fit, the next ones of a take the 20 tokens left. The prediction counts it."""
     cost = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0, per_adapter=0.020)
-    sim = Sim(max_num_seqs=64, budget=256, cost=cost)
+    sim = Sim(max_num_seqs=64, budget=256, cost=cost, targets={"realtime": {"ttft_ms": 225.0, "itl_ms": 75.0}})
     for i in range(6):
         sim.n += 1
         seq = Sequence(f"s{sim.n}", [7] * 100, SamplingParams(max_tokens=5), sla_class="batch", lora="ab"[i % 2])
