@@ -19,6 +19,9 @@ DeviceStepper before every step whether it may start one:
 
 `overlap_offline=False` takes every step one at a time (turns only; the benchmark's `turns` mode).
 
+Each engine thread ends its OpenMP team after every step while others share the device (workers/engine/openmp.py:
+teams of idle engine threads make libgomp throttle the stepping thread's; a new team costs one thread start).
+
 The crash story is the engine loop's: a step that raises ends only that engine's worker (on_error, on its own
 thread), and leave() returns only once no step of that engine is in flight, so the worker's shutdown (release,
 hand-back) never races a step."""
@@ -27,6 +30,7 @@ import threading
 import time
 from collections import deque
 
+from workers.engine.openmp import release_team
 from workers.engine.sequence import CLASS_RANK, SLA_CLASSES
 
 log = logging.getLogger(__name__)
@@ -202,6 +206,8 @@ class DeviceStepper:
                     log.exception("device stepper: on_error of %s failed", member.name)
         finally:
             took = self.clock() - started
+            if len(self._members) > 1:
+                release_team()      # an idle engine thread's OpenMP team would throttle the next stepper's
             with self._cond:
                 member.stepping = False
                 member.used += took

@@ -3,7 +3,11 @@ random-weight engines of different architectures, stepped through DeviceStepper'
 drives the turns one at a time, serve() runs them on threads as `tidepool worker --models a,b` does). The
 two-model worker process itself (ModelHost sets the stepper) is covered end to end, kill -9 included, in
 test_model_routing.py."""
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -232,3 +236,56 @@ def test_a_failing_engine_ends_only_itself(engines):
         b.abort(rid)
     while b.has_unfinished():
         b.step()
+
+
+TEAMS = """
+import os, threading
+import torch
+from workers.device_stepper import DeviceStepper
+
+
+class Busy:
+    \"\"\"An engine stand-in whose steps run a parallel region (a team of OMP_NUM_THREADS threads).\"\"\"
+    def __init__(self, steps):
+        self.left = steps
+        self.cond = threading.Event()
+
+    def has_unfinished(self):
+        return self.left > 0
+
+    def most_urgent_rank(self):
+        return 2 if self.left else None
+
+    def wait_for_work(self, timeout):
+        if self.left:
+            return True
+        self.cond.wait(timeout)
+        return False
+
+    def step(self):
+        torch.randn(400_000).exp_()
+        self.left -= 1
+
+
+base = len(os.listdir("/proc/self/task"))
+stepper, stop = DeviceStepper(), threading.Event()
+engines = {"a": Busy(5), "b": Busy(5)}
+threads = [threading.Thread(target=stepper.serve, args=(n, e, e.step, stop)) for n, e in engines.items()]
+for t in threads:
+    t.start()
+while any(e.left for e in engines.values()):
+    threading.Event().wait(0.05)
+threading.Event().wait(0.3)
+print(len(os.listdir("/proc/self/task")) - base)     # the two serve threads, and no team threads
+stop.set()
+for t in threads:
+    t.join(10)
+"""
+
+
+def test_engine_threads_sharing_the_device_keep_no_openmp_team_between_steps():
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", TEAMS], capture_output=True, text=True, timeout=120, cwd=root,
+                          env=dict(os.environ, OMP_NUM_THREADS="2", PYTHONPATH=str(root)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "2"
