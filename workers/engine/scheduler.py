@@ -24,7 +24,7 @@ The step policy while online work (realtime, interactive) is running or waiting,
 Without online work the token budget applies, and a step is kept within the tightest `ttft_ms - itl_ms` of the
 online classes and IDLE_GAPS of their tightest pace: an online prompt arriving while it runs waits for it, so an
 offline prefill wave must not hold it up longer than a few of its tokens would take (each such step still makes
-progress; an offline decode step of a full batch is not cut). Offline embedding inputs fill a step only up to the tightest
+progress). Offline embedding inputs fill a step only up to the tightest
 `itl_ms` (an input that opens the step runs whole whatever it costs): an embedding input is computed whole and
 gives nothing back until its step ends, and a realtime prompt arriving mid-step, for this engine or another on the
 device (workers/device_stepper.py starts it beside the step in flight), must find that step short, so an embedding
@@ -232,16 +232,15 @@ class Scheduler:
             room = slack if room is None else min(room, slack)
         return max(0.0, room or 0.0)
 
-    def _stream_pace(self) -> float | None:
-        """The tightest pace of the online streams running (first token out); None when none is."""
-        paces = [p for p in (self._pace(s) for s in self.running if s.first_token_s is not None) if p is not None]
-        return min(paces, default=None)
+    def _streaming(self) -> bool:
+        """An online stream with a pace is running (its first token is out)."""
+        return any(s.first_token_s is not None and self._pace(s) is not None for s in self.running)
 
     def _offline_limit(self, pace_room: float, online_s: float, first_token_step: bool, streaming: bool) -> float:
         """The predicted step time offline tokens may fill up to, once the online tokens (online_s with the fixed
-        cost) are in: the pace room, or offline's floor share of the step plus up to as much again of what it is
-        owed. A step that computes an online prompt (its first token is not out yet) gives offline nothing, unless
-        the debt has reached OWED_CAP_S: the first token comes as soon as the device allows."""
+        cost) are in: the pace room, or offline's floor share of the step plus, while no stream runs, up to as much
+        again of what it is owed. A step that computes an online prompt (its first token is not out yet) gives
+        offline nothing, unless the debt has reached OWED_CAP_S: the first token comes as soon as the device allows."""
         share = self.offline_floor / (1 - self.offline_floor) * online_s
         if first_token_step and self.offline_owed < OWED_CAP_S:
             return online_s
@@ -292,7 +291,7 @@ class Scheduler:
         bm = self.block_manager
         bm.end_step()
         pace_room = self._pace_room(self.clock())
-        stream_pace = None if pace_room is None else self._stream_pace()
+        streaming = pace_room is not None and self._streaming()
         batch = ScheduledBatch(time_limit_s=pace_room)
         limit = None               # the bound offline tokens fit under; with online work, set at the first one
         if pace_room is None and self.idle_limit_s is not None and self.idle_limit_s > self.cost_model.fixed + sum(
@@ -323,8 +322,7 @@ class Scheduler:
                 continue   # made room for a higher-ranked sequence in this very step
             if pace_room is not None and online_s is None and not seq.is_online:
                 online_s = time_used     # candidates come by class: the online part of the step is complete
-                limit = batch.time_limit_s = self._offline_limit(pace_room, online_s, first_token_step,
-                                                                 stream_pace is not None)
+                limit = batch.time_limit_s = self._offline_limit(pace_room, online_s, first_token_step, streaming)
             seq_limit = limit
             if seq.pooling is not None and not seq.is_online and self.embed_limit_s is not None:
                 seq_limit = self.embed_limit_s if limit is None else min(limit, self.embed_limit_s)
@@ -387,7 +385,7 @@ class Scheduler:
             budget -= n
             self.served[(seq.rank, seq.tenant)] += n / seq.weight
             first_token_step = first_token_step or self._online_prompt(seq)
-        if pace_room is not None and stream_pace is None and any(not s.is_online for s in self.running + self.waiting):
+        if pace_room is not None and not streaming and any(not s.is_online for s in self.running + self.waiting):
             offline_s = 0.0 if online_s is None else time_used - online_s
             self.offline_owed = min(OWED_CAP_S, max(0.0, self.offline_owed + self.offline_floor * time_used
                                                     - offline_s))
