@@ -176,6 +176,8 @@ class _Costs:
 
 
 @settings(max_examples=300, deadline=None)
+# an offline prompt opening a step under the idle cap, its start moved by a prefix-cache hit past the room for a token
+@example(0.05, 0.05, 4.354382052268563e-05, "max_utilization", 0.0, [(1, 4, "realtime", 0), (5, 1, "batch", 0)])
 @given(st.floats(0.0, 0.05), st.floats(1e-5, 0.05), st.floats(0.0, 1e-4), st.sampled_from(["max_utilization", "no_evict"]),
        st.floats(0.0, 0.9), st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10), st.sampled_from(SLA_CLASSES),
                                                st.integers(0, 6)), min_size=1, max_size=12))

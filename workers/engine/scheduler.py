@@ -284,7 +284,10 @@ class Scheduler:
         n = min(seq.num_uncomputed_tokens + len(seq.draft_token_ids), budget)
         if limit is None or seq.is_online:
             return n
-        return self._tokens_within(time_left, seq.num_computed_tokens, n)
+        fit = self._tokens_within(time_left, seq.num_computed_tokens, n)
+        # one that opens the step takes a token whatever the bound (its prefix-cache hit may have moved its start
+        # past the one-token room the step was given): an empty step changes nothing
+        return max(fit, min(n, 1)) if first else fit
 
     # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
