@@ -10,14 +10,17 @@ worker, whose engine is built on the main thread and stepped on its own, took 66
 (release_team) so that the stepping thread's team is the only one; a later parallel region on the building thread
 starts a new team (one thread start), which is what an engine stepped where it was built pays once."""
 import ctypes
+import functools
 import logging
 
 log = logging.getLogger(__name__)
 OMP_PAUSE_HARD = 2      # omp_pause_resource_t: end the team's threads (OpenMP 5.0)
 
 
+@functools.cache
 def _libgomp() -> ctypes.CDLL | None:
-    """The libgomp this process loaded (PyTorch's), found by path in /proc/self/maps; None without one."""
+    """The libgomp this process loaded (PyTorch's), found by path in /proc/self/maps once (a device stepper calls
+    release_team after every step); None without one."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libgomp" in line}

@@ -215,14 +215,15 @@ class Scheduler:
         itl = self.sla_targets.get(seq.sla_class, {}).get("itl_ms") if seq.is_online else None
         return None if itl is None else itl / 1000
 
-    def _pace_room(self, now: float) -> float | None:
-        """None when no online work with a pace is here (no time bound). Else how long this step may last with
-        every running online stream still on pace: the earliest next-token due time (first token + delivered x
-        pace, banking at most PACE_CREDIT gaps) from now; 0 when a stream is behind or none streams yet."""
+    def _pace_room(self, now: float) -> tuple[float | None, bool]:
+        """(room, streaming). room: None when no online work with a pace is here (no time bound), else how long this
+        step may last with every running online stream still on pace: the earliest next-token due time (first token
+        + delivered x pace, banking at most PACE_CREDIT gaps) from now; 0 when a stream is behind or none streams
+        yet. streaming: such a stream is running (its first token is out)."""
         if self.cost_model is None:
-            return None
+            return None, False
         if not any(self._pace(s) is not None for s in self.running + self.waiting):
-            return None
+            return None, False
         room = None
         for seq in self.running:
             pace = self._pace(seq)
@@ -230,11 +231,7 @@ class Scheduler:
                 continue
             slack = min(seq.first_token_s + seq.num_output_tokens * pace - now, PACE_CREDIT * pace)
             room = slack if room is None else min(room, slack)
-        return max(0.0, room or 0.0)
-
-    def _streaming(self) -> bool:
-        """An online stream with a pace is running (its first token is out)."""
-        return any(s.first_token_s is not None and self._pace(s) is not None for s in self.running)
+        return max(0.0, room or 0.0), room is not None
 
     def _offline_limit(self, pace_room: float, online_s: float, first_token_step: bool, streaming: bool) -> float:
         """The predicted step time offline tokens may fill up to, once the online tokens (online_s with the fixed
@@ -293,8 +290,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         bm.end_step()
-        pace_room = self._pace_room(self.clock())
-        streaming = pace_room is not None and self._streaming()
+        pace_room, streaming = self._pace_room(self.clock())
         batch = ScheduledBatch(time_limit_s=pace_room)
         limit = None               # the bound offline tokens fit under; with online work, set at the first one
         if pace_room is None and self.idle_limit_s is not None and self.idle_limit_s > self.cost_model.fixed + sum(
