@@ -70,7 +70,8 @@ def test_create_tenant(page, live):
     page.fill("#weight", "0")                    # edit: a bad weight is marked, the class choice is kept
     page.select_option("#default_sla_class", "interactive")
     page.click("text=Save scheduling")
-    assert page.locator("#weight-error").is_visible() and page.locator("#default_sla_class-error").count() == 0
+    page.wait_for_selector("#weight-error")      # the answer page, not the form still showing
+    assert page.locator("#default_sla_class-error").count() == 0
     assert page.input_value("#default_sla_class") == "interactive"
     page.fill("#weight", "2.5")
     page.click("text=Save scheduling")
@@ -148,7 +149,8 @@ def test_job_timeline(page, live):
     assert page.locator(f"tr[data-job='{job['id']}']").is_visible()
     page.select_option("#f-class", "batch")
     page.click("text=Filter")
-    assert page.locator(f"tr[data-job='{other['id']}']").is_visible()
+    page.wait_for_url("**sla_class=batch**")
+    page.wait_for_selector(f"tr[data-job='{other['id']}']")  # is_visible() does not wait: the old page may still show
     assert page.locator(f"tr[data-job='{job['id']}']").count() == 0
     shot(page, "07-jobs-filtered")
     page.goto(f"/admin/jobs/{job['id']}")
