@@ -31,9 +31,9 @@ class Sim:
                                clock=lambda: self.now)
         self.n = 0
 
-    def add(self, prompt_len, max_tokens, sla_class="batch", tenant="default", weight=1.0):
+    def add(self, prompt_len, max_tokens, sla_class="batch", tenant="default", weight=1.0, token=7):
         self.n += 1
-        seq = Sequence(f"s{self.n}", [7] * prompt_len, SamplingParams(max_tokens=max_tokens), sla_class=sla_class,
+        seq = Sequence(f"s{self.n}", [token] * prompt_len, SamplingParams(max_tokens=max_tokens), sla_class=sla_class,
                        tenant=tenant, weight=weight)
         seq.arrival_time = self.now
         self.sched.add(seq)
@@ -174,7 +174,8 @@ def test_waiting_realtime_prompt_goes_whole_into_the_next_step_even_when_streams
     sim = Sim(max_num_seqs=64, budget=512)
     for _ in range(30):
         sim.add(3, 100, "realtime")                     # 30 online decodes already cost 40 ms
-    sim.step()
+    while sim.sched.waiting:                            # their prompts, as many a step as the idle cap holds
+        sim.step()
     sim.add(200, 5, "batch")
     late = sim.add(60, 4, "realtime")
     batch = sim.step()
@@ -184,17 +185,35 @@ def test_waiting_realtime_prompt_goes_whole_into_the_next_step_even_when_streams
 
 def test_a_flooding_tenants_prompts_never_ride_in_another_tenants_first_token_step():
     sim = Sim(max_num_seqs=64, budget=512)
-    flood = [sim.add(40, 4, "realtime", tenant="a") for _ in range(3)]
+    flood = [sim.add(20, 4, "realtime", tenant="a") for _ in range(3)]
     sim.step()                                                          # a's three prompts start together
     assert all(s.num_output_tokens == 1 for s in flood)
-    more = [sim.add(40, 4, "realtime", tenant="a") for _ in range(3)]
-    light = sim.add(40, 4, "realtime", tenant="b")                      # arrives last, least served
+    more = [sim.add(20, 4, "realtime", tenant="a") for _ in range(3)]
+    light = sim.add(20, 4, "realtime", tenant="b")                      # arrives last, least served
     batch = sim.step()
     assert light in batch.seqs and light.num_output_tokens == 1        # its first token in the next step
     assert not any(s in batch.seqs for s in more)                      # without a's prompts lengthening it
     assert all(s in batch.seqs for s in flood)                         # a's running streams still decode
     batch = sim.step()
     assert all(s in batch.seqs and s.num_output_tokens == 1 for s in more)    # a's come in the step after
+
+
+def test_a_backlog_of_prompts_is_started_a_step_within_the_idle_cap_at_a_time():
+    """A flood's backlog of online prompts is not taken in one step of seconds that every stream and every
+    other tenant's arrival would wait out: further prompts join a first-token step only while it stays within
+    the idle cap (100 ms here); the first goes whole whatever it costs."""
+    sim = Sim(max_num_seqs=64, budget=2048)
+    big = sim.add(150, 4, "realtime", tenant="a")
+    backlog = [sim.add(30, 4, "realtime", tenant="a", token=10 + i) for i in range(12)]   # no prefix hits
+    batch = sim.step()
+    assert batch.seqs == [big] and batch.num_new_tokens == [150]      # alone, over the cap: the first goes whole
+    started = []
+    while any(s.num_output_tokens == 0 for s in backlog):
+        batch = sim.step()
+        started.append(sum(s in batch.seqs and s.num_output_tokens == 1 and n == 30
+                           for s, n in zip(batch.seqs, batch.num_new_tokens)))
+        assert batch.predicted_s <= 0.100 + 1e-9
+    assert sum(started) == 12 and len(started) >= 4 and min(started) >= 1   # 10 ms + 30 a prompt + the streams
 
 
 def test_long_realtime_prompt_is_prefilled_whole_within_the_token_budget():
@@ -439,3 +458,21 @@ def test_a_step_pays_each_lora_adapter_once_and_fits_offline_work_around_it():
     assert {s.lora for s in batch.seqs} == {"a"} and batch.num_adapters == 1
     assert batch.num_new_tokens[0] == 100 and 119 <= batch.num_tokens <= 120     # (float rounding of the ms)
     assert batch.predicted_s <= 0.150 + 1e-9
+
+
+def test_a_newcomer_arriving_while_the_class_is_idle_starts_level_with_the_tenant_that_left_it_last():
+    """A low-rate tenant served alone for a while is idle between its requests; a flood arriving in such a
+    moment starts at its level (VTC's lift), not at zero: else b's next request waits behind a's whole backlog
+    until a has caught up with all b was served alone."""
+    sim = Sim(max_num_seqs=64, budget=2048)
+    for i in range(10):                                 # b alone: ten requests, one at a time
+        b = sim.add(30, 2, "realtime", tenant="b", token=100 + i)
+        while b.status != SequenceStatus.FINISHED:
+            sim.step()
+    assert not sim.sched.has_unfinished()
+    flood = [sim.add(30, 8, "realtime", tenant="a", token=200 + i) for i in range(6)]
+    sim.step()                                          # a's first prompts (the idle cap holds two)
+    late = sim.add(30, 2, "realtime", tenant="b", token=300)
+    batch = sim.step()
+    assert late in batch.seqs and late.num_output_tokens == 1                  # b's first token in the next step
+    assert any(s.num_output_tokens == 0 for s in flood)                        # ahead of a's backlog

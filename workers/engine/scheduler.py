@@ -120,6 +120,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []      # WAITING, SUSPENDED and SWAPPED sequences
         self.running: list[Sequence] = []
         self.served: dict[tuple[int, str], float] = defaultdict(float)   # (class rank, tenant) -> tokens / weight
+        self.left_level: dict[int, float] = {}   # class rank -> service of the tenant whose sequence left it last
         self.preemptions = dict.fromkeys(PREEMPTION_KINDS, 0)
         self.recomputed_tokens = 0             # computed tokens thrown away by recompute and computed again
         # Without online work a step stays within what lets an online prompt arriving mid-step still meet its
@@ -163,8 +164,11 @@ class Scheduler:
         key = (seq.rank, seq.tenant)
         if any(s.tenant == seq.tenant and s.rank == seq.rank for s in chain(self.waiting, self.running)):
             return
+        # With nobody active, the level is that of the last tenant to leave the class (as VTC lifts a newcomer): a
+        # low-rate tenant idle between its requests has otherwise just been served alone, and a tenant arriving
+        # in such a moment with no service yet would rank ahead of it until it had caught up (seconds of a flood)
         active = {(s.rank, s.tenant) for s in chain(self.waiting, self.running) if s.rank == seq.rank}
-        floor = min((self.served[k] for k in active), default=self.served[key])
+        floor = min((self.served[k] for k in active), default=self.left_level.get(seq.rank, self.served[key]))
         self.served[key] = max(self.served[key], floor)
 
     def remove(self, seq: Sequence) -> None:
@@ -173,6 +177,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.left_level[seq.rank] = self.served[(seq.rank, seq.tenant)]
         self.block_manager.free_sequence(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -339,6 +344,13 @@ class Scheduler:
                     and not any(p.rank <= seq.rank for p in batch.preempted):
                 # another tenant's prompt waits for the next step instead of lengthening this one, and nothing ranked
                 # below it takes its place (unless a seat was just given up for it: then it takes the seat now)
+                admitting = False
+                continue
+            if new and prompt_tenant is not None and self._online_prompt(seq) and self.idle_limit_s is not None \
+                    and time_used + self._step_cost(0, seq.num_uncomputed_tokens) > self.idle_limit_s:
+                # a further prompt rides in a first-token step only while the step stays within what an arrival
+                # can afford to wait for (the idle cap): a flood's backlog of prompts taken in one step made
+                # seconds-long steps that every stream and every other tenant's request waited out
                 admitting = False
                 continue
             if new:
