@@ -11,7 +11,9 @@ The step policy while online work (realtime, interactive) is running or waiting,
   - first token as soon as the device allows: a waiting online prompt goes whole (up to the token budget) into
     the very next step, and that step carries no offline tokens beyond what offline is owed (below); a step starts
     the online prompts of one tenant only (the least served first), so a tenant's flood of prompts never rides in
-    another's first-token step and lengthens it;
+    another's first-token step and lengthens it, and a prompt after the first joins only while the step stays
+    within the idle cap (below): a backlog of prompts taken at once made steps of seconds that every stream and
+    every other tenant's arrival waited out;
   - smoothness by delivered pace: a running online stream is on pace while it has delivered at least one token
     per `itl_ms` of its class since its first token. The next token of each stream is due at first token +
     delivered x itl_ms; the step may last until the earliest due time (a stream ahead of its pace absorbs a
@@ -346,11 +348,13 @@ class Scheduler:
                 # below it takes its place (unless a seat was just given up for it: then it takes the seat now)
                 admitting = False
                 continue
-            if new and prompt_tenant is not None and self._online_prompt(seq) and self.idle_limit_s is not None \
+            if new and prompt_tenant is not None and self._online_prompt(seq) and seq.pooling is None \
+                    and self.idle_limit_s is not None \
                     and time_used + self._step_cost(0, seq.num_uncomputed_tokens) > self.idle_limit_s:
                 # a further prompt rides in a first-token step only while the step stays within what an arrival
                 # can afford to wait for (the idle cap): a flood's backlog of prompts taken in one step made
-                # seconds-long steps that every stream and every other tenant's request waited out
+                # seconds-long steps that every stream and every other tenant's request waited out (an embedding
+                # request's inputs still go together: the request is done only when all of them are)
                 admitting = False
                 continue
             if new:
