@@ -45,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
-from online_latency import _get, _stop, _wait, make_prompts, paced, pct  # noqa: E402
+from online_latency import _get, _stop, _wait, make_prompts, native_kernels_ready, paced, pct  # noqa: E402
 
 VOCAB = 49152          # SmolLM2's; prompts are random ids in [100, VOCAB)
 MIXED_SPANS = 4        # the mixed phase's realtime stream runs until the batch is done, at most this many spans
@@ -273,6 +273,8 @@ def main():
     args = ap.parse_args()
     lines = []
     if not args.no_tidepool:
+        if not args.url:
+            native_kernels_ready()
         if args.url:
             server = Server("tidepool", args.url, args.key, first_model(args.url, args.key), True, args)
             lines.append(run(server, args))

@@ -56,6 +56,20 @@ STAGES = [  # (label, from mark, to mark); "send" and "first_byte" are the clien
 ]
 
 
+def native_kernels_ready() -> str:
+    """Build (or load) the native CPU kernels before anything is measured, so no phase runs on the torch path while
+    a worker builds them on a thread beside its steps (kernels/cpu_ops.py; a cold cache on a fresh machine: 20-50 s
+    of a core, which made the first measured phase up to 2x slower than the later ones). The workers and servers
+    the benchmarks start use the same cache (TIDEPOOL_KERNEL_CACHE, else the default folder)."""
+    from kernels import cpu_ops
+    if os.environ.get("TIDEPOOL_KERNEL_CACHE"):
+        cpu_ops.configure(cache_dir=os.environ["TIDEPOOL_KERNEL_CACHE"])
+    started = time.perf_counter()
+    state = cpu_ops.prepare()
+    print(f"# native CPU kernels: {state} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
+    return state
+
+
 def pct(values, q):
     if not values:
         return float("nan")
@@ -159,11 +173,15 @@ def measure(client, idle_prompts, steady_prompts, rate, gap, warmup):
 
 def paced(client, prompts, rate, stop=None) -> list[dict]:
     """Stream each prompt through client.stream, the i-th sent at i / rate seconds (a steady arrival rate);
-    with stop, the i-th is not sent once stop(i) is true (the stream ends early)."""
+    with stop, the i-th is not sent once stop(i) is true (the stream ends early, and the threads of the requests
+    not sent return then, not at their time: hybrid_http's mixed phase idled 3 minutes for them)."""
     results, threads, start = [None] * len(prompts), [], time.time() + 0.2
 
     def one(i, ids):
-        time.sleep(max(0.0, start + i / rate - time.time()))
+        while (left := start + i / rate - time.time()) > 0:
+            if stop is not None and stop(i):
+                return     # (stop stays true once it is: a request not sent at its time is never sent later)
+            time.sleep(min(left, 0.5))
         if stop is None or not stop(i):
             results[i] = client.stream(ids)
 
@@ -365,6 +383,7 @@ def main():
     ap.add_argument("--raw", help="also write every request's timestamps (client and stages) to this JSON file")
     args = ap.parse_args()
 
+    native_kernels_ready()
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     idle_prompts = make_prompts(args.idle, vocab, args.seed)
     steady_prompts = make_prompts(args.steady, vocab, args.seed + 1)

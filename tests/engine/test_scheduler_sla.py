@@ -124,6 +124,41 @@ def test_while_a_stream_runs_offline_gets_its_floor_and_no_debt_is_kept_or_paid(
     assert 10 <= sim.offline_tokens(streaming) <= 11 and not any(s.is_finished for s in offline)
 
 
+def test_a_first_token_step_beside_a_running_stream_carries_no_offline_tokens_even_with_the_debt_at_its_cap():
+    """The debt is neither kept nor paid while streams run, so a debt at OWED_CAP_S must not buy offline tokens in
+    a step bringing a first token beside a stream: every such step was twice as long (the new request's first token
+    and the stream's gap both)."""
+    sim = Sim(max_num_seqs=64, budget=512, targets=LOOSE)
+    for _ in range(30):
+        sim.add(100, 50)
+    rt = sim.add(8, 40, "realtime")
+    sim.step()
+    assert rt.first_token_s is not None
+    sim.sched.offline_owed = 1.0                    # OWED_CAP_S
+    newcomer = sim.add(40, 4, "realtime")
+    batch = sim.step()
+    assert newcomer in batch.seqs and rt in batch.seqs and newcomer.num_output_tokens == 1
+    assert sim.offline_tokens(batch) == 0 and sim.sched.offline_owed == 1.0
+
+
+def test_steps_of_offline_work_alone_pay_down_the_debt():
+    """Offline alone has the whole step: a debt left from first-token steps is paid by it, so it does not sit at
+    its cap until the next online prompt and take that prompt's first-token step."""
+    sim = Sim(max_num_seqs=64, budget=256, targets=LOOSE)
+    for _ in range(30):
+        sim.add(20, 200)
+    sim.sched.offline_owed = owed = 1.0
+    before = sim.step()
+    assert before.time_limit_s is None and sim.offline_tokens(before) > 0
+    assert abs(sim.sched.offline_owed - (owed - 0.5 * before.predicted_s)) < 1e-9      # (1 - floor) of the step
+    for _ in range(100):
+        sim.step()
+    assert sim.sched.offline_owed == 0.0
+    rt = sim.add(40, 4, "realtime")
+    first = sim.step()
+    assert rt in first.seqs and sim.offline_tokens(first) == 0
+
+
 def test_without_online_work_a_step_leaves_a_new_arrival_its_ttft():
     """Offline alone, a prefill wave is chunked so that a realtime prompt arriving mid-step (it waits for the
     step, then gets one of its own, <= itl) can still meet its ttft, and waits no longer than two of its token

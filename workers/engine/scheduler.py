@@ -21,8 +21,10 @@ The step policy while online work (realtime, interactive) is running or waiting,
   - offline never starved: while offline work waits, it gets at least `offline_floor` of each step's predicted
     time (its tokens' cost against the online tokens and the fixed cost). What a first-token step without running
     streams could not give it is owed and paid back in the next such steps (at most one floor's worth extra a
-    step); while streams run, no debt is kept or paid: paying it stretched every stream's gaps (decode steps
-    beside the batch 107 -> 85 ms over HTTP, benchmarks/hybrid_http.py).
+    step) and by steps of offline work alone; while streams run, no debt is kept or paid: paying it stretched
+    every stream's gaps (decode steps beside the batch 107 -> 85 ms over HTTP, benchmarks/hybrid_http.py), and a
+    first-token step beside running streams carries no offline tokens even with the debt at OWED_CAP_S (a debt
+    nothing paid down made every such step twice as long: the new request's first token and every stream's gap).
 Without online work the token budget applies, and a step is kept within the tightest `ttft_ms - itl_ms` of the
 online classes and IDLE_GAPS of their tightest pace: an online prompt arriving while it runs waits for it, so an
 offline prefill wave must not hold it up longer than a few of its tokens would take (each such step still makes
@@ -244,9 +246,10 @@ class Scheduler:
         """The predicted step time offline tokens may fill up to, once the online tokens (online_s with the fixed
         cost) are in: the pace room, or offline's floor share of the step plus, while no stream runs, up to as much
         again of what it is owed. A step that computes an online prompt (its first token is not out yet) gives
-        offline nothing, unless the debt has reached OWED_CAP_S: the first token comes as soon as the device allows."""
+        offline nothing, unless no stream runs and the debt has reached OWED_CAP_S: the first token comes as soon as
+        the device allows."""
         share = self.offline_floor / (1 - self.offline_floor) * online_s
-        if first_token_step and self.offline_owed < OWED_CAP_S:
+        if first_token_step and (streaming or self.offline_owed < OWED_CAP_S):
             return online_s
         return max(pace_room, online_s + share + (0.0 if streaming else min(self.offline_owed, share)))
 
@@ -404,6 +407,9 @@ class Scheduler:
             offline_s = 0.0 if online_s is None else time_used - online_s
             self.offline_owed = min(OWED_CAP_S, max(0.0, self.offline_owed + self.offline_floor * time_used
                                                     - offline_s))
+        elif pace_room is None and self.offline_owed and batch:
+            # a step of offline work alone pays what it is owed: it had the whole step, its floor share and more
+            self.offline_owed = max(0.0, self.offline_owed - (1 - self.offline_floor) * time_used)
         if self.cost_model is not None and batch:
             batch.predicted_s = time_used
         batch.copies = bm.take_copies()
