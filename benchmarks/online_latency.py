@@ -62,8 +62,8 @@ def native_kernels_ready() -> str:
     of a core, which made the first measured phase up to 2x slower than the later ones). The workers and servers
     the benchmarks start use the same cache (TIDEPOOL_KERNEL_CACHE, else the default folder)."""
     from kernels import cpu_ops
-    if os.environ.get("TIDEPOOL_KERNEL_CACHE"):
-        cpu_ops.configure(cache_dir=os.environ["TIDEPOOL_KERNEL_CACHE"])
+    from service.ledger.config import Config
+    cpu_ops.configure(cache_dir=Config.setting("kernel_cache"))      # None: the default folder, as the workers'
     started = time.perf_counter()
     state = cpu_ops.prepare()
     print(f"# native CPU kernels: {state} ({time.perf_counter() - started:.1f} s)", file=sys.stderr, flush=True)
