@@ -273,12 +273,11 @@ def main():
     args = ap.parse_args()
     lines = []
     if not args.no_tidepool:
-        if not args.url:
-            native_kernels_ready()
         if args.url:
             server = Server("tidepool", args.url, args.key, first_model(args.url, args.key), True, args)
             lines.append(run(server, args))
         else:
+            native_kernels_ready()
             with tempfile.TemporaryDirectory(prefix="hybrid-http-") as tmp:
                 proc, base, key = start_serve(args, Path(tmp))
                 try:
