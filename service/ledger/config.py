@@ -213,6 +213,11 @@ class Config:
                                           "that waiting offline work gets beside realtime and interactive work (a "
                                           "step that brings an online first token gives it none and owes it)",
                                           parse=FLOAT, check=SHARE, shown="`0.5`", engine=True)
+    step_cut: bool | None = setting("TIDEPOOL_STEP_CUT", None, "`0`: an online request arriving mid-step waits for "
+                                    "the step in flight to end; by default, when that step has more than one token "
+                                    "gap of the request's class still to run and the request's tenant has no "
+                                    "prompt in it, its first-token step runs between two layers of that step",
+                                    parse=_bool, shown="`1`", engine=True)
     step_trace: str | None = setting("TIDEPOOL_STEP_TRACE", None, "A file every engine step appends one JSON line "
                                      "to: its time split (schedule, model, sample, idle before it), predicted time "
                                      "and bound, online and offline rows and tokens (a diagnosis of where step time "

@@ -103,6 +103,8 @@ class EngineConfig:
     capacity_policy: str = "max_utilization"    # or "no_evict"
     online_reserve: float = 0.1                 # share of blocks and seats only online work may take
     offline_floor: float = 0.5                  # least share of step time offline work gets beside online work
+    step_cut: bool = True                       # an online arrival's first-token step may run between two layers
+                                                # of the step in flight (LLMEngine._StepCut) instead of after it
     swap_space_gib: float | None = None         # host pool for swapped blocks; None: 4 on CUDA and 0 on CPU (where
                                                 # the KV pool already is host memory)
     calibrate: bool = True                      # seed the step cost model with a few timed steps at start

@@ -112,6 +112,40 @@ class _EmbedRequest:
         return self.seqs[0]
 
 
+class _StepCut:
+    """Called between two layers of a step's forward (ModelRunner.run): when an online request has arrived that
+    Scheduler.cut_in_tenants says should not wait for the rest of the step, its first-token step runs right there,
+    to its end and its first token (at most once a step). What the step in flight was computing is unchanged: its
+    forward's state lives in that forward, and the first-token step's sequences write other cache slots."""
+
+    def __init__(self, engine: "LLMEngine", batch, outputs: list):
+        self.engine, self.batch, self.outputs = engine, batch, outputs
+        self.layers = len(engine.runner.model.layers)
+        self.seconds = 0.0        # spent in the step run inside
+        self.done = False
+        self.asked = 0            # arrivals already judged (those the answer was no for stay no as the step goes on)
+
+    def __call__(self, layer: int) -> None:
+        engine = self.engine
+        if self.done or len(engine._inbox) <= self.asked:    # a list another thread replaces whole: no lock needed
+            return
+        with engine._lock:
+            arrivals = [r.seq for r in engine._inbox[self.asked:]]
+        self.asked += len(arrivals)
+        remaining = self.batch.predicted_s * (self.layers - layer) / self.layers
+        tenants = engine.scheduler.cut_in_tenants(self.batch, arrivals, remaining)
+        if not tenants:
+            return
+        self.done = True
+        t0 = time.perf_counter()
+        self.outputs.extend(engine._drain_inbox(requests_only=True))
+        cut = engine.scheduler.schedule_cut_in(self.batch, tenants)
+        if cut:
+            engine._totals["step_cuts"] += 1
+            engine._run(cut, [], t0, time.perf_counter(), self.outputs, cut_in=True)
+        self.seconds = time.perf_counter() - t0
+
+
 EMBED_SAMPLING = SamplingParams(max_tokens=1)    # what the scheduler's capacity checks read of an embedding input
 
 
@@ -165,7 +199,7 @@ class LLMEngine:
         self._work = threading.Condition(self._lock)    # notified by add_request
         self._totals = {"steps": 0, "prompt_tokens": 0, "generation_tokens": 0, "computed_tokens": 0,
                         "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0, "finished": 0, "aborted": 0,
-                        "embedded_inputs": 0, "embedded_tokens": 0}
+                        "embedded_inputs": 0, "embedded_tokens": 0, "step_cuts": 0}
         self._last_step = {"tokens": 0, "seqs": 0, "schedule_s": 0.0, "model_s": 0.0, "sample_s": 0.0}
         self._trace = StepTrace(config.step_trace) if config.step_trace else None
         release_team()      # the thread stepping the engine (a worker's engine thread) then holds the only team
@@ -275,16 +309,22 @@ class LLMEngine:
             requests = list(self.requests.values())     # one copy in C: a step may change the dict meanwhile
             return min([r.seq.rank for r in requests] + [r.seq.rank for r in self._inbox], default=None)
 
-    def _drain_inbox(self) -> list[RequestOutput]:
+    def _drain_inbox(self, requests_only: bool = False) -> list[RequestOutput]:
+        """Take added requests into the scheduler, then aborts (not with requests_only: inside a step cut, where an
+        aborted sequence of the step in flight must keep its blocks until that step ends)."""
         with self._lock:
-            inbox, aborts = self._inbox, self._aborts
-            self._inbox, self._aborts = [], []
+            inbox, aborts = self._inbox, ([] if requests_only else self._aborts)
+            self._inbox = []
+            if not requests_only:
+                self._aborts = []
             self._inbox_ids = set()
         for request in inbox:
             self.requests[request.seq.request_id] = request
             for seq in getattr(request, "seqs", None) or [request.seq]:
                 self.scheduler.add(seq)
         outputs = []
+        if requests_only:
+            return outputs
         for request_id in aborts:
             request = self.requests.get(request_id)
             if request is not None:
@@ -309,6 +349,11 @@ class LLMEngine:
             if self.lora is not None:
                 self.lora.wait_loading(0.005)      # all there is to run waits on adapters being read: no busy loop
             return outputs
+        return self._run(batch, drafted, t0, t1, outputs)
+
+    def _run(self, batch, drafted, t0: float, t1: float, outputs: list, cut_in: bool = False) -> list[RequestOutput]:
+        """Run a scheduled batch to its outputs (appended to `outputs`, returned); cut_in: it runs inside another
+        step (_StepCut), which it may not cut in turn."""
         prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
                             for s, n in zip(batch.seqs, batch.num_new_tokens))
         counts = self._trace.count(batch) if self._trace is not None else None
@@ -318,7 +363,9 @@ class LLMEngine:
             copy_blocks(self.runner.model.layers, batch.copies)
         if batch.swap_in:
             self.host_pool.copy([], batch.swap_in)
-        logits = self.runner.run(batch)
+        cut = (_StepCut(self, batch, outputs) if self.config.step_cut and not cut_in and not self.is_encoder
+               and batch.predicted_s and batch.num_adapters == 0 else None)
+        logits = self.runner.run(batch, cut) if cut is not None else self.runner.run(batch)
         for seq, position, entry in self.runner.prompt_logprobs:    # a recomputed prompt writes the same again
             self.requests[seq.request_id].prompt_logprobs[position + 1] = entry
         t2 = time.perf_counter()
@@ -338,10 +385,11 @@ class LLMEngine:
         for seq, rows in verify:
             outputs.append(self._verify(seq, rows))
         t3 = time.perf_counter()
-        self.cost_model.observe(batch.num_tokens, batch.attended, t3 - t0, batch.num_adapters)
-        self._record(batch, prompt_tokens, t1 - t0, t2 - t1, t3 - t2)
+        cut_s = 0.0 if cut is None else cut.seconds       # the step run inside this one is observed on its own
+        self.cost_model.observe(batch.num_tokens, batch.attended, t3 - t0 - cut_s, batch.num_adapters)
+        self._record(batch, prompt_tokens, t1 - t0, t2 - t1 - cut_s, t3 - t2)
         if self._trace is not None:
-            self._trace.write(batch, counts, t0, t1, t2, t3)
+            self._trace.write(batch, counts, t0, t1, t2, t3, cut_s=cut_s, cut_in=cut_in)
         return outputs
 
     def _fork(self, ready: list[Sequence], logits):

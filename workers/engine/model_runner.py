@@ -176,7 +176,7 @@ class ModelRunner:
                 step["sample_rows"].extend(range(last - 1 - len(drafts), last))
         return step
 
-    def _run_eager(self, step: dict, max_seqlen_q: int) -> torch.Tensor:
+    def _run_eager(self, step: dict, max_seqlen_q: int, between_layers=None) -> torch.Tensor:
         def tensor(values, dtype=torch.int64):
             return torch.tensor(values, dtype=dtype, device=self.device)
 
@@ -201,7 +201,7 @@ class ModelRunner:
             cu_seqlens_q=tensor(cu_seqlens_q, torch.int32),
             max_seqlen_q=max_seqlen_q,
         )
-        return self.model(tensor(step["input_ids"]), tensor(step["positions"]), ctx)
+        return self.model(tensor(step["input_ids"]), tensor(step["positions"]), ctx, between_layers)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> list[tuple]:
         """(seq, position, {"token_id", "logprob", "top"}) of prompt token position + 1, per prompt row."""
@@ -224,17 +224,19 @@ class ModelRunner:
                 and len(batch.seqs) <= self.decode_graphs.max_batch_size)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> torch.Tensor | None:
+    def run(self, batch: ScheduledBatch, between_layers=None) -> torch.Tensor | None:
         """Compute the batch's new tokens into the cache; return logits [S, V] for the rows that sample (k + 1
         consecutive rows for a sequence with k drafts).
-        Prompt logprobs asked for (SamplingParams.prompt_logprobs) are left in `self.prompt_logprobs`."""
+        Prompt logprobs asked for (SamplingParams.prompt_logprobs) are left in `self.prompt_logprobs`.
+        between_layers(i) is called before each layer i > 0 of an eager forward without adapters (a captured CUDA
+        graph runs whole); it may run another batch to its end (LLMEngine's step cut)."""
         step = self._prepare(batch)
         adapters = self.lora is not None and self.lora.begin_step(batch.seqs, batch.num_new_tokens)
         if self._fits_graph(batch) and not adapters:     # the graphs were captured without adapters
             hidden = self.decode_graphs.run(step["input_ids"], step["positions"], step["slot_mapping"],
                                             step["context_lens"], step["block_tables"])
         else:
-            hidden = self._run_eager(step, max(batch.num_new_tokens))
+            hidden = self._run_eager(step, max(batch.num_new_tokens), None if adapters else between_layers)
             if adapters:
                 self.lora.end_step()
         self.prompt_logprobs = self._prompt_logprobs(hidden, step["prompt_rows"]) if step["prompt_rows"] else []

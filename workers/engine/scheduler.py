@@ -165,15 +165,21 @@ class Scheduler:
         # so banked idleness can't buy it a monopoly later.
         # The common case, a tenant already active (a batch of 10,000 inputs added at once), stops at its first
         # sequence: a full scan per add made adding n inputs O(n^2) (seconds of the GIL at 10,000).
-        key = (seq.rank, seq.tenant)
         if any(s.tenant == seq.tenant and s.rank == seq.rank for s in chain(self.waiting, self.running)):
             return
-        # With nobody active, the level is that of the last tenant to leave the class (as VTC lifts a newcomer): a
-        # low-rate tenant idle between its requests has otherwise just been served alone, and a tenant arriving
-        # in such a moment with no service yet would rank ahead of it until it had caught up (seconds of a flood)
-        active = {(s.rank, s.tenant) for s in chain(self.waiting, self.running) if s.rank == seq.rank}
-        floor = min((self.served[k] for k in active), default=self.left_level.get(seq.rank, self.served[key]))
-        self.served[key] = max(self.served[key], floor)
+        self.served[(seq.rank, seq.tenant)] = self._level(seq.rank, seq.tenant)
+
+    def _level(self, rank: int, tenant: str) -> float:
+        """The tenant's service in the class, lifted as it would be if it arrived now (_activate_tenant). With
+        nobody active, the level is that of the last tenant to leave the class (as VTC lifts a newcomer): a
+        low-rate tenant idle between its requests has otherwise just been served alone, and a tenant arriving
+        in such a moment with no service yet would rank ahead of it until it had caught up (seconds of a flood)."""
+        key = (rank, tenant)
+        active = {s.tenant for s in chain(self.waiting, self.running) if s.rank == rank}
+        if tenant in active:
+            return self.served[key]
+        floor = min((self.served[(rank, t)] for t in active), default=self.left_level.get(rank, self.served[key]))
+        return max(self.served[key], floor)
 
     def remove(self, seq: Sequence) -> None:
         """Drop a finished or aborted sequence and give back its blocks."""
@@ -413,6 +419,75 @@ class Scheduler:
         if self.cost_model is not None and batch:
             batch.predicted_s = time_used
         batch.copies = bm.take_copies()
+        return batch
+
+    # -- the step cut ------------------------------------------------------------------------------
+    def cut_in_tenants(self, inflight: ScheduledBatch, arrivals: list[Sequence], remaining_s: float) -> set[str]:
+        """The tenants of arrivals (not yet added) whose first-token step should run between two layers of the step
+        in flight (LLMEngine's step cut): an online prompt, while the step has more than one token gap of its class
+        still to run, whose tenant has no prompt in that step and, against every tenant that has, both ranks ahead
+        for the next step (as _candidates ranks them: less service, then fewer seats of the class; a tenant back
+        from idle at its lifted level) and holds fewer of the class's seats. So a tenant with one request at a time
+        cuts into a flood's first-token step, and a flood never cuts into another's (the lift puts a returning
+        tenant level with the flood, and its own prompt then puts it ahead on service: the seats tell them apart);
+        no arrival cuts into its own tenant's first-token step; into a step that starts no online prompt (decode
+        and offline work) any may cut."""
+        prompts = {(s.rank, s.tenant) for s in inflight.seqs if self._online_prompt(s)}
+        tenants = set()
+        for seq in arrivals:
+            if not self._online_prompt(seq) or seq.pooling is not None or seq.lora is not None \
+                    or (pace := self._pace(seq)) is None or remaining_s <= pace \
+                    or any(t == seq.tenant for _, t in prompts):
+                continue
+            holding = defaultdict(int)
+            for s in self.running:
+                holding[(s.rank, s.tenant)] += s.rank == seq.rank
+            mine = (self._level(seq.rank, seq.tenant), holding[(seq.rank, seq.tenant)])
+            if all(rank > seq.rank or (rank == seq.rank and mine < (self.served[(rank, t)], holding[(rank, t)])
+                                       and mine[1] < holding[(rank, t)]) for rank, t in prompts):
+                tenants.add(seq.tenant)
+        return tenants
+
+    def schedule_cut_in(self, inflight: ScheduledBatch, tenants: set[str]) -> ScheduledBatch:
+        """A first-token step to run between two layers of the step in flight: the waiting online prompts of the most
+        urgent, least-served of `tenants` (one tenant, as in schedule), whole, into free seats and free blocks only.
+        Nothing is preempted and nothing of the step in flight is touched: its sequences hold their seats and
+        blocks, their computed counts move only when it ends, and the blocks it fills are not shared before then
+        (BlockManager.commit runs in postprocess). The step in flight has paid its weight reads for the layers
+        already done, so the arrival waits one layer of it, not all of it; the cut costs that step the weight reads
+        of its remaining layers once more (at most one fixed cost)."""
+        batch = ScheduledBatch()
+        if self.cost_model is None:
+            return batch
+        ready = [s for s in self.waiting if s.status == WAITING and s.tenant in tenants and self._online_prompt(s)
+                 and s.pooling is None and s.lora is None and self._pace(s) is not None]
+        if not ready:
+            return batch
+        first = min(ready, key=lambda s: (s.rank, self.served[(s.rank, s.tenant)], s.arrival))
+        bm = self.block_manager
+        time_used, budget = self.cost_model.fixed, self.max_num_batched_tokens
+        for seq in sorted((s for s in ready if s.tenant == first.tenant and s.rank == first.rank),
+                          key=lambda s: s.arrival):
+            if len(self.running) >= self.max_num_seqs or budget == 0:
+                break
+            if batch.seqs and self.idle_limit_s is not None and \
+                    time_used + self._step_cost(0, seq.num_uncomputed_tokens) > self.idle_limit_s:
+                break      # as in schedule: a further prompt rides only within the idle cap
+            bm.match_prefix(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not bm.allocate(seq, n, 0):
+                bm.free_sequence(seq)
+                break
+            self._start(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(n)
+            batch.attended += attended(seq.num_computed_tokens, n)
+            time_used += self._step_cost(seq.num_computed_tokens, n)
+            budget -= n
+            self.served[(seq.rank, seq.tenant)] += n / seq.weight
+        if batch:
+            batch.predicted_s = time_used
+            batch.copies = bm.take_copies()
         return batch
 
     def _seat(self, seq: Sequence, offline_running: int, scheduled: set[int], batch: ScheduledBatch) -> bool:

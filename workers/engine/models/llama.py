@@ -149,11 +149,16 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                between_layers=None) -> torch.Tensor:
+        """between_layers(i): called before layer i > 0 (the engine's step cut may run a whole other step there: this
+        forward's state is its own locals, and the other step's sequences write other cache slots)."""
         x = self.embed_tokens(input_ids)                                  # [T, hidden]
         rope = self.rotary(positions, x.dtype)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if i and between_layers is not None:
+                between_layers(i)
             x, residual = layer(x, residual, rope, ctx)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 

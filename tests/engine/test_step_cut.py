@@ -1,0 +1,102 @@
+"""The step cut: an online arrival's first-token step runs between two layers of the step in flight.
+Which arrivals may cut (the scheduler alone, fake cost model and clock), and that a cut changes no output token
+and leaves the block manager whole (the engine on a tiny model)."""
+from types import SimpleNamespace
+
+import pytest
+
+from workers.engine import EngineConfig, LLMEngine, SamplingParams
+from workers.engine.block_manager import BlockManager
+from workers.engine.scheduler import Scheduler
+from workers.engine.sequence import Sequence
+
+COST = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0)
+TARGETS = {"realtime": {"ttft_ms": 1000.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 2000.0, "itl_ms": 100.0}}
+
+
+class Sim:
+    def __init__(self, max_num_seqs=8):
+        self.bm = BlockManager(200, 4)
+        self.sched = Scheduler(self.bm, max_num_seqs, 512, cost_model=COST, sla_targets=TARGETS, clock=lambda: 0.0)
+        self.n = 0
+
+    def seq(self, prompt_len, sla_class="realtime", tenant="a"):
+        self.n += 1
+        return Sequence(f"s{self.n}", [5 + self.n] * prompt_len, SamplingParams(max_tokens=4), sla_class=sla_class,
+                        tenant=tenant)
+
+    def add(self, *args, **kw):
+        seq = self.seq(*args, **kw)
+        self.sched.add(seq)
+        return seq
+
+
+def test_an_idle_tenant_cuts_into_a_floods_first_token_step_and_the_flood_never_cuts_into_anyones():
+    sim = Sim()
+    a1, a2 = sim.add(100, tenant="a"), sim.add(100, tenant="a")
+    inflight = sim.sched.schedule()
+    assert a1 in inflight.seqs and a2 not in inflight.seqs       # one prompt a step within the idle cap (100 ms)
+    b, a3 = sim.seq(40, tenant="b"), sim.seq(40, tenant="a")
+    assert sim.sched.cut_in_tenants(inflight, [a3, b], remaining_s=0.08) == {"b"}
+    assert sim.sched.cut_in_tenants(inflight, [b], remaining_s=0.04) == set()    # less than one 50 ms gap left
+    assert sim.sched.cut_in_tenants(inflight, [sim.seq(40, "batch", "c")], remaining_s=1.0) == set()
+    sim.sched.add(b)
+    sim.sched.add(a3)
+    cut = sim.sched.schedule_cut_in(inflight, {"b"})
+    assert cut.seqs == [b] and cut.num_new_tokens == [40] and cut.predicted_s == pytest.approx(0.050)
+    assert a1 in sim.sched.running and inflight.num_new_tokens == [100]    # the step in flight is untouched
+    # the flood's next prompt arriving during B's step: a is now less served than b (b was lifted level with a and
+    # then served its prompt), but a holds more of the class's seats: no cut
+    assert sim.sched.served[(0, "a")] < sim.sched.served[(0, "b")]
+    assert sim.sched.cut_in_tenants(cut, [sim.seq(40, tenant="a")], remaining_s=1.0) == set()
+
+
+def test_a_cut_takes_only_free_seats_and_preempts_nothing():
+    sim = Sim(max_num_seqs=2)
+    a1, a2 = sim.add(30, tenant="a"), sim.add(30, tenant="a")
+    inflight = sim.sched.schedule()
+    assert set(inflight.seqs) == {a1, a2}
+    b = sim.add(10, tenant="b")
+    assert not sim.sched.schedule_cut_in(inflight, {"b"})        # both seats held: b waits for the next step
+    assert sim.sched.num_preemptions == 0 and b in sim.sched.waiting
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def run_with_an_arrival_mid_step(model_dir: str, step_cut: bool) -> tuple[dict, list, dict]:
+    """Tenant a's realtime prompts and a batch job run; tenant b's realtime request arrives while the first step is
+    in its first layer (added from a hook on layer 0, as the intake thread would add it). Returns the token ids
+    by request, the request ids of the first step's outputs, and the engine's stats."""
+    engine = LLMEngine(EngineConfig(model=model_dir, step_cut=step_cut,
+                                    sla_targets={"realtime": {"ttft_ms": 1000.0, "itl_ms": 0.001}}))
+    for i in range(2):
+        engine.add_request(f"a{i}", list(range(10 + i, 70 + i)), GREEDY, sla_class="realtime", tenant="a")
+    engine.add_request("off", list(range(3, 40)), GREEDY, sla_class="batch", tenant="c")
+    arrived = []
+
+    def arrive(module, args):
+        if not arrived:
+            arrived.append(True)
+            engine.add_request("b", list(range(200, 230)), GREEDY, sla_class="realtime", tenant="b")
+    hook = engine.runner.model.layers[0].register_forward_pre_hook(arrive)
+    tokens, first = {}, None
+    while engine.has_unfinished():
+        outs = engine.step()
+        if first is None:
+            first = [o.request_id for o in outs]
+        for out in outs:
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+    hook.remove()
+    assert engine.block_manager.num_used_blocks == 0
+    return tokens, first, engine.stats()
+
+
+def test_a_cut_brings_the_arrivals_first_token_within_the_step_and_changes_no_token(tiny_model_dir):
+    model = tiny_model_dir("llama-gqa")
+    cut, first_cut, stats_cut = run_with_an_arrival_mid_step(model, step_cut=True)
+    whole, first_whole, stats_whole = run_with_an_arrival_mid_step(model, step_cut=False)
+    assert stats_cut["total_step_cuts"] == 1 and stats_whole["total_step_cuts"] == 0
+    assert first_cut[0] == "b" and "b" not in first_whole   # its first token came inside the step in flight
+    assert cut == whole and set(cut) == {"a0", "a1", "b", "off"}
