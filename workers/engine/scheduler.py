@@ -13,7 +13,9 @@ The step policy while online work (realtime, interactive) is running or waiting,
     the online prompts of one tenant only (the least served first), so a tenant's flood of prompts never rides in
     another's first-token step and lengthens it, and a prompt after the first joins only while the step stays
     within the idle cap (below): a backlog of prompts taken at once made steps of seconds that every stream and
-    every other tenant's arrival waited out;
+    every other tenant's arrival waited out; an online arrival that ranks ahead of the step's prompt tenants and
+    holds fewer seats need not wait for the step in flight at all: its first-token step runs between two of that
+    step's layers (cut_in_tenants, schedule_cut_in; LLMEngine's step cut);
   - smoothness by delivered pace: a running online stream is on pace while it has delivered at least one token
     per `itl_ms` of its class since its first token. The next token of each stream is due at first token +
     delivered x itl_ms; the step may last until the earliest due time (a stream ahead of its pace absorbs a
