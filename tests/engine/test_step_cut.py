@@ -4,11 +4,13 @@ and leaves the block manager whole (the engine on a tiny model)."""
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from workers.engine import EngineConfig, LLMEngine, SamplingParams
 from workers.engine.block_manager import BlockManager
 from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence
+from workers.engine.sequence import SLA_CLASSES, Sequence
 
 COST = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0)
 TARGETS = {"realtime": {"ttft_ms": 1000.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 2000.0, "itl_ms": 100.0}}
@@ -100,3 +102,60 @@ def test_a_cut_brings_the_arrivals_first_token_within_the_step_and_changes_no_to
     assert stats_cut["total_step_cuts"] == 1 and stats_whole["total_step_cuts"] == 0
     assert first_cut[0] == "b" and "b" not in first_whole   # its first token came inside the step in flight
     assert cut == whole and set(cut) == {"a0", "a1", "b", "off"}
+
+
+arrivals = st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6), st.sampled_from(SLA_CLASSES),
+                              st.sampled_from("abc"), st.integers(0, 40), st.booleans()), min_size=1, max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(arrivals, st.integers(16, 60), st.integers(2, 6), st.floats(0.0, 0.3))
+def test_cut_in_steps_keep_the_step_in_flight_whole_and_every_request_finishes(reqs, num_blocks, max_num_seqs,
+                                                                              remaining):
+    """Arrivals come between steps or mid-step (then a cut-in step may run before the step in flight ends, as
+    LLMEngine's step cut runs it): the cut never touches the step in flight's sequences or blocks, preempts
+    nothing, never overfills the seats, and every request still finishes with every block back."""
+    bm = BlockManager(num_blocks, 4)
+    sched = Scheduler(bm, max_num_seqs, 64, cost_model=COST, sla_targets=TARGETS, clock=lambda: 0.0)
+    pending = sorted(reqs, key=lambda r: r[4])
+    n = 0
+
+    def finish(batch):
+        for seq in sched.postprocess(batch):
+            seq.token_ids.append(7)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.remove(seq)
+
+    for step in range(800):
+        due = []
+        while pending and pending[0][4] <= step:
+            plen, out, cls, tenant, _, mid = pending.pop(0)
+            n += 1
+            seq = Sequence(f"s{n}", [5 + n % 50] * min(plen, num_blocks * 4 - 9), SamplingParams(max_tokens=out),
+                           sla_class=cls, tenant=tenant)
+            if mid:
+                due.append(seq)        # reaches the engine while the next step runs
+            else:
+                sched.add(seq)
+        inflight = sched.schedule()
+        held = {id(s): (list(s.block_table), s.num_computed_tokens) for s in inflight.seqs}
+        tenants = sched.cut_in_tenants(inflight, due, remaining) if inflight else set()
+        preemptions = sched.num_preemptions
+        for seq in due:
+            sched.add(seq)
+        if tenants:
+            cut = sched.schedule_cut_in(inflight, tenants)
+            event("a cut-in step ran" if cut else "a cut found no free seat or block")
+            assert sched.num_preemptions == preemptions and not cut.preempted
+            assert not {id(s) for s in cut.seqs} & set(held)
+            assert all(s.tenant in tenants and s.is_online and s.first_token_s is None for s in cut.seqs)
+            assert len(sched.running) <= max_num_seqs
+            inflight_blocks = {b for s in inflight.seqs for b in s.block_table}
+            assert not inflight_blocks & {b for s in cut.seqs for b in s.block_table}
+            finish(cut)
+            assert all((list(s.block_table), s.num_computed_tokens) == held[id(s)] for s in inflight.seqs)
+        finish(inflight)
+        if not pending and not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished(), "every request must finish"
+    assert bm.num_free_blocks == num_blocks
