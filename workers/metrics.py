@@ -33,7 +33,8 @@ QUEUE_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 _COUNTERS = {"preemptions": "num_preemptions", "prefix_cache_queries": "prefix_cache_queries",
-             "prefix_cache_hits": "prefix_cache_hits", "recomputed_tokens": "recomputed_tokens"}
+             "prefix_cache_hits": "prefix_cache_hits", "recomputed_tokens": "recomputed_tokens",
+             "total_step_cuts": "step_cuts"}
 PREEMPTION_KINDS = ("suspend", "swap", "recompute")
 
 

@@ -24,3 +24,11 @@ def test_preemption_kinds_and_recomputed_tokens_are_counted():
     assert _value(registry, "tidepool:num_preemptions_total") == 6
     snap = m.snapshot({"preemptions_by_kind": {"suspend": 4}, "recomputed_tokens": 40})
     assert snap["preemptions_by_kind"] == {"suspend": 4} and snap["recomputed_tokens"] == 40
+
+
+def test_step_cuts_are_counted():
+    registry = CollectorRegistry()
+    m = EngineMetrics(registry, worker="w")
+    m.update_from_stats({"total_step_cuts": 2})
+    m.update_from_stats({"total_step_cuts": 5})
+    assert _value(registry, "tidepool:step_cuts_total") == 5
