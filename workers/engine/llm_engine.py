@@ -363,8 +363,9 @@ class LLMEngine:
             copy_blocks(self.runner.model.layers, batch.copies)
         if batch.swap_in:
             self.host_pool.copy([], batch.swap_in)
-        cut = (_StepCut(self, batch, outputs) if self.config.step_cut and not cut_in and not self.is_encoder
-               and batch.predicted_s and batch.num_adapters == 0 else None)
+        # (an engine without online targets, LLM and run-batch, has no arrival that could cut: no check per layer)
+        cut = (_StepCut(self, batch, outputs) if self.config.step_cut and self.scheduler.sla_targets and not cut_in
+               and not self.is_encoder and batch.predicted_s and batch.num_adapters == 0 else None)
         logits = self.runner.run(batch, cut) if cut is not None else self.runner.run(batch)
         for seq, position, entry in self.runner.prompt_logprobs:    # a recomputed prompt writes the same again
             self.requests[seq.request_id].prompt_logprobs[position + 1] = entry

@@ -435,15 +435,15 @@ class Scheduler:
         no arrival cuts into its own tenant's first-token step; into a step that starts no online prompt (decode
         and offline work) any may cut."""
         prompts = {(s.rank, s.tenant) for s in inflight.seqs if self._online_prompt(s)}
+        holding = defaultdict(int)        # (class rank, tenant) -> seats held
+        for s in self.running:
+            holding[(s.rank, s.tenant)] += 1
         tenants = set()
         for seq in arrivals:
             if not self._online_prompt(seq) or seq.pooling is not None or seq.lora is not None \
                     or (pace := self._pace(seq)) is None or remaining_s <= pace \
                     or any(t == seq.tenant for _, t in prompts):
                 continue
-            holding = defaultdict(int)
-            for s in self.running:
-                holding[(s.rank, s.tenant)] += s.rank == seq.rank
             mine = (self._level(seq.rank, seq.tenant), holding[(seq.rank, seq.tenant)])
             if all(rank > seq.rank or (rank == seq.rank and mine < (self.served[(rank, t)], holding[(rank, t)])
                                        and mine[1] < holding[(rank, t)]) for rank, t in prompts):
