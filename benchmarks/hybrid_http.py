@@ -4,7 +4,8 @@
                                      [--offline 128]
 
 Per server, one after the other (never two at once), three phases:
-  (1) realtime alone: streamed /v1/completions, open loop at --rate per second for --rt-duration seconds,
+  (1) realtime alone: streamed /v1/completions, open loop at --rate per second for --rt-duration seconds (sent
+      every 1 / rate s, or with --arrivals poisson at seeded exponential gaps),
       prompts of 32-128 token ids, --rt-tokens output tokens (greedy, ignore_eos); Tidepool: "sla_class":
       "realtime";
   (2) offline alone: --offline jobs of --offline-tokens tokens, all submitted at once (Tidepool: POST /v1/jobs
@@ -200,7 +201,7 @@ def run(server: Server, args) -> dict:
     for ids in make_prompts(3, VOCAB, args.seed + 1):                  # warm-up
         server.stream(ids)
     print(f"[{server.name}] realtime alone: {n_rt} requests at {args.rate}/s", file=sys.stderr, flush=True)
-    alone = summary(paced(server, rt_alone, args.rate))
+    alone = summary(paced(server, rt_alone, args.rate, arrivals=args.arrivals, seed=args.seed))
     print(f"[{server.name}] realtime alone: {json.dumps(alone)}", file=sys.stderr, flush=True)
     print(f"[{server.name}] offline alone: {args.offline} x {args.offline_tokens} tokens", file=sys.stderr, flush=True)
     off = server.offline(offline_prompts)
@@ -215,11 +216,12 @@ def run(server: Server, args) -> dict:
     batch_done = threading.Event()
     threading.Thread(target=lambda: (off2.wait(until=off2.start + MIXED_SPANS * span, every=2.0), batch_done.set()),
                      daemon=True).start()
-    mixed = summary(paced(server, mixed_prompts, args.rate, stop=lambda i: i >= n_mixed and batch_done.is_set()))
+    mixed = summary(paced(server, mixed_prompts, args.rate, stop=lambda i: i >= n_mixed and batch_done.is_set(),
+                          arrivals=args.arrivals, seed=args.seed + 2))
     window_end = time.time()
     off2.poll()
     off_mixed, off_mixed_done = off2.rate(window_end)
-    return {"server": server.name, "rt_alone": alone, "rt_mixed": mixed,
+    return {"server": server.name, "arrivals": args.arrivals, "rt_alone": alone, "rt_mixed": mixed,
             "offline_alone_tok_s": round(off_alone, 1), "offline_alone_done": off_alone_done,
             "offline_mixed_tok_s": round(off_mixed, 1), "offline_mixed_done": off_mixed_done,
             "offline_jobs": args.offline, "mixed_window_s": round(window_end - off2.start, 1),
@@ -264,6 +266,8 @@ def main():
     ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the started serve (repeatable)")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--rate", type=float, default=1.5, help="realtime requests per second")
+    ap.add_argument("--arrivals", choices=("paced", "poisson"), default="paced",
+                    help="realtime send times: paced (every 1 / rate s) or poisson (seeded exponential gaps)")
     ap.add_argument("--rt-duration", type=float, default=60.0, help="seconds of realtime alone (and the least of (3))")
     ap.add_argument("--rt-tokens", type=int, default=16)
     ap.add_argument("--offline", type=int, default=128, help="offline jobs")

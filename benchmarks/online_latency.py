@@ -171,14 +171,30 @@ def measure(client, idle_prompts, steady_prompts, rate, gap, warmup):
     return idle, paced(client, steady_prompts, rate)
 
 
-def paced(client, prompts, rate, stop=None) -> list[dict]:
-    """Stream each prompt through client.stream, the i-th sent at i / rate seconds (a steady arrival rate);
+def arrival_offsets(n: int, rate: float, arrivals: str = "paced", seed: int = 0) -> list[float]:
+    """Send times (seconds from the start) of n requests at `rate` a second: "paced", the i-th at i / rate (a steady
+    stream); "poisson", exponential gaps of mean 1 / rate from a seeded generator (independent users, as vLLM's
+    serving benchmark sends them by default: requests now and then arrive close together)."""
+    if arrivals == "paced":
+        return [i / rate for i in range(n)]
+    if arrivals != "poisson":
+        raise ValueError(f"arrivals must be 'paced' or 'poisson', got {arrivals!r}")
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def paced(client, prompts, rate, stop=None, arrivals="paced", seed=0) -> list[dict]:
+    """Stream each prompt through client.stream, the i-th sent at its arrival_offsets time (paced: i / rate);
     with stop, the i-th is not sent once stop(i) is true (the stream ends early, and the threads of the requests
     not sent return then, not at their time: hybrid_http's mixed phase idled 3 minutes for them)."""
     results, threads, start = [None] * len(prompts), [], time.time() + 0.2
+    offsets = arrival_offsets(len(prompts), rate, arrivals, seed)
 
     def one(i, ids):
-        while (left := start + i / rate - time.time()) > 0:
+        while (left := start + offsets[i] - time.time()) > 0:
             if stop is not None and stop(i):
                 return     # (stop stays true once it is: a request not sent at its time is never sent later)
             time.sleep(min(left, 0.5))

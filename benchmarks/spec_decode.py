@@ -120,9 +120,9 @@ def part_one(args) -> dict:
         tok = engine.tokenizer
         workloads = {"grounded": [tok.encode_chat(grounded_messages(i)) for i in range(args.requests)],
                      "chat": [tok.encode_chat(chat_messages(i)) for i in range(args.requests)]}
+        stream_alone(engine, workloads["chat"][:1], 8)            # warm-up
         if args.only:
             workloads = {args.only: workloads[args.only]}
-        stream_alone(engine, workloads["chat"][:1], 8)            # warm-up
         for name, prompts in workloads.items():
             trace = [] if args.steps_out else None
             results[(name, mode)] = stream_alone(engine, prompts, args.max_tokens, trace)

@@ -53,6 +53,41 @@ def test_an_idle_tenant_cuts_into_a_floods_first_token_step_and_the_flood_never_
     assert sim.sched.cut_in_tenants(cut, [sim.seq(40, tenant="a")], remaining_s=1.0) == set()
 
 
+def stream_beside_the_batch(sim, sla_class, first_token_s):
+    """A running online stream with one token out at first_token_s, and a batch sequence: their step (the stream's
+    decode, the batch sequence's prompt)."""
+    stream, off = sim.add(8, sla_class=sla_class, tenant="a"), sim.add(8, sla_class="batch", tenant="c")
+    for seq in sim.sched.postprocess(sim.sched.schedule()):
+        seq.token_ids.append(7)
+    stream.first_token_s = first_token_s
+    inflight = sim.sched.schedule()
+    assert set(inflight.seqs) == {stream, off} and inflight.num_new_tokens[inflight.seqs.index(stream)] == 1
+    return inflight
+
+
+def test_a_decode_step_is_cut_only_while_its_streams_stay_on_pace_through_it_and_the_cut_in_step():
+    # a realtime stream banks at most one 50 ms gap: a cut with more than a gap of the step left always makes it
+    # late, so it waits for the arrival's first-token step instead
+    sim = Sim()
+    inflight = stream_beside_the_batch(sim, "realtime", first_token_s=0.0)
+    assert sim.sched.cut_in_tenants(inflight, [sim.seq(20, tenant="b")], remaining_s=0.08) == set()
+    # an interactive stream (100 ms pace) that delivered its token a gap ago has 100 ms of room: 20 ms of the
+    # step plus the cut-in's 10 + 20 ms fit, 80 ms of it does not
+    sim = Sim()
+    inflight = stream_beside_the_batch(sim, "interactive", first_token_s=0.0)
+    assert sim.sched.cut_in_tenants(inflight, [sim.seq(20, tenant="b")], remaining_s=0.06) == {"b"}
+    assert sim.sched.cut_in_tenants(inflight, [sim.seq(20, tenant="b")], remaining_s=0.08) == set()
+    # a stream already behind its pace: no room at all
+    sim = Sim()
+    inflight = stream_beside_the_batch(sim, "interactive", first_token_s=-0.5)
+    assert sim.sched.cut_in_tenants(inflight, [sim.seq(20, tenant="b")], remaining_s=0.06) == set()
+    # no stream in the step (offline work alone): any online arrival may cut
+    sim = Sim()
+    sim.add(8, sla_class="batch", tenant="c")
+    inflight = sim.sched.schedule()
+    assert sim.sched.cut_in_tenants(inflight, [sim.seq(20, tenant="b")], remaining_s=0.08) == {"b"}
+
+
 def test_a_cut_takes_only_free_seats_and_preempts_nothing():
     sim = Sim(max_num_seqs=2)
     a1, a2 = sim.add(30, tenant="a"), sim.add(30, tenant="a")

@@ -241,14 +241,20 @@ class Scheduler:
             return None, False
         if not any(self._pace(s) is not None for s in self.running + self.waiting):
             return None, False
+        room = self._stream_room(self.running, now)
+        return max(0.0, room or 0.0), room is not None
+
+    def _stream_room(self, seqs, now: float) -> float | None:
+        """How long from now the online streams among seqs (first token out, a pace) stay on pace: the earliest
+        next-token due time (first token + delivered x pace, banking at most PACE_CREDIT gaps); None: no stream."""
         room = None
-        for seq in self.running:
+        for seq in seqs:
             pace = self._pace(seq)
             if pace is None or seq.first_token_s is None:
                 continue
             slack = min(seq.first_token_s + seq.num_output_tokens * pace - now, PACE_CREDIT * pace)
             room = slack if room is None else min(room, slack)
-        return max(0.0, room or 0.0), room is not None
+        return room
 
     def _offline_limit(self, pace_room: float, online_s: float, first_token_step: bool, streaming: bool) -> float:
         """The predicted step time offline tokens may fill up to, once the online tokens (online_s with the fixed
@@ -432,9 +438,17 @@ class Scheduler:
         from idle at its lifted level) and holds fewer of the class's seats. So a tenant with one request at a time
         cuts into a flood's first-token step, and a flood never cuts into another's (the lift puts a returning
         tenant level with the flood, and its own prompt then puts it ahead on service: the seats tell them apart);
-        no arrival cuts into its own tenant's first-token step; into a step that starts no online prompt (decode
-        and offline work) any may cut."""
+        no arrival cuts into its own tenant's first-token step. Into a step that starts no online prompt (decode
+        and offline work) any may cut, as long as the step's online streams stay on their pace through the rest of
+        it and the cut-in step (its fixed cost and the arrival's prompt, predicted): a cut into a decode step
+        beside the batch made each such stream's gap the whole step plus the cut-in step (~300 ms over HTTP, the
+        mixed gap p99 of benchmarks/hybrid_http.py), where without it the stream waits one first-token step. (A
+        stream banks at most PACE_CREDIT gaps, so a realtime stream never has that room; an interactive stream
+        well ahead of its pace may.)"""
+        if self.cost_model is None:
+            return set()           # (schedule_cut_in needs it too)
         prompts = {(s.rank, s.tenant) for s in inflight.seqs if self._online_prompt(s)}
+        streams = None if prompts else self._stream_room(inflight.seqs, self.clock())
         holding = defaultdict(int)        # (class rank, tenant) -> seats held
         for s in self.running:
             holding[(s.rank, s.tenant)] += 1
@@ -443,6 +457,9 @@ class Scheduler:
             if not self._online_prompt(seq) or seq.pooling is not None or seq.lora is not None \
                     or (pace := self._pace(seq)) is None or remaining_s <= pace \
                     or any(t == seq.tenant for _, t in prompts):
+                continue
+            if streams is not None and remaining_s + self.cost_model.fixed + \
+                    self._step_cost(0, seq.num_uncomputed_tokens) > streams:
                 continue
             mine = (self._level(seq.rank, seq.tenant), holding[(seq.rank, seq.tenant)])
             if all(rank > seq.rank or (rank == seq.rank and mine < (self.served[(rank, t)], holding[(rank, t)])
