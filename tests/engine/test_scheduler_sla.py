@@ -107,6 +107,22 @@ def test_a_stream_ahead_of_its_pace_absorbs_a_longer_step_and_one_behind_gets_on
     assert 10 <= sim.offline_tokens(behind) <= 11
 
 
+def test_a_stream_verifying_drafts_counts_those_it_is_expected_to_accept_and_offline_work_fills_that_time():
+    sim = Sim(max_num_seqs=64, budget=512, targets=LOOSE)
+    rt = sim.add(8, 40, "realtime")
+    sim.step()                                      # its first token
+    for _ in range(30):
+        sim.add(100, 50)
+    sim.now = 0.02
+    rt.draft_token_ids, rt.draft_expected = [7, 7], 1.5    # as Speculator.propose leaves them
+    step = sim.sched.schedule()
+    # 2.5 tokens expected from this step: the last is due at 2.5 gaps after the first token (125 ms), 105 ms from
+    # now, where one token would have been due in 30 ms; the step's offline tokens fill it
+    assert abs(step.time_limit_s - 0.105) < 1e-9 and step.predicted_s <= 0.105 + 1e-9
+    assert step.num_new_tokens[step.seqs.index(rt)] == 3
+    assert sim.offline_tokens(step) >= 90
+
+
 def test_while_a_stream_runs_offline_gets_its_floor_and_no_debt_is_kept_or_paid():
     """A debt from first-token steps without streams is not paid beside a running stream (paying it stretched
     every gap of the stream), nor does a streaming step add to it."""

@@ -19,7 +19,8 @@ The step policy while online work (realtime, interactive) is running or waiting,
   - smoothness by delivered pace: a running online stream is on pace while it has delivered at least one token
     per `itl_ms` of its class since its first token. The next token of each stream is due at first token +
     delivered x itl_ms; the step may last until the earliest due time (a stream ahead of its pace absorbs a
-    longer step, banking at most PACE_CREDIT gaps), and offline tokens fill that room (stall-free batching);
+    longer step, banking at most PACE_CREDIT gaps; one verifying speculative drafts counts those it is expected to
+    have accepted), and offline tokens fill that room (stall-free batching);
   - offline never starved: while offline work waits, it gets at least `offline_floor` of each step's predicted
     time (its tokens' cost against the online tokens and the fixed cost). What a first-token step without running
     streams could not give it is owed and paid back in the next such steps (at most one floor's worth extra a
@@ -246,13 +247,17 @@ class Scheduler:
 
     def _stream_room(self, seqs, now: float) -> float | None:
         """How long from now the online streams among seqs (first token out, a pace) stay on pace: the earliest
-        next-token due time (first token + delivered x pace, banking at most PACE_CREDIT gaps); None: no stream."""
+        next-token due time (first token + delivered x pace, banking at most PACE_CREDIT gaps); None: no stream.
+        A stream verifying drafts this step counts the drafts it is expected to have accepted (spec_decode) as
+        delivered: a step that brings it several tokens may last as long as they take at its pace, so the step
+        time speculation saves goes to offline work instead of running the stream ahead of its pace."""
         room = None
         for seq in seqs:
             pace = self._pace(seq)
             if pace is None or seq.first_token_s is None:
                 continue
-            slack = min(seq.first_token_s + seq.num_output_tokens * pace - now, PACE_CREDIT * pace)
+            ahead = seq.draft_expected
+            slack = min(seq.first_token_s + (seq.num_output_tokens + ahead) * pace - now, (PACE_CREDIT + ahead) * pace)
             room = slack if room is None else min(room, slack)
         return room
 

@@ -59,6 +59,7 @@ class Sequence:
         self.cumulative_logprob = 0.0          # of the sampled tokens (kept when they are computed)
         self.first_token_s: float | None = None   # scheduler clock when its first token was sampled (pace)
         self.draft_token_ids: list[int] = []   # this step's speculative guesses past token_ids (spec_decode)
+        self.draft_expected = 0.0              # how many of them are expected to be accepted (the pace room counts them)
         # An embedding input (workers.engine.pooling.PoolingParams): computed whole in one step, pooled, never
         # sampled; its KV (a decoder's) is neither shared from nor kept in the prefix cache.
         self.pooling = pooling
@@ -73,7 +74,7 @@ class Sequence:
         child.num_computed_tokens = child.num_cached_tokens = 0
         child.num_preemptions = child.num_lost_tokens = 0
         child.grammar, child.index = None, index
-        child.draft_token_ids = []
+        child.draft_token_ids, child.draft_expected = [], 0.0
         return child
 
     def __len__(self) -> int:
