@@ -114,13 +114,17 @@ def test_a_stream_verifying_drafts_counts_those_it_is_expected_to_accept_and_off
     for _ in range(30):
         sim.add(100, 50)
     sim.now = 0.02
-    rt.draft_token_ids, rt.draft_expected = [7, 7], 1.5    # as Speculator.propose leaves them
+    rt.draft_token_ids, rt.draft_acceptance = [7, 7, 7], 0.5    # as Speculator.propose leaves them
+    assert rt.draft_expected == 0.5 + 0.25 + 0.125
     step = sim.sched.schedule()
-    # 2.5 tokens expected from this step: the last is due at 2.5 gaps after the first token (125 ms), 105 ms from
-    # now, where one token would have been due in 30 ms; the step's offline tokens fill it
-    assert abs(step.time_limit_s - 0.105) < 1e-9 and step.predicted_s <= 0.105 + 1e-9
-    assert step.num_new_tokens[step.seqs.index(rt)] == 3
-    assert sim.offline_tokens(step) >= 90
+    # 1.875 tokens expected from this step: the last is due 1.875 gaps after the first token (93.75 ms), 73.75 ms
+    # from now, where one token would have been due in 30 ms; the step's offline tokens fill it
+    assert abs(step.time_limit_s - 0.07375) < 1e-9 and step.predicted_s <= 0.07375 + 1e-9
+    assert step.num_new_tokens[step.seqs.index(rt)] == 4
+    assert sim.offline_tokens(step) >= 55
+    # a step that keeps fewer drafts counts fewer (drafts trimmed or cleared: nothing stale is counted)
+    rt.draft_token_ids = []
+    assert rt.draft_expected == 0.0
 
 
 def test_while_a_stream_runs_offline_gets_its_floor_and_no_debt_is_kept_or_paid():

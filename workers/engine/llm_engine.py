@@ -344,7 +344,7 @@ class LLMEngine:
             in_batch = {id(s) for s in batch.seqs}
             for seq in drafted:
                 if id(seq) not in in_batch:
-                    seq.draft_token_ids, seq.draft_expected = [], 0.0
+                    seq.draft_token_ids = []
         if not batch:
             if self.lora is not None:
                 self.lora.wait_loading(0.005)      # all there is to run waits on adapters being read: no busy loop
@@ -437,7 +437,7 @@ class LLMEngine:
         """Emit the target's tokens over a verify step's rows: row i is sampled as a decode step would after the
         i tokens before it, and the walk stops after the first token that differs from its draft (or when the
         sequence finishes). The accepted drafts' KV stays, the rest is rolled back. One output carries them all."""
-        drafts, seq.draft_token_ids, seq.draft_expected = seq.draft_token_ids, [], 0.0
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
         request = self.requests[seq.request_id]
         choice = request.choices[seq.index]
         p = seq.params

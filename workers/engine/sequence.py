@@ -59,7 +59,7 @@ class Sequence:
         self.cumulative_logprob = 0.0          # of the sampled tokens (kept when they are computed)
         self.first_token_s: float | None = None   # scheduler clock when its first token was sampled (pace)
         self.draft_token_ids: list[int] = []   # this step's speculative guesses past token_ids (spec_decode)
-        self.draft_expected = 0.0              # how many of them are expected to be accepted (the pace room counts them)
+        self.draft_acceptance = 0.0            # the estimated chance that each of them is accepted (draft_expected)
         # An embedding input (workers.engine.pooling.PoolingParams): computed whole in one step, pooled, never
         # sampled; its KV (a decoder's) is neither shared from nor kept in the prefix cache.
         self.pooling = pooling
@@ -74,8 +74,15 @@ class Sequence:
         child.num_computed_tokens = child.num_cached_tokens = 0
         child.num_preemptions = child.num_lost_tokens = 0
         child.grammar, child.index = None, index
-        child.draft_token_ids, child.draft_expected = [], 0.0
+        child.draft_token_ids, child.draft_acceptance = [], 0.0
         return child
+
+    @property
+    def draft_expected(self) -> float:
+        """How many of this step's drafts are expected to be accepted (what the scheduler's pace room counts as
+        delivered): a + a^2 + ... + a^k for k drafts (as many as the step kept) at acceptance a."""
+        a = self.draft_acceptance
+        return sum(a ** i for i in range(1, len(self.draft_token_ids) + 1))
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -30,8 +30,9 @@ step predicted at T + D(k) (the batch's step without drafts, plus the extra toke
     second (its expected token a^i per extra second beats the batch's rate): the time drafts take is time
     offline tokens would use, so online drafts stretch an offline-carrying step only where they pay their way.
   - Offline sequences speculate only while the engine is not full (nothing waits for a seat or blocks).
-  - A sequence's expected accepted drafts (`draft_expected`) count as delivered in the scheduler's pace room: a
-    stream that gets several tokens from a step can absorb a longer one, and offline tokens fill it.
+  - A sequence's expected accepted drafts (`Sequence.draft_expected`, from `draft_acceptance`) count as delivered
+    in the scheduler's pace room: a stream that gets several tokens from a step can absorb a longer one, and
+    offline tokens fill it.
 The cost model is fitted from measured steps; a verify step's k + 1 positions are attended as decode rows
 (model_runner), so a step with drafts costs what its extra rows cost and no more.
 """
@@ -186,7 +187,7 @@ class Speculator:
         chosen = []
         for seq, draft, a in picked:
             seq.draft_token_ids = list(draft)
-            seq.draft_expected = expected_tokens(a, len(draft)) - 1
+            seq.draft_acceptance = a
             chosen.append(seq)
         return chosen
 
