@@ -446,14 +446,14 @@ class Scheduler:
         no arrival cuts into its own tenant's first-token step. Into a step that starts no online prompt (decode
         and offline work) any may cut, as long as the step's online streams stay on their pace through the rest of
         it and the cut-in step (its fixed cost and the arrival's prompt, predicted): a cut into a decode step
-        beside the batch made each such stream's gap the whole step plus the cut-in step (~300 ms over HTTP, the
-        mixed gap p99 of benchmarks/hybrid_http.py), where without it the stream waits one first-token step. (A
+        beside the batch made each such stream's gap the whole step plus the cut-in step (305 ms on average over
+        HTTP, the tail of benchmarks/hybrid_http.py's mixed gaps), where without it the stream waits one first-token step. (A
         stream banks at most PACE_CREDIT gaps, so a realtime stream never has that room; an interactive stream
         well ahead of its pace may.)"""
         if self.cost_model is None:
             return set()           # (schedule_cut_in needs it too)
         prompts = {(s.rank, s.tenant) for s in inflight.seqs if self._online_prompt(s)}
-        streams = None if prompts else self._stream_room(inflight.seqs, self.clock())
+        stream_room = None if prompts else self._stream_room(inflight.seqs, self.clock())
         holding = defaultdict(int)        # (class rank, tenant) -> seats held
         for s in self.running:
             holding[(s.rank, s.tenant)] += 1
@@ -463,8 +463,8 @@ class Scheduler:
                     or (pace := self._pace(seq)) is None or remaining_s <= pace \
                     or any(t == seq.tenant for _, t in prompts):
                 continue
-            if streams is not None and remaining_s + self.cost_model.fixed + \
-                    self._step_cost(0, seq.num_uncomputed_tokens) > streams:
+            if stream_room is not None and remaining_s + self.cost_model.fixed + \
+                    self._step_cost(0, seq.num_uncomputed_tokens) > stream_room:
                 continue
             mine = (self._level(seq.rank, seq.tenant), holding[(seq.rank, seq.tenant)])
             if all(rank > seq.rank or (rank == seq.rank and mine < (self.served[(rank, t)], holding[(rank, t)])

@@ -20,6 +20,11 @@ class SequenceStatus(Enum):
     FINISHED = auto()
 
 
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verify step of k drafts yields when each draft is accepted with this probability (spec_decode)."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
 class Sequence:
     _arrivals = itertools.count()
 
@@ -81,8 +86,7 @@ class Sequence:
     def draft_expected(self) -> float:
         """How many of this step's drafts are expected to be accepted (what the scheduler's pace room counts as
         delivered): a + a^2 + ... + a^k for k drafts (as many as the step kept) at acceptance a."""
-        a = self.draft_acceptance
-        return sum(a ** i for i in range(1, len(self.draft_token_ids) + 1))
+        return expected_tokens(self.draft_acceptance, len(self.draft_token_ids)) - 1
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -38,7 +38,7 @@ The cost model is fitted from measured steps; a verify step's k + 1 positions ar
 """
 from workers.engine.config import SpeculativeConfig
 from workers.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
-from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
+from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus, expected_tokens
 
 PRIOR_ACCEPTANCE = 0.5      # a class's acceptance before anything was verified (drafts without a match length)
 MATCH_BUCKETS = (1, 2, 3, 4, 8, 16)       # match lengths (lower edges) with a rate of their own
@@ -56,11 +56,6 @@ def match_bucket(length: int | None) -> int | None:
     if not length:
         return None
     return max(i for i, edge in enumerate(MATCH_BUCKETS) if length >= edge)
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens one verify step of k drafts yields when each draft is accepted with this probability."""
-    return sum(acceptance ** i for i in range(k + 1))
 
 
 class _Tally:
