@@ -48,7 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from online_latency import _get, _stop, _wait, make_prompts, native_kernels_ready, paced, pct  # noqa: E402
 
-VOCAB = 49152          # SmolLM2's; prompts are random ids in [100, VOCAB)
 MIXED_SPANS = 4        # the mixed phase's realtime stream runs until the batch is done, at most this many spans
 
 
@@ -196,9 +195,10 @@ def summary(results) -> dict:
 def run(server: Server, args) -> dict:
     rng = random.Random(args.seed)
     n_rt = max(1, int(args.rt_duration * args.rate))
-    rt_alone = make_prompts(n_rt, VOCAB, args.seed)
-    offline_prompts = [[rng.randint(100, VOCAB - 1) for _ in range(32)] for _ in range(args.offline)]
-    for ids in make_prompts(3, VOCAB, args.seed + 1):                  # warm-up
+    vocab = args.vocab                                                  # prompts are random ids in [100, vocab)
+    rt_alone = make_prompts(n_rt, vocab, args.seed)
+    offline_prompts = [[rng.randint(100, vocab - 1) for _ in range(32)] for _ in range(args.offline)]
+    for ids in make_prompts(3, vocab, args.seed + 1):                  # warm-up
         server.stream(ids)
     print(f"[{server.name}] realtime alone: {n_rt} requests at {args.rate}/s", file=sys.stderr, flush=True)
     alone = summary(paced(server, rt_alone, args.rate, arrivals=args.arrivals, seed=args.seed))
@@ -211,8 +211,8 @@ def run(server: Server, args) -> dict:
     n_mixed = max(1, int(span * args.rate))
     print(f"[{server.name}] both: at least {n_mixed} realtime requests over {span:.0f} s beside the batch, on until "
           f"the batch is done (at most {MIXED_SPANS}x that)", file=sys.stderr, flush=True)
-    mixed_prompts = make_prompts(n_mixed * MIXED_SPANS, VOCAB, args.seed + 2)
-    off2 = server.offline([[t + 1 if t + 1 < VOCAB else 100 for t in ids] for ids in offline_prompts])  # no cache hits
+    mixed_prompts = make_prompts(n_mixed * MIXED_SPANS, vocab, args.seed + 2)
+    off2 = server.offline([[t + 1 if t + 1 < vocab else 100 for t in ids] for ids in offline_prompts])  # no cache hits
     batch_done = threading.Event()
     threading.Thread(target=lambda: (off2.wait(until=off2.start + MIXED_SPANS * span, every=2.0), batch_done.set()),
                      daemon=True).start()
@@ -271,6 +271,8 @@ def main():
     ap.add_argument("--rt-duration", type=float, default=60.0, help="seconds of realtime alone (and the least of (3))")
     ap.add_argument("--rt-tokens", type=int, default=16)
     ap.add_argument("--offline", type=int, default=128, help="offline jobs")
+    ap.add_argument("--vocab", type=int, default=49152, help="prompt ids are drawn below this (default: SmolLM2's "
+                    "vocabulary; a test model's tokenizer may be smaller)")
     ap.add_argument("--offline-tokens", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=900.0, help="most seconds to wait for the offline batch alone")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,7 @@
 """Backends for every suite: Postgres (one migrated template per session, cloned into a fresh database per use)
 and a private redis-server per session (per xdist worker), so parallel test processes never flush each other's
-queues."""
+queues. The backends' clients load when a fixture first needs them: the kernel and engine suites also run on a
+GPU machine whose image has torch but not the service's packages (benchmarks/gpu_check.sh)."""
 import itertools
 import os
 import shutil
@@ -8,17 +9,13 @@ import socket
 import subprocess
 import time
 
-import psycopg
 import pytest
-import redis
 import torch
 
 # Without CUDA the kernel tests run the Triton kernels on CPU tensors, which only works under Triton's interpreter,
 # and it must be on before anything imports triton: transformers and peft may, when test modules are collected.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from service import migrate
 
 PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 REDIS = os.environ.get("TIDEPOOL_TEST_REDIS")     # a server (redis://host:port) instead of a private one
@@ -31,6 +28,7 @@ def free_port() -> int:
 
 
 def start_redis(port: int, cwd) -> subprocess.Popen:
+    import redis
     proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
                              "127.0.0.1", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=cwd)
     client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
@@ -64,6 +62,7 @@ class PgDatabases:
         self.template: str | None = None
 
     def execute(self, sql: str) -> None:
+        import psycopg
         dsn = PG.replace("postgresql+psycopg://", "postgresql://") + "/postgres"
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(sql)
@@ -76,6 +75,7 @@ class PgDatabases:
             self.template = f"tidepool_test_tmpl_{os.getpid()}"
             self.execute(f"DROP DATABASE IF EXISTS {self.template} WITH (FORCE)")
             self.execute(f"CREATE DATABASE {self.template}")
+            from service import migrate
             migrate.upgrade(f"{PG}/{self.template}")
         return self.template
 
