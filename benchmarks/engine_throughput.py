@@ -40,8 +40,9 @@ def run_engine(model: str, requests, args, breakdown: bool = False) -> dict:
     engine = LLMEngine(EngineConfig(model=model, device=args.device, dtype=args.dtype,
                                     max_num_seqs=args.max_num_seqs,
                                     max_num_batched_tokens=args.max_num_batched_tokens,
-                                    online_reserve=0.0, sla_targets={}))   # offline only, as LLM runs it: no seats
-                                                                           # or blocks held back, no step time cap
+                                    online_reserve=0.0, sla_targets={},   # offline only, as LLM runs it: no seats
+                                                                          # or blocks held back, no step time cap
+                                    enforce_eager=args.enforce_eager))
     timers = StepBreakdown(engine) if breakdown else None
     for i, (prompt, olen) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
@@ -63,6 +64,7 @@ def run_engine(model: str, requests, args, breakdown: bool = False) -> dict:
             "kv_waste": 1 - filled / allocated if allocated else 0.0,
             "sched_share": stats["total_schedule_s"] / step_total, "steps": stats["total_steps"],
             "preemptions": stats["preemptions"], "kv_blocks": stats["kv_blocks_total"],
+            "graph_replays": stats["decode_graph_replays"],
             "breakdown": timers.table() if timers else None}
 
 
@@ -174,6 +176,8 @@ def main() -> None:
     ap.add_argument("--single-requests", type=int, default=8, help="one-at-a-time baseline on the first N")
     ap.add_argument("--breakdown", action="store_true", help="also print where a step's time goes (a second run)")
     ap.add_argument("--no-baselines", action="store_true", help="skip the transformers baselines")
+    ap.add_argument("--enforce-eager", action="store_true", default=bool(Config.setting("enforce_eager")),
+                    help="GPU: no CUDA graphs (default: TIDEPOOL_ENFORCE_EAGER)")
     args = ap.parse_args()
     if not Path(args.model, "config.json").is_file():
         sys.exit(f"no model at {args.model}: run `tidepool models pull smollm2-135m` first")
@@ -186,7 +190,8 @@ def main() -> None:
 
     ours = run_engine(args.model, requests, args)
     print(f"tidepool engine       {ours['tok_s']:8.1f} tok/s  ({ours['tokens']} tokens in {ours['seconds']:.1f} s,"
-          f" {ours['steps']} steps, {ours['preemptions']} preemptions, {ours['kv_blocks']} KV blocks)")
+          f" {ours['steps']} steps, {ours['preemptions']} preemptions, {ours['kv_blocks']} KV blocks,"
+          f" {ours['graph_replays']} decode-graph replays)")
     if args.breakdown:
         timed = run_engine(args.model, requests, args, breakdown=True)
         print(f"per-step breakdown (timed run: {timed['tok_s']:.1f} tok/s)\n{timed['breakdown']}")

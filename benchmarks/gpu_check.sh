@@ -7,7 +7,7 @@
 #      too large to travel to the device machine), with CUDA graphs;
 #   3. benchmarks/hybrid_sla.py --device cuda: realtime TTFT/ITL with a full offline load, on that model (the GPU
 #      step-policy figures, issue 27);
-#   4. the same engine_throughput with TIDEPOOL_ENFORCE_EAGER=1;
+#   4. the same engine_throughput with --enforce-eager (each run prints its decode-graph replays);
 #   5. benchmarks/decode_graphs.py: decode-step time, CUDA graphs vs eager;
 #   6. benchmarks/kernel_bench.py: decode-attention bandwidth vs SDPA;
 #   7. benchmarks/hybrid_http.py: `tidepool serve` on the GPU host over HTTP (skipped with under 150 s left).
@@ -57,19 +57,19 @@ make_tiny_model(sys.argv[1], hidden_size=576, intermediate_size=1536, num_hidden
 print("model", sys.argv[1])
 EOF
 
-step tests 150 tests.log python3 -m pytest -q -p no:cacheprovider -n 4 -o addopts="--import-mode=importlib" \
+step tests 200 tests.log python3 -m pytest -q -p no:cacheprovider -n 4 -o addopts="--import-mode=importlib" \
     tests/kernels/test_triton_kernels.py tests/kernels/test_triton_compile.py tests/kernels/test_decode_graph_buffers.py \
     tests/kernels/test_lora_sgmv.py tests/engine/test_decode_graphs.py
 
-step graphs 90 engine_throughput.txt env TIDEPOOL_ENFORCE_EAGER=0 python3 benchmarks/engine_throughput.py \
-    --model "$model" --device cuda --num-requests 256 --no-baselines
+step graphs 90 engine_throughput.txt python3 benchmarks/engine_throughput.py --model "$model" --device cuda \
+    --num-requests 256 --no-baselines
 
 # issue 27: online latency under full offline load (ratios and the JSON line at the end).
 step hybrid_sla 150 hybrid_sla.txt python3 benchmarks/hybrid_sla.py --model "$model" --device cuda --offline 256 \
-    --rt-rate 8
+    --rt-rate 8 --no-fcfs
 
-step eager 60 engine_throughput.txt env TIDEPOOL_ENFORCE_EAGER=1 python3 benchmarks/engine_throughput.py \
-    --model "$model" --device cuda --num-requests 256 --no-baselines
+step eager 60 engine_throughput.txt python3 benchmarks/engine_throughput.py --model "$model" --device cuda \
+    --num-requests 256 --no-baselines --enforce-eager
 
 step decode 40 decode_graphs.txt python3 benchmarks/decode_graphs.py --model "$model" --batches 1,8,32,128,256 \
     --context 512

@@ -137,6 +137,7 @@ class _StepCut:
         if not tenants:
             return
         self.done = True
+        engine.runner.synchronize()    # on a GPU the outer step's queued layers are its time, not the cut-in step's
         t0 = time.perf_counter()
         self.outputs.extend(engine._drain_inbox(requests_only=True))
         cut = engine.scheduler.schedule_cut_in(self.batch, tenants)

@@ -131,6 +131,11 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         return self.config.kv_block_bytes
 
+    def synchronize(self) -> None:
+        """Wait for the work queued on the device (a no-op on the CPU, where every op is synchronous)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _prepare_cpu_kernel(self) -> None:
         """Load the native decode kernel now, not on the first request: from the cache at once; its first build on
         this machine runs in the background while decode uses the torch path (cpu_ops.prepare)."""
