@@ -78,7 +78,7 @@ step kernels 50 kernels.txt python3 benchmarks/kernel_bench.py --iters 20 --batc
     --contexts 512,4096,32768
 
 if (($(left) >= 150)) || [[ "${steps}" == "http" ]]; then
-    step http 240 hybrid_http.txt python3 benchmarks/hybrid_http.py --model "$model" --rt-duration 30 --vocab 3000 \
+    step http 240 hybrid_http.txt python3 benchmarks/hybrid_http.py --model "$model" --rt-duration 30 \
         --env "PYTHONPATH=$PYTHONPATH"
 fi
 echo "== done at ${SECONDS}s, status $status"

@@ -192,10 +192,16 @@ def summary(results) -> dict:
             **({"errors": errors[:3]} if errors else {})}
 
 
+def model_vocab(model: str) -> int:
+    """The vocabulary of the model folder (what the server accepts as prompt ids), else SmolLM2's."""
+    config = Path(model, "config.json")
+    return json.loads(config.read_text())["vocab_size"] if config.is_file() else 49152
+
+
 def run(server: Server, args) -> dict:
     rng = random.Random(args.seed)
     n_rt = max(1, int(args.rt_duration * args.rate))
-    vocab = args.vocab                                                  # prompts are random ids in [100, vocab)
+    vocab = args.vocab or model_vocab(args.model)                      # prompts are random ids in [100, vocab)
     rt_alone = make_prompts(n_rt, vocab, args.seed)
     offline_prompts = [[rng.randint(100, vocab - 1) for _ in range(32)] for _ in range(args.offline)]
     for ids in make_prompts(3, vocab, args.seed + 1):                  # warm-up
@@ -271,8 +277,8 @@ def main():
     ap.add_argument("--rt-duration", type=float, default=60.0, help="seconds of realtime alone (and the least of (3))")
     ap.add_argument("--rt-tokens", type=int, default=16)
     ap.add_argument("--offline", type=int, default=128, help="offline jobs")
-    ap.add_argument("--vocab", type=int, default=49152, help="prompt ids are drawn below this (default: SmolLM2's "
-                    "vocabulary; a test model's tokenizer may be smaller)")
+    ap.add_argument("--vocab", type=int, default=None, help="prompt ids are drawn below this (default: --model's "
+                    "vocab_size, else SmolLM2's 49152)")
     ap.add_argument("--offline-tokens", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=900.0, help="most seconds to wait for the offline batch alone")
     ap.add_argument("--seed", type=int, default=0)
