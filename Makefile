@@ -12,7 +12,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/pip install $(PIP_FLAGS) torch==2.13.0
-	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev]'
+	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev,docs]'
 	touch $@
 
 install: $(VENV)/.installed
