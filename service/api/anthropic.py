@@ -190,13 +190,9 @@ def create_batch():
     size = storage.write_lines(file_id, (json.dumps({"custom_id": r["custom_id"], "method": "POST",
                                                       "url": shapes.MESSAGES, "body": r["params"]})
                                          for r in reqs))
-    s.add(File(id=file_id, tenant_id=g.tenant.id, purpose="batch", filename="message_batch_requests.jsonl",
-               bytes=size, created_at=now))
     batch = Batch(id=new_id("msgbatch_"), tenant_id=g.tenant.id, endpoint=shapes.MESSAGES, input_file_id=file_id,
                   completion_window="24h", sla_class=SlaClass.batch, status=BatchStatus.validating, metadata_=None,
                   total=0, completed=0, failed=0, created_at=now, expires_at=ledger.default_expiry(now))
-    s.add(batch)
-    s.flush()
     try:
         errors, created = ledger.load_jobs(s, storage, batch, quota, served_model=conf.served_model_name,
                                            max_lines=MAX_BATCH_REQUESTS, chunk_size=conf.batch_chunk_size,
@@ -215,6 +211,8 @@ def create_batch():
         status = 404 if e.get("code") == "model_not_found" else 403 if e.get("code") == "model_not_allowed" else 400
         raise APIError(status, f"{where}.params: {e['message']}", e.get("code"),
                        f"{where}.params" + (f".{param}" if param else ""))
+    s.add(File(id=file_id, tenant_id=g.tenant.id, purpose="batch", filename="message_batch_requests.jsonl",
+               bytes=size, created_at=now))
     batch.status, batch.in_progress_at, batch.total = BatchStatus.in_progress, utcnow(), len(created)
     s.commit()
     ext("dispatcher").publish(created)

@@ -6,7 +6,7 @@ from ..ledger import batches as ledger, bodies, eta, quotas
 from ..auth import tenant_required
 from ..db import session
 from ..ledger.errors import APIError, bad_request, not_found
-from ..ledger.models import OFFLINE_CLASSES, Batch, BatchStatus, File, SlaClass, utcnow
+from ..ledger.models import OFFLINE_CLASSES, Batch, BatchStatus, File, SlaClass, new_id, utcnow
 from . import cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("batches", __name__)
@@ -70,12 +70,10 @@ def create_batch():
         raise bad_request(f"File '{file_id}' has purpose '{f.purpose}', not 'batch'.", "input_file_id")
 
     now = utcnow()
-    batch = Batch(tenant_id=g.tenant.id, endpoint=body["endpoint"], input_file_id=f.id, completion_window="24h",
-                  sla_class=SlaClass(sla), status=BatchStatus.validating, metadata_=metadata, total=0, completed=0,
-                  failed=0, created_at=now, expires_at=ledger.default_expiry(now))
-    s.add(batch)
-    s.flush()   # committed with its jobs, or failed, never left validating: a crash here leaves no row
-    try:
+    batch = Batch(id=new_id("batch_"), tenant_id=g.tenant.id, endpoint=body["endpoint"], input_file_id=f.id,
+                  completion_window="24h", sla_class=SlaClass(sla), status=BatchStatus.validating, metadata_=metadata,
+                  total=0, completed=0, failed=0, created_at=now, expires_at=ledger.default_expiry(now))
+    try:   # the batch is committed with its jobs, or failed, never left validating: a crash leaves no row
         errors, created = ledger.load_jobs(s, ext("storage"), batch, quota, served_model=conf.served_model_name,
                                            max_lines=conf.max_batch_lines, chunk_size=conf.batch_chunk_size,
                                            cache_group=g.tenant.prefix_cache_group, models=ext("registry"),

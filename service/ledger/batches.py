@@ -35,9 +35,10 @@ def check_line(endpoint: str, body, **limits) -> bodies.Checked:
 def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, served_model: str | None,
               max_lines: int, chunk_size: int, cache_group: str | None = None, models=None,
               route=None, key_id: int | None = None) -> tuple[list[dict], list[tuple]]:
-    """Validate every line of the batch's input file, inserting job rows in chunks as it goes.
+    """Validate every line of the batch's input file, then (all valid) insert the batch and its job rows in chunks.
     Returns (errors, [(job_id, queue, prefix key)]) (Dispatcher.publish's entries; cache_group: the tenant's
-    prefix_cache_group, for the keys); with any error the caller rolls the rows back. models (a
+    prefix_cache_group, for the keys); with any error nothing is written. Validation only reads, so on SQLite the
+    write lock is taken after the last line is checked (the batch must not be flushed before). models (a
     registry.Registry) resolves each line's model against the tenant's quota, route(sla_class, model) names the
     line's queue; without them every line runs on served_model, in the class's queue."""
     errors: list[dict] = []
@@ -121,14 +122,13 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
             created.append((job_id, sla if route is None else route(sla, model),
                             affinity.job_prefix_key(batch.tenant_id, cache_group, checked.endpoint, checked.body),
                             fair.meta(batch.tenant_id, weight, batch.expires_at, checked.estimated_tokens)))
-            if len(rows) >= chunk_size:
-                s.execute(insert(Job), rows)
-                rows = []
     if not errors and not created:
         errors.append(_line_error(0, "empty_file", "The input file holds no requests."))
     if not errors:
-        if rows:
-            s.execute(insert(Job), rows)
+        s.add(batch)
+        s.flush()
+        for i in range(0, len(rows), chunk_size):
+            s.execute(insert(Job), rows[i:i + chunk_size])
         quotas.reserve_queued(s, quota, len(created), key_id, tokens=tokens)
     return errors, created
 

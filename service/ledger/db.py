@@ -1,5 +1,6 @@
 """The ledger's database engine (Postgres or SQLite), with a liveness check on checkout. Per-request sessions are
 the Flask shell's (service.db)."""
+import re
 import select as _select
 import time
 
@@ -19,6 +20,30 @@ def split_url(url: str) -> tuple[URL, dict]:
     return u.difference_update_query(["prepare_threshold"]), {"prepare_threshold": threshold}
 
 
+_READS = ("SELECT", "PRAGMA", "EXPLAIN", "VALUES")
+_WRITE_WORD = re.compile(r"\b(INSERT|UPDATE|DELETE|REPLACE)\b", re.IGNORECASE)
+
+
+def _is_read(statement: str) -> bool:
+    words = statement.lstrip().split(None, 1)
+    head = words[0].upper() if words else ""
+    if head == "WITH":
+        return not _WRITE_WORD.search(statement)
+    return head in _READS
+
+
+def _begin_writing(conn) -> None:
+    """SQLite transactions as Postgres' READ COMMITTED sees them: reads run outside a transaction (each sees what
+    was committed, and in WAL mode never waits for a writer), and the first write of a transaction (or a locking
+    read) opens it with BEGIN IMMEDIATE, which takes the one write lock at once. So a transaction never upgrades a
+    read snapshot to a write lock (SQLITE_BUSY_SNAPSHOT), and only a transaction that writes holds the lock."""
+    if conn.get_execution_options().get("isolation_level") == "AUTOCOMMIT":
+        return
+    dbapi_conn = conn.connection.dbapi_connection
+    if not dbapi_conn.in_transaction:
+        dbapi_conn.execute("BEGIN IMMEDIATE")
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
@@ -32,12 +57,15 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA busy_timeout=30000")
             cur.close()
 
-        # Take the write lock when a transaction begins: a read-then-write transaction could
-        # otherwise fail with SQLITE_BUSY_SNAPSHOT instead of waiting for a concurrent writer.
-        @event.listens_for(engine, "begin")
-        def _begin_immediate(conn):
-            if conn.get_execution_options().get("isolation_level") != "AUTOCOMMIT":  # autocommit reads: no lock
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+        @event.listens_for(engine, "before_execute")
+        def _locking_read(conn, clauseelement, multiparams, params, execution_options):
+            if getattr(clauseelement, "_for_update_arg", None) is not None:   # SELECT ... FOR UPDATE
+                _begin_writing(conn)
+
+        @event.listens_for(engine, "before_cursor_execute")
+        def _first_write(conn, cursor, statement, parameters, context, executemany):
+            if not _is_read(statement):
+                _begin_writing(conn)
 
         return engine
     url, connect_args = split_url(url)

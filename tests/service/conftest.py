@@ -46,10 +46,23 @@ def _dispose(app):
     app.extensions["tidepool.db"].dispose()
 
 
+def pytest_generate_tests(metafunc):
+    """Every test of the API runs on both ledgers: the embedded default (SQLite, in-process transport) that users
+    start with, and the production shape (Postgres, Redis). A test of what only the production shape has
+    (Redis queues, Postgres locks) is marked `production_shape` and runs there alone."""
+    if "app" in metafunc.fixturenames:
+        only_production = metafunc.definition.get_closest_marker("production_shape") is not None
+        metafunc.parametrize("app", ["postgres"] if only_production else ["postgres", "sqlite"], indirect=True)
+
+
 @pytest.fixture
-def app(pg_url, redis_url, tmp_path):
-    """Production shape: Postgres ledger, Redis broker and rate limits."""
-    app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
+def app(request, tmp_path):
+    """The production shape (Postgres ledger, Redis broker and rate limits) or the embedded one."""
+    if request.param == "sqlite":
+        yield request.getfixturevalue("embedded_app")
+        return
+    app = create_app({"database_url": request.getfixturevalue("pg_url"),
+                      "redis_url": request.getfixturevalue("redis_url"), "storage_dir": str(tmp_path / "storage"),
                       "admin_token": ADMIN})
     yield app
     _dispose(app)
@@ -67,10 +80,10 @@ def embedded_app(sqlite_url, tmp_path):
     Channel.queues.clear()
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
-def any_app(request):
-    """Run a test on both ledgers."""
-    return request.getfixturevalue("app" if request.param == "postgres" else "embedded_app")
+@pytest.fixture
+def any_app(app):
+    """Both ledgers (the `app` fixture runs every test on both)."""
+    return app
 
 
 @pytest.fixture

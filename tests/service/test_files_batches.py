@@ -28,6 +28,7 @@ def _count_jobs(app):
         return s.scalar(select(func.count()).select_from(Job))
 
 
+@pytest.mark.production_shape
 def test_files_and_batch_lifecycle_with_openai_client(app, live_server, redis_client):
     oa = _client(app, live_server)
     data = "\n".join(_line(i) for i in range(3)).encode()
@@ -101,6 +102,7 @@ def test_batch_request_errors(app, live_server):
         oa.files.create(file=("x.txt", io.BytesIO(b"x")), purpose="fine-tune")
 
 
+@pytest.mark.production_shape
 def test_deferrable_batch_goes_to_deferrable_queue(app, live_server, redis_client):
     oa = _client(app, live_server)
     f = oa.files.create(file=("in.jsonl", io.BytesIO(_line(0).encode())), purpose="batch")
@@ -123,6 +125,7 @@ def test_upload_over_the_limit_is_413_and_leaves_nothing(app, live_server, tmp_p
     assert not [p for p in (tmp_path / "storage").rglob("*") if p.is_file()]
 
 
+@pytest.mark.production_shape
 def test_fifty_thousand_line_batch_is_accepted(app, live_server, redis_client):
     oa = _client(app, live_server)
     data = "\n".join(_line(i, url="/v1/completions", prompt=[1, 2, 3], max_tokens=4) for i in range(50_000))

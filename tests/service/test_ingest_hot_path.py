@@ -1,3 +1,4 @@
+import pytest
 """POST /v1/jobs hot path: group admission, background dispatched_at marks, the auth cache and its limits,
 the message format of the direct publish, pooled connections the server closed."""
 import base64
@@ -76,6 +77,7 @@ def test_direct_publish_writes_what_kombus_producer_writes(redis_url, redis_clie
 
 # ---- background dispatched_at marks ----------------------------------------------------------------------
 
+@pytest.mark.production_shape
 def test_dispatched_at_is_recorded_after_the_response_in_one_statement(app, client, admin, redis_client):
     marks = app.extensions["tidepool.dispatcher"].marks
     marks.background = False
@@ -99,6 +101,7 @@ def test_background_flusher_records_marks_on_its_own(app, client, admin):
         time.sleep(0.02)
 
 
+@pytest.mark.production_shape
 def test_a_late_mark_never_hides_a_job_a_worker_handed_back(app, client, admin, redis_client):
     """Whatever a worker did to a job between its publish and the mark wins: a job it sent back for
     republishing (throttled, or failed for a retry) stays undispatched, so the sweeper republishes it."""
@@ -235,6 +238,7 @@ def _admit_concurrently(group, engine, jobs_, key_id):
     return [results[j.id] for j in jobs_]
 
 
+@pytest.mark.production_shape
 def test_concurrent_submissions_share_one_statement_and_commit(app):
     engine = app.extensions["tidepool.db"]
     tenant_id, key_id, _ = _tenant(engine)
@@ -252,6 +256,7 @@ def test_concurrent_submissions_share_one_statement_and_commit(app):
         assert s.get(Tenant, tenant_id).queued_count == 6
 
 
+@pytest.mark.production_shape
 def test_a_refused_group_is_admitted_job_by_job_in_arrival_order(app):
     engine = app.extensions["tidepool.db"]
     tenant_id, key_id, _ = _tenant(engine, max_queued=3)
@@ -265,6 +270,7 @@ def test_a_refused_group_is_admitted_job_by_job_in_arrival_order(app):
         assert s.query(Job).filter_by(tenant_id=tenant_id).count() == 3
 
 
+@pytest.mark.production_shape
 def test_a_duplicate_idempotency_key_in_a_group_fails_only_its_own_job(app):
     engine = app.extensions["tidepool.db"]
     tenant_id, key_id, _ = _tenant(engine)
@@ -276,6 +282,7 @@ def test_a_duplicate_idempotency_key_in_a_group_fails_only_its_own_job(app):
         assert s.get(Tenant, tenant_id).queued_count == 3
 
 
+@pytest.mark.production_shape
 def test_a_revoked_key_or_disabled_tenant_admits_nothing(app):
     engine = app.extensions["tidepool.db"]
     url = app.config["TIDEPOOL"].database_url
@@ -402,6 +409,7 @@ def test_max_queued_lowered_by_another_process_holds_at_once(pg_url, redis_url, 
 
 # ---- pooled connections ----------------------------------------------------------------------------------
 
+@pytest.mark.production_shape
 def test_pooled_connections_the_server_closed_are_replaced_before_use(app, client, admin, pg_url):
     _, key = admin.tenant()
     assert client.post("/v1/jobs", json=PROMPT, headers=key).status_code == 202

@@ -116,6 +116,7 @@ def _check_chat_logprobs(content, n_top: int):
         assert all(t.bytes == list(t.token.encode()) for t in c.top_logprobs)
 
 
+@pytest.mark.production_shape
 def test_completions_logprobs_whole_and_streamed(online):
     oa, _ = online
     r = oa.completions.create(model="m", prompt="hi", max_tokens=3, logprobs=2)
@@ -137,6 +138,7 @@ def test_completions_logprobs_whole_and_streamed(online):
     assert r.choices[0].logprobs.top_logprobs == [{}, {}, {}] and r.choices[0].logprobs.tokens[0] == "Hel"
 
 
+@pytest.mark.production_shape
 def test_chat_logprobs_whole_and_streamed(online):
     oa, _ = online
     messages = [{"role": "user", "content": "hi"}]
@@ -155,6 +157,7 @@ def test_chat_logprobs_whole_and_streamed(online):
     assert chunks[-1].usage.completion_tokens == 3
 
 
+@pytest.mark.production_shape
 def test_no_logprobs_unless_asked(online):
     oa, key = online
     r = oa.completions.create(model="m", prompt="hi", max_tokens=3)

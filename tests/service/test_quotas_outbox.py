@@ -1,3 +1,4 @@
+import pytest
 """Quotas (rate limits, budget, max_queued, max_running) and the outbox (publish, lost publish, sweeper)."""
 import base64
 import json
@@ -121,6 +122,7 @@ def _queued_job_ids(redis_client, queue):
     return out
 
 
+@pytest.mark.production_shape
 def test_outbox_publishes_one_message_per_job_to_its_class_queue(client, admin, redis_client):
     _, key = admin.tenant()
     ids = {cls: [client.post("/v1/jobs", json={**PROMPT, "sla_class": cls}, headers=key).get_json()["id"]
@@ -157,6 +159,7 @@ def test_embedded_mode_publishes_in_process(embedded_app):
     assert depths["interactive"] == 1 and depths["batch"] == 0
 
 
+@pytest.mark.production_shape
 def test_a_real_celery_worker_consumes_the_published_messages(client, admin, redis_url):
     from celery import Celery
     from celery.contrib.testing.worker import start_worker
