@@ -4,13 +4,11 @@ queues. The backends' clients load when a fixture first needs them: the kernel a
 GPU machine whose image has torch but not the service's packages (benchmarks/gpu_check.sh)."""
 import itertools
 import os
-import shutil
-import socket
-import subprocess
-import time
 
 import pytest
 import torch
+
+from tests.servers import free_port, start_redis  # noqa: F401  (tests/workers/conftest.py imports them here)
 
 # Without CUDA the kernel tests run the Triton kernels on CPU tensors, which only works under Triton's interpreter,
 # and it must be on before anything imports triton: transformers and peft may, when test modules are collected.
@@ -19,28 +17,6 @@ if not torch.cuda.is_available():
 
 PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432")
 REDIS = os.environ.get("TIDEPOOL_TEST_REDIS")     # a server (redis://host:port) instead of a private one
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(port: int, cwd) -> subprocess.Popen:
-    import redis
-    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
-                             "127.0.0.1", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=cwd)
-    client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"redis-server on port {port} did not come up")
-            time.sleep(0.05)
 
 
 @pytest.fixture(scope="session")
