@@ -122,11 +122,14 @@ def parse_mix(text: str) -> dict[str, int]:
 
 # -- checks (pure: what the clients recorded and the ledger's rows in, figures out) -------------------------------
 
-def explained(rec: dict, faults: list[dict], grace: float) -> bool:
-    """A 503 is explained when it says when to retry and its request overlapped a fault (start to recovery + grace)."""
-    if not rec.get("retry_after"):
-        return False
+def overlaps(rec: dict, faults: list[dict], grace: float = 0.0) -> bool:
+    """The request was under way during a fault (its start to its recovery, plus grace)."""
     return any(rec["t0"] <= f["end"] + grace and rec["t1"] >= f["start"] for f in faults)
+
+
+def explained(rec: dict, faults: list[dict], grace: float) -> bool:
+    """A 503 is explained when it says when to retry and its request overlapped a fault."""
+    return bool(rec.get("retry_after")) and overlaps(rec, faults, grace)
 
 
 def client_checks(records: list[dict], faults: list[dict], grace: float) -> dict:
@@ -139,11 +142,13 @@ def client_checks(records: list[dict], faults: list[dict], grace: float) -> dict
         if r.get("error_code"):
             stream_errors[r["error_code"]] = stream_errors.get(r["error_code"], 0) + 1
     bad_503 = [r for r in records if r["status"] == 503 and not explained(r, faults, grace)]
-    admission = [r["ms"] for r in records if (r["kind"], r["status"]) in (("job", 202), ("batch", 200))]
+    admitted = [r for r in records if (r["kind"], r["status"]) in (("job", 202), ("batch", 200))]
+    admission = [r["ms"] for r in admitted]
+    admission_clear = [r["ms"] for r in admitted if not overlaps(r, faults)]
     uploads = [r["ms"] for r in records if r["kind"] in ("upload", "batch_upload") and r["status"] == 200]
-    ttft = [r for r in records if r["kind"] == "stream" and r.get("ttft_ms") is not None]
-    clear = [r["ttft_ms"] for r in ttft if not any(r["t0"] <= f["end"] and r["t1"] >= f["start"] for f in faults)]
-    ttft = [r["ttft_ms"] for r in ttft]
+    streams = [r for r in records if r["kind"] == "stream" and r.get("ttft_ms") is not None]
+    ttft = [r["ttft_ms"] for r in streams]
+    ttft_clear = [r["ttft_ms"] for r in streams if not overlaps(r, faults)]
 
     def ms(values, q):
         return round(pct(values, q), 1) if values else None
@@ -155,10 +160,11 @@ def client_checks(records: list[dict], faults: list[dict], grace: float) -> dict
             "unexplained_503_samples": [{k: r.get(k) for k in ("kind", "t0", "t1", "retry_after")}
                                         for r in bad_503[:5]],
             "admission_n": len(admission), "admission_p50_ms": ms(admission, 0.5),
-            "admission_p99_ms": ms(admission, 0.99), "upload_p50_ms": ms(uploads, 0.5),
+            "admission_p99_ms": ms(admission, 0.99), "admission_p99_ms_outside_faults": ms(admission_clear, 0.99),
+            "admission_max_ms": round(max(admission), 1) if admission else None, "upload_p50_ms": ms(uploads, 0.5),
             "upload_p99_ms": ms(uploads, 0.99), "ttft_n": len(ttft), "ttft_p50_ms": ms(ttft, 0.5),
-            "ttft_p99_ms": ms(ttft, 0.99), "ttft_p50_ms_outside_faults": ms(clear, 0.5),
-            "ttft_p99_ms_outside_faults": ms(clear, 0.99)}
+            "ttft_p99_ms": ms(ttft, 0.99), "ttft_p50_ms_outside_faults": ms(ttft_clear, 0.5),
+            "ttft_p99_ms_outside_faults": ms(ttft_clear, 0.99)}
 
 
 def ledger_checks(jobs: list[dict], usage: list[dict], counters: list[dict], batches: list[dict],
@@ -619,8 +625,7 @@ def main(argv=None) -> int:
                   "drained": drained, "drain_s": round(drain_s, 1),
                   "faults": [{"kind": f["kind"], "at_s": round(f["start"] - book.t0, 1),
                               "recovered_s": round(f["end"] - f["start"], 1),
-                              "requests_during": sum(1 for r in book.records
-                                                     if r["t0"] <= f["end"] and r["t1"] >= f["start"])}
+                              "requests_during": sum(1 for r in book.records if overlaps(r, [f]))}
                              for f in book.faults],
                   "settings": {k: getattr(args, k) for k in ("mix", "wait_min", "wait_max", "stream_tokens",
                                                              "max_tokens", "batch_lines", "batch_tokens",

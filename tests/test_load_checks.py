@@ -86,3 +86,13 @@ def test_verdict_and_arguments():
     with pytest.raises(Exception):
         load.parse_args(["--mix", "fuzz=3"])
     assert load.procfile_web(8123)[-3:] == ["--bind", "0.0.0.0:8123", "service.wsgi:app"]
+
+
+def test_figures_outside_faults_leave_out_what_overlapped_one():
+    records = [rec("job", 202, t0=float(i), t1=i + 0.02) for i in range(20)] + \
+              [rec("batch", 200, 101.0, 101.9), rec("stream", 200, 50.0, 120.0, ttft_ms=60000.0),
+               rec("stream", 200, 10.0, 11.0, ttft_ms=300.0)]
+    out = load.client_checks(records, FAULTS, grace=10.0)
+    assert out["admission_n"] == 21 and out["admission_max_ms"] == 900.0
+    assert out["admission_p99_ms_outside_faults"] == 20.0
+    assert (out["ttft_p99_ms_outside_faults"], out["ttft_n"]) == (300.0, 2)
