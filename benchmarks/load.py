@@ -302,15 +302,20 @@ class Stack:
                     "PYTHONPATH": str(ROOT)}
         if args.lease_seconds is not None:
             self.env["TIDEPOOL_LEASE_SECONDS"] = str(args.lease_seconds)
-        up = subprocess.run([str(BIN / "tidepool"), "db", "upgrade"], env=self.env, capture_output=True, text=True)
-        if up.returncode != 0:
-            raise SystemExit(f"tidepool db upgrade failed:\n{up.stderr}")
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self._spawn("web", procfile_web(self.port), cwd=ROOT)
-        self._spawn("beat", [sys.executable, "-m", "workers.cli", "beat"])
-        self.start_worker()
-        wait(lambda: _ready(self.port), 600, "web ready with the worker's engine up")
+        try:
+            up = subprocess.run([str(BIN / "tidepool"), "db", "upgrade"], env=self.env, capture_output=True,
+                                text=True)
+            if up.returncode != 0:
+                raise SystemExit(f"tidepool db upgrade failed:\n{up.stderr}")
+            self.port = free_port()
+            self.base = f"http://127.0.0.1:{self.port}"
+            self._spawn("web", procfile_web(self.port), cwd=ROOT)
+            self._spawn("beat", [sys.executable, "-m", "workers.cli", "beat"])
+            self.start_worker()
+            wait(lambda: _ready(self.port), 600, "web ready with the worker's engine up")
+        except BaseException:
+            self.close()
+            raise
 
     def _spawn(self, name: str, argv: list[str], cwd: Path | None = None, **env) -> subprocess.Popen:
         logf = open(self.tmp / f"{name}.log", "a")
@@ -359,8 +364,11 @@ class Stack:
         self.redis_proc.wait()
         import psycopg
         admin = self.args.pg.replace("postgresql+psycopg://", "postgresql://") + "/postgres"
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {self.dbname} WITH (FORCE)")
+        try:
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f"DROP DATABASE IF EXISTS {self.dbname} WITH (FORCE)")
+        except psycopg.OperationalError as exc:
+            log(f"could not drop database {self.dbname}: {exc}")
 
     def sql(self, query: str, params=()) -> list[dict]:
         import psycopg
