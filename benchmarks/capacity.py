@@ -32,6 +32,7 @@ from pathlib import Path
 
 import psycopg
 import redis
+from results import record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -326,8 +327,10 @@ def report(args, online: dict, batch: dict, idle: dict, per_token: dict) -> None
     for i, kind in enumerate(("online", "batch")):
         first = min(shared, key=lambda k: shared[k][i])
         print(f"first bottleneck ({kind}): {first} at {shared[first][i]:,.0f} jobs/s")
-    print(json.dumps({"online": online, "batch": batch, "online_per_token": per_token,
-                      "limits_jobs_s": {k: {"online": v[0], "batch": v[1]} for k, v in limits.items()}}))
+    line = {"online": online, "batch": batch, "online_per_token": per_token,
+            "limits_jobs_s": {k: {"online": v[0], "batch": v[1]} for k, v in limits.items()}}
+    print(json.dumps(line))
+    record("capacity", line)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from workers.engine import LLMEngine, SamplingParams  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
 from workers.engine.scheduler import ScheduledBatch  # noqa: E402
 from workers.engine.sequence import Sequence  # noqa: E402
+from results import record  # noqa: E402
 
 
 def decode_batch(engine: LLMEngine, batch_size: int, context: int) -> ScheduledBatch:
@@ -62,6 +63,7 @@ def main():
     print(f"model {args.model} | {torch.cuda.get_device_name()} | dtype {runner.dtype} | context {args.context}"
           f" | graphs for {graphs.sizes}")
     print(f"{'batch':>6} {'eager ms':>10} {'graphs ms':>10} {'speedup':>8}")
+    rows = []
     for batch_size in args.batches:
         batch = decode_batch(engine, batch_size, args.context)
         runner.decode_graphs = None
@@ -71,8 +73,11 @@ def main():
         graph_ms = time_step(runner, batch, args.iters)
         assert graphs.replays > replays, "the graph path did not run"
         print(f"{batch_size:>6} {eager_ms:>10.3f} {graph_ms:>10.3f} {eager_ms / graph_ms:>7.2f}x")
+        rows.append({"batch": batch_size, "eager_ms": eager_ms, "graphs_ms": graph_ms})
         for seq in batch.seqs:
             engine.block_manager.free_sequence(seq)
+    record("decode_graphs", {"model": Path(args.model).name, "gpu": torch.cuda.get_device_name(),
+                             "dtype": str(runner.dtype).split(".")[-1], "context": args.context, "rows": rows})
 
 
 if __name__ == "__main__":

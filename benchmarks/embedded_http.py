@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from results import record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -163,6 +164,9 @@ def main() -> None:
     pairs = [r["http+sse"]["tok_s"] / r["in-process"]["tok_s"] for r in by_round]
     print(f"engine tok/s, http+sse / in-process: {http / local:.3f} (per round: "
           f"{', '.join(f'{p:.3f}' for p in pairs)}; median {statistics.median(pairs):.3f}); goal >= 0.90")
+    record("embedded_http", {"model": Path(args.model).name, "device": args.device, "rate": args.rate,
+                             "http_tok_s": http, "in_process_tok_s": local, "ratio": http / local,
+                             "ratio_per_round": pairs})
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Embedding throughput (issue #28): the engine against sentence-transformers and vLLM-CPU's pooling runner on
+"""Embedding throughput: the engine against sentence-transformers and vLLM-CPU's pooling runner on
 all-MiniLM-L6-v2, side by side in one run on the same sentences and threads.
 
 Workload: `--n` sentences (default 10,000), seeded: each a window of 6-254 tokens of the engine's corpus, decoded
@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from workers.engine import LLM  # noqa: E402
 from workers.engine.pooling import PoolingParams  # noqa: E402
+from results import record  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent.parent / "workers" / "tools" / "data" / "corpus.txt"
 PEERS = Path(os.environ.get("PEER_DIR", "/tmp/peers"))
@@ -285,6 +286,7 @@ def main() -> int:
               f"{realtime['batch_left_at_end']} left at the end")
         out["realtime"] = realtime
     print(json.dumps(out))
+    record("embeddings", out)
     return 0
 
 

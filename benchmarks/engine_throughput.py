@@ -1,6 +1,6 @@
 """Offline throughput of the engine against transformers on the same workload (CPU, fp32 by default).
 
-Workload (issue #2): rng = random.Random(0); per request plen = rng.randint(16, 512), olen = rng.randint(16, 256),
+Workload: rng = random.Random(0); per request plen = rng.randint(16, 512), olen = rng.randint(16, 256),
 prompt ids [rng.randint(100, vocab_size - 1) for _ in range(plen)], greedy, ignore_eos, max_tokens=olen, all
 submitted at once. Baselines run in the same process: transformers static batching (batches of 16 in arrival
 order, left-padded, max_new_tokens = the batch's max, counting only requested tokens) and transformers one
@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
+from results import record  # noqa: E402
 
 
 def workload(n: int, vocab_size: int):
@@ -195,7 +196,12 @@ def main() -> None:
     if args.breakdown:
         timed = run_engine(args.model, requests, args, breakdown=True)
         print(f"per-step breakdown (timed run: {timed['tok_s']:.1f} tok/s)\n{timed['breakdown']}")
+    line = {"model": Path(args.model).name, "device": args.device, "dtype": str(cfg.torch_dtype).split(".")[-1],
+            "threads": torch.get_num_threads(), "requests": len(requests),
+            "engine": {k: ours[k] for k in ("tok_s", "tokens", "seconds", "steps", "preemptions", "kv_blocks",
+                                             "graph_replays", "kv_waste", "sched_share")}}
     if args.no_baselines:
+        record("engine_throughput", line)
         return
     static = run_hf_static(args.model, requests[:args.static_requests or len(requests)], args.static_batch_size,
                            cfg.torch_dtype, args.device)
@@ -208,6 +214,9 @@ def main() -> None:
     print(f"ratio vs one at a time       {ours['tok_s'] / single['tok_s']:.2f}x")
     print(f"mean KV-slot waste           {100 * ours['kv_waste']:.2f}%   (goal <= 4%)")
     print(f"scheduler share of step time {100 * ours['sched_share']:.2f}%   (goal <= 10%)")
+    line.update(transformers_static_tok_s=static["tok_s"], transformers_single_tok_s=single["tok_s"],
+                vs_static=ours["tok_s"] / static["tok_s"], vs_single=ours["tok_s"] / single["tok_s"])
+    record("engine_throughput", line)
 
 
 if __name__ == "__main__":

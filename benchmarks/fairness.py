@@ -1,4 +1,4 @@
-"""One tenant's flood never stalls another (issue 26): fair intake against the FIFO baseline, production shape.
+"""One tenant's flood never stalls another: fair intake against the FIFO baseline, production shape.
 
     python benchmarks/fairness.py [--model DIR | --tiny] [--seats 16] [--backlog-s 60] [--rt-duration 90]
 
@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from capacity import Postgres, _ping, _ready, free_port, http, wait  # noqa: E402
 from hybrid_http import Server, summary  # noqa: E402
 from online_latency import make_prompts, native_kernels_ready, paced, pct  # noqa: E402
+from results import record  # noqa: E402
 
 ADMIN = "fairness-admin"
 VOCAB = 49152
@@ -376,6 +377,7 @@ def main():
              "take p99 <= 2 ms": take["p99_ms"] <= 2.0}
     line["goals"] = {k: bool(v) for k, v in goals.items()}
     print(json.dumps(line), flush=True)
+    record("fairness", line)
     print("goals: " + ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in goals.items()), file=sys.stderr)
 
 

@@ -23,6 +23,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from results import record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_READY = ("native CPU decode kernel ready", "native CPU kernel ready", "native CPU decode kernel unavailable",
@@ -166,6 +167,7 @@ def main() -> int:
         print(json.dumps(out), file=sys.stderr, flush=True)
         out["warm"] = start(model, Path(cache), args.requests)
     print(json.dumps(out), flush=True)
+    record("first_start", out)
     return 0
 
 

@@ -23,7 +23,7 @@ between consecutive chunks with text of one stream (what a reader of the stream 
 script starts `tidepool serve` itself (defaults, --max-num-seqs 64, the model in --model) in a scratch folder
 and stops it afterwards; with --peer URL the peer runs the same phases after it (--peer-cmd: started then, so
 the two servers never run at once). One JSON line per server,
-then, with a peer, one line of Tidepool / peer ratios. Goals (issue 27): realtime alone, Tidepool TTFT p50 and
+then, with a peer, one line of Tidepool / peer ratios. Goals: realtime alone, Tidepool TTFT p50 and
 p99 and gap p50 and p99 <= the peer's; mixed, realtime TTFT p99 and gap p99 <= 1.5x Tidepool's realtime-alone
 figures, offline tok/s >= 0.6x offline alone, no realtime request failed.
 
@@ -47,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from online_latency import _get, _stop, _wait, make_prompts, native_kernels_ready, paced, pct  # noqa: E402
+from results import record  # noqa: E402
 
 MIXED_SPANS = 4        # the mixed phase's realtime stream runs until the batch is done, at most this many spans
 
@@ -192,6 +193,12 @@ def summary(results) -> dict:
             **({"errors": errors[:3]} if errors else {})}
 
 
+def ttft_series(results, t0: float) -> list[list[float]]:
+    """[seconds since t0 the request was sent, its TTFT in ms] per answered request, in send order."""
+    return sorted([round(r["send"] - t0, 2), round((r["chunks"][0] - r["send"]) * 1000, 1)]
+                  for r in results if r["error"] is None)
+
+
 def model_vocab(model: str) -> int:
     """The vocabulary of the model folder (what the server accepts as prompt ids), else SmolLM2's."""
     config = Path(model, "config.json")
@@ -207,7 +214,8 @@ def run(server: Server, args) -> dict:
     for ids in make_prompts(3, vocab, args.seed + 1):                  # warm-up
         server.stream(ids)
     print(f"[{server.name}] realtime alone: {n_rt} requests at {args.rate}/s", file=sys.stderr, flush=True)
-    alone = summary(paced(server, rt_alone, args.rate, arrivals=args.arrivals, seed=args.seed))
+    alone_results = paced(server, rt_alone, args.rate, arrivals=args.arrivals, seed=args.seed)
+    alone = summary(alone_results)
     print(f"[{server.name}] realtime alone: {json.dumps(alone)}", file=sys.stderr, flush=True)
     print(f"[{server.name}] offline alone: {args.offline} x {args.offline_tokens} tokens", file=sys.stderr, flush=True)
     off = server.offline(offline_prompts)
@@ -222,8 +230,9 @@ def run(server: Server, args) -> dict:
     batch_done = threading.Event()
     threading.Thread(target=lambda: (off2.wait(until=off2.start + MIXED_SPANS * span, every=2.0), batch_done.set()),
                      daemon=True).start()
-    mixed = summary(paced(server, mixed_prompts, args.rate, stop=lambda i: i >= n_mixed and batch_done.is_set(),
-                          arrivals=args.arrivals, seed=args.seed + 2))
+    mixed_results = paced(server, mixed_prompts, args.rate, stop=lambda i: i >= n_mixed and batch_done.is_set(),
+                          arrivals=args.arrivals, seed=args.seed + 2)
+    mixed = summary(mixed_results)
     window_end = time.time()
     off2.poll()
     off_mixed, off_mixed_done = off2.rate(window_end)
@@ -234,7 +243,15 @@ def run(server: Server, args) -> dict:
             "mixed_vs_alone": {
                 "ttft_p99": round(mixed["ttft_ms"]["p99"] / alone["ttft_ms"]["p99"], 2),
                 "gap_p99": round(mixed["gap_ms"]["p99"] / alone["gap_ms"]["p99"], 2),
-                "offline_tok_s": round(off_mixed / off_alone, 2) if off_alone else None}}
+                "offline_tok_s": round(off_mixed / off_alone, 2) if off_alone else None},
+            "series": {"alone_ttft": ttft_series(alone_results, min((r["send"] for r in alone_results), default=0)),
+                       "mixed_ttft": ttft_series(mixed_results, off2.start),
+                       "mixed_offline_done": [[round(t - off2.start, 2), n] for t, n in sorted(off2.done)]}}
+
+
+def printed(line: dict) -> dict:
+    """A server's line as printed: without the per-request series (they go to the recorded result only)."""
+    return {k: v for k, v in line.items() if k != "series"}
 
 
 def start_serve(args, tmp: Path):
@@ -296,7 +313,7 @@ def main():
                     lines.append(run(Server("tidepool", base, key, first_model(base, key), True, args), args))
                 finally:
                     _stop([proc])
-        print(json.dumps(lines[-1]), flush=True)
+        print(json.dumps(printed(lines[-1])), flush=True)
     if args.peer:
         peer = None
         if args.peer_cmd:
@@ -311,13 +328,14 @@ def main():
             if peer is not None:
                 os.killpg(peer.pid, signal.SIGTERM)
                 peer.wait(60)
-        print(json.dumps(lines[-1]), flush=True)
+        print(json.dumps(printed(lines[-1])), flush=True)
     if len(lines) == 2:
         t, p = lines
         ratios = {f"rt_alone_{m}_{q}": round(t["rt_alone"][m][q] / p["rt_alone"][m][q], 2)
                   for m in ("ttft_ms", "gap_ms") for q in ("p50", "p99")}
         ratios["offline_alone_tok_s"] = round(t["offline_alone_tok_s"] / p["offline_alone_tok_s"], 2)
         print(json.dumps({"tidepool_over_peer": ratios}), flush=True)
+    record("hybrid_http", {"servers": lines, **({"tidepool_over_peer": ratios} if len(lines) == 2 else {})})
     for line in lines:
         if line["server"] != "tidepool":
             continue

@@ -13,6 +13,7 @@ import sys
 import torch
 
 from kernels.triton_paged_attention import _num_splits, paged_attention_triton
+from results import record  # noqa: E402
 
 PEAK_GBPS = [  # (substring of torch.cuda.get_device_name, HBM GB/s); first match wins
     ("H200", 4800), ("H100 NVL", 3900), ("H100 PCIe", 2000), ("H100", 3350), ("H800", 3350), ("GH200", 4000),
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
               f"{'sdpa us':>9} {'GB/s':>7} {'peak':>6} | {'speedup':>7} {'max err':>8}")
     print(header)
     print("-" * len(header))
+    rows = []
     for dname in args.dtypes:
         for batch in args.batches:
             for context in args.contexts:
@@ -138,6 +140,10 @@ def main(argv=None) -> int:
                 else:
                     line += f"{'oom' if 'sdpa_ms' in r else '-':>9}"
                 print(line, flush=True)
+                rows.append({"dtype": dname, "batch": batch, "context": context, "splits": r["splits"],
+                             "triton_gbps": t_gbps, "sdpa_gbps": r["bytes"] / (r["sdpa_ms"] * 1e6)
+                             if r.get("sdpa_ms") else None})
+    record("kernel_bench", {"gpu": name, "peak_gbps": peak, "rows": rows})
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Many LoRA adapters in one continuous batch against the base model alone (issue #30), in one process.
+"""Many LoRA adapters in one continuous batch against the base model alone, in one process.
 
 Workload: the peer workload (/work/shared/bench/workload.py: seeded prompts of 16-512 tokens, 16-256 output tokens,
 greedy, ignore_eos, all submitted at once). Runs, each on a fresh engine over the same requests:
@@ -24,6 +24,7 @@ sys.path.insert(0, "/work/shared/bench")
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from results import record  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -115,14 +116,16 @@ def main() -> None:
         print(f"{name:<10} {r['tok_s']:>10.1f} {r['tok_s'] / base:>7.2f} {r['generated']:>7} {r['wall_s']:>7.1f} "
               f"{r['evicted']:>7} {r['loads']:>6}")
     few, many = results[f"lora-{args.adapters}"], results[f"lora-{args.many_adapters}"]
-    print(json.dumps({"bench": "lora", "model": Path(args.model).name, "n": args.num_requests,
-                      "max_output": args.max_output, "rank": args.rank, "max_loras": args.max_loras,
-                      "base_tok_s": round(base, 1), "lora_few_adapters": args.adapters,
-                      "lora_few_tok_s": round(few["tok_s"], 1), "lora_few_vs_base": round(few["tok_s"] / base, 3),
-                      "lora_many_adapters": args.many_adapters, "lora_many_tok_s": round(many["tok_s"], 1),
-                      "lora_many_vs_base": round(many["tok_s"] / base, 3), "lora_many_evicted": many["evicted"],
-                      "goal_few": 0.8, "goal_many": 0.6,
-                      "met": few["tok_s"] / base >= 0.8 and many["tok_s"] / base >= 0.6}))
+    line = {"bench": "lora", "model": Path(args.model).name, "n": args.num_requests,
+            "max_output": args.max_output, "rank": args.rank, "max_loras": args.max_loras,
+            "base_tok_s": round(base, 1), "lora_few_adapters": args.adapters,
+            "lora_few_tok_s": round(few["tok_s"], 1), "lora_few_vs_base": round(few["tok_s"] / base, 3),
+            "lora_many_adapters": args.many_adapters, "lora_many_tok_s": round(many["tok_s"], 1),
+            "lora_many_vs_base": round(many["tok_s"] / base, 3), "lora_many_evicted": many["evicted"],
+            "goal_few": 0.8, "goal_many": 0.6,
+            "met": few["tok_s"] / base >= 0.8 and many["tok_s"] / base >= 0.6}
+    print(json.dumps(line))
+    record("lora", line)
 
 
 if __name__ == "__main__":

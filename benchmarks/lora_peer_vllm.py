@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from results import record  # noqa: E402
 
 sys.path.insert(0, "/work/shared/bench")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,9 +65,11 @@ def main() -> None:
             wall = time.perf_counter() - t0
             out[name] = sum(len(o.outputs[0].token_ids) for o in outs) / wall
     few = out[f"lora-{args.adapters}"]
-    print(json.dumps({"bench": "lora-peer", "engine": "vllm-cpu", "n": args.num_requests,
-                      "max_output": args.max_output, "base_tok_s": round(out["base"], 1),
-                      "lora_few_tok_s": round(few, 1), "lora_few_vs_base": round(few / out["base"], 3)}))
+    line = {"bench": "lora-peer", "engine": "vllm-cpu", "n": args.num_requests,
+            "max_output": args.max_output, "base_tok_s": round(out["base"], 1),
+            "lora_few_tok_s": round(few, 1), "lora_few_vs_base": round(few / out["base"], 3)}
+    print(json.dumps(line))
+    record("lora_peer_vllm", line)
 
 
 if __name__ == "__main__":

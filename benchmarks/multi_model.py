@@ -1,4 +1,4 @@
-"""Several models in one worker process (issue #17): one engine per model, each stepping on its own thread through
+"""Several models in one worker process: one engine per model, each stepping on its own thread through
 one DeviceStepper as `tidepool worker --models a,b` runs them (workers/model_workers.py, workers/device_stepper.py:
 offline steps overlap, online work takes its steps one at a time and first), or with no stepper at all (--stepping
 threads), or one step at a time always (--stepping turns), each mode one after the other.
@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from results import record  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -191,6 +192,7 @@ def main() -> int:
         print(f"[{mode}] (e) A realtime TTFT while B runs a batch: p50 {p50b:.0f} ms, p99 {p99b:.0f} ms "
               f"({p99b / p99a:.2f}x alone; goal <= 1.5x)", flush=True)
     print(json.dumps(out))
+    record("multi_model", out)
     return 0
 
 

@@ -34,6 +34,7 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
+from results import record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -58,8 +59,8 @@ STAGES = [  # (label, from mark, to mark); "send" and "first_byte" are the clien
 
 def native_kernels_ready() -> str:
     """Build (or load) the native CPU kernels before anything is measured, so no phase runs on the torch path while
-    a worker builds them on a thread beside its steps (kernels/cpu_ops.py; a cold cache on a fresh machine: 20-50 s
-    of a core, which made the first measured phase up to 2x slower than the later ones). The workers and servers
+    a worker builds them on a thread beside its steps (kernels/cpu_ops.py; on a cold cache the build takes a core for
+    tens of seconds, and a phase measured meanwhile runs slower than the later ones). The workers and servers
     the benchmarks start use the same cache (TIDEPOOL_KERNEL_CACHE, else the default folder)."""
     from kernels import cpu_ops
     from service.ledger.config import Config
@@ -449,6 +450,14 @@ def main():
             print(f"| {'stage':<24} | {'p50':>7} | {'p99':>7} |   n |")
             print(f"|{'-' * 26}|{'-' * 9}|{'-' * 9}|-----|")
             print("\n".join(stage_table([r for r in results if r and r["first_byte"]], marks)))
+
+    def ttft_ms(values):
+        return {f"p{q}": round(pct(values, q / 100) * 1000, 1) if values else None for q in (50, 90, 99)} | \
+            {"n": len(values)}
+    record("online_latency", {"rate": args.rate, "max_tokens": args.max_tokens, "ttft_ms": {
+        "engine idle": ttft_ms(eng_idle), f"engine {args.rate}/s": ttft_ms(eng_steady),
+        **{f"{name} idle": ttft_ms(ttfts(idle)) for name, idle, _, _ in runs},
+        **{f"{name} {args.rate}/s": ttft_ms(ttfts(steady)) for name, _, steady, _ in runs}}})
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ Three runs, each on freshly started workers (cold caches), in one process:
   no affinity:  three workers, every line in the shared queue (Dispatcher.affinity = False);
   affinity:     three workers, lines routed by prefix key to the worker holding (or placed with) their group.
 Per run: the prefix-cache hit rate (prompt tokens found in the cache / prompt tokens looked up, summed over the
-workers' engines) and the throughput (lines from the batch's creation until every line is completed). Goals
-(issue 18): affinity's hit rate >= 80% of single's, its throughput >= 1.3x no affinity's.
+workers' engines) and the throughput (lines from the batch's creation until every line is completed). Goals:
+affinity's hit rate >= 80% of single's, its throughput >= 1.3x no affinity's.
 """
 import argparse
 import io
@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import redis
+from results import record  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -273,6 +274,7 @@ def main():
         if "single" in results:
             summary["hit_rate_vs_single"] = a["hit_rate"] / results["single"]["hit_rate"]
         print(json.dumps({"summary": summary, "runs": results}, indent=1))
+        record("prefix_affinity", {"summary": summary, "runs": results})
         print(f"affinity: throughput {summary['throughput_x_no_affinity']:.2f}x no affinity (goal >= 1.3); hit rate "
               f"{a['hit_rate']:.3f} vs {na['hit_rate']:.3f} without"
               + (f", {summary['hit_rate_vs_single']:.2f} of single's {results['single']['hit_rate']:.3f} "

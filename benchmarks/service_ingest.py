@@ -23,6 +23,7 @@ import urllib.request
 
 import psycopg
 import redis
+from results import record  # noqa: E402
 
 PG = "postgresql://postgres@127.0.0.1:5432"
 DB = "tidepool_bench"
@@ -182,6 +183,8 @@ def main():
         dt = time.perf_counter() - t
         assert b["status"] == "in_progress" and b["request_counts"]["total"] == 50_000, b
         print(f"50,000-line batch accepted in {dt:.2f} s ({10 / dt:.2f}x goal)")
+        record("service_ingest", {"workers": args.workers, "threads": args.threads, "clients": args.clients,
+                                  "jobs_s": rate, "p50_ms": p50, "p99_ms": p99, "batch_50k_accept_s": dt})
     finally:
         server.terminate()
         server.wait(10)

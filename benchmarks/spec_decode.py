@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from results import record  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -149,9 +150,9 @@ def part_two(args) -> dict:
                            offline_floor=args.offline_floor,
                            rt_body=lambda i: {"messages": grounded_messages(i, seed=1)})
     out = {}
-    # One (a), without speculation, for both modes: the same denominator and the same realtime span. (Each mode's
-    # own (a) moved 240 -> 305 tok/s in session 14: offline sequences may speculate while their batch is small, so
-    # the gain compared two denominators and two realtime spans, not the mixed runs.)
+    # One (a), without speculation, for both modes: the same denominator and the same realtime span. (Offline
+    # sequences may speculate while their batch is small, so each mode's own (a) would differ, and the gain would
+    # compare two denominators and two realtime spans, not the mixed runs.)
     h.speculative, h.rt_duration = None, None
     a = hybrid_sla.scenario("a offline alone [off]", h, offline=True, realtime=False)
     h.rt_duration = max(2.0, args.offline * args.offline_tokens / a["offline_tok_s"])
@@ -199,6 +200,7 @@ def main():
     if not args.no_hybrid:
         result.update(report_two(args, part_two(args)))
     print(json.dumps(result))
+    record("spec_decode", result)
 
 
 def report_one(args, one) -> dict:

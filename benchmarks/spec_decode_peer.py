@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from spec_decode import chat_messages, grounded_messages  # noqa: E402
+from results import record  # noqa: E402
 
 
 def _median(xs):
@@ -106,6 +107,7 @@ def main():
                         "same_outputs": f"{sum(x == y for x, y in zip(a['outputs'], b['outputs']))}/"
                                         f"{len(a['outputs'])}"}
     print(json.dumps(result))
+    record(f"spec_decode_peer-{args.engine}", result)
 
 
 if __name__ == "__main__":

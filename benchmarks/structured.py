@@ -24,6 +24,7 @@ import torch  # noqa: E402
 import workers.engine.sampler as sampler_module  # noqa: E402
 from workers.engine import LLMEngine, SamplingParams  # noqa: E402
 from workers.engine.config import EngineConfig  # noqa: E402
+from results import record  # noqa: E402
 
 SCHEMA = {
     "type": "object", "additionalProperties": False,
@@ -120,6 +121,11 @@ def main():
               f"{r['apply_ms_step']:14.3f} {100 * r['mask_share']:10.1f}%")
     print(f"throughput ratio schema/plain: {schema['tok_s'] / plain['tok_s']:.3f} (goal >= 0.9)")
     print(f"mask share of step time with half the rows constrained: {100 * half['mask_share']:.1f}% (goal < 10%)")
+    record("structured", {"model": Path(args.model).name, "device": args.device, "requests": len(prompts),
+                          "runs": {r["label"]: {k: r[k] for k in ("seconds", "tok_s", "steps", "fill_ms_step",
+                                                                  "apply_ms_step", "mask_share")}
+                                   for r in (cold, plain, schema, half)},
+                          "schema_vs_plain": schema["tok_s"] / plain["tok_s"], "half_mask_share": half["mask_share"]})
 
 
 if __name__ == "__main__":
