@@ -1,4 +1,4 @@
-"""OpenAPI 3 document for every route; tests/service/test_openapi.py keeps it equal to the URL map."""
+"""OpenAPI 3 document for every route; tests/service/test_isolation_meta.py keeps it equal to the URL map."""
 import json
 
 from .ledger import anthropic_shapes, bodies, embeddings, responses, structured, tiers
@@ -136,7 +136,7 @@ _MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": Fals
     "tool_calls": {"type": "array", "minItems": 1, "items": _TOOL_CALL, "description": "assistant messages"},
     "tool_call_id": {"type": "string", "description": "tool messages (required there)"}}}
 _SCHEMA = {"type": "object", "description": "JSON Schema; keywords the grammar cannot enforce are a 400 "
-                                            "(README, Structured output)"}
+                                            "(docs: Structured outputs and tools)"}
 _FIELDS = {   # every body field bodies.check accepts, with its bounds; null means "not given"
     "model": _NAME, "user": _NAME,
     "max_tokens": _int(1, 1 << 20), "max_completion_tokens": _int(1, 1 << 20),

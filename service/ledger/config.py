@@ -4,8 +4,9 @@
 name, the parser of its text, a check of its value and a one-line meaning; `Config.from_env()` builds it once at
 start-up and a bad value fails there, naming the variable (SettingsError). The web app's Flask config is this
 object; the worker's WorkerConfig and the engine's EngineConfig are built from it by the workers
-(workers/settings.py), so neither the engine nor the kernels read the environment for Tidepool's knobs. README's
-configuration table is `readme_table()` (tests/service/test_settings.py keeps them equal)."""
+(workers/settings.py), so neither the engine nor the kernels read the environment for Tidepool's knobs. The
+documentation's configuration page (docs/reference/configuration.md) is generated from `variables()` by
+docs/gen_reference.py, and tests/docs keep the two equal."""
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -79,7 +80,7 @@ PORT = (lambda v: 0 <= v < 65536, "must be a port number (0 turns it off)")
 def setting(env: str, default, meaning: str, *, parse=str, check=None, shown: str | None = None,
             secret: bool = False, engine: bool = False, flag: str | None = None):
     """A field set by the variable `env`: `parse` turns its text into the value (ValueError: a bad value), `check`
-    is (predicate, rule) on the value, `shown` the default as README states it (else the default itself). `engine`:
+    is (predicate, rule) on the value, `shown` the default as the docs state it (else the default itself). `engine`:
     the EngineConfig field of the same name; `flag`: the worker, serve and run-batch command-line flag that wins
     over the variable (workers/commands.py builds the flags from these fields)."""
     return field(default=default, repr=not secret,
@@ -326,7 +327,7 @@ class Config:
 
 
 def variables() -> list[tuple[str, str, str]]:
-    """(variable, default as README shows it, meaning) for every setting, in field order."""
+    """(variable, default as the docs show it, meaning) for every setting, in field order."""
     out = []
     for f in fields(Config):
         if "env" not in f.metadata:
@@ -350,12 +351,6 @@ def engine_flags() -> list[tuple[str, str, str, str]]:
     """(flag, EngineConfig field, variable, meaning) for the settings a command-line flag overrides."""
     return [(f.metadata["flag"], f.name, f.metadata["env"], f.metadata["meaning"])
             for f in fields(Config) if f.metadata.get("flag")]
-
-
-def readme_table() -> str:
-    rows = ["| variable | default | meaning |", "|---|---|---|"]
-    rows += [f"| `{env}` | {shown} | {meaning} |" for env, shown, meaning in variables() + OTHER_VARIABLES]
-    return "\n".join(rows) + "\n"
 
 
 def log_settings() -> tuple[str, str]:

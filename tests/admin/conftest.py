@@ -3,6 +3,7 @@ template, a flushed Redis db), plus a live server on a socket and headless Chrom
 import json
 import os
 import re
+import shutil
 import threading
 import urllib.error
 import urllib.request
@@ -16,6 +17,7 @@ from service import create_app
 
 ADMIN = "test-admin-token-0123456789"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "admin"
+DOCS_SHOTS = Path(__file__).resolve().parents[2] / "docs" / "assets" / "panel"
 CHROMIUM = os.environ.get("TIDEPOOL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -143,5 +145,10 @@ def page(browser, live):
 
 
 def shot(page, name: str, full_page: bool = True) -> None:
+    """A screenshot in test-artifacts/admin/; with TIDEPOOL_DOCS_SCREENSHOTS=1 (`make screenshots`) also in
+    docs/assets/panel/, where the documentation's admin panel page shows it."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=full_page)
+    if os.environ.get("TIDEPOOL_DOCS_SCREENSHOTS") == "1":
+        DOCS_SHOTS.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ARTIFACTS / f"{name}.png", DOCS_SHOTS / f"{name}.png")

@@ -1,5 +1,6 @@
-"""One settings object (service/ledger/config.py's Config): README's configuration table is its table, and a bad value
-stops a process at start-up with a message naming the variable."""
+"""One settings object (service/ledger/config.py's Config): every setting has a variable, a meaning and a default to
+show (the docs' configuration page is generated from them: tests/docs/test_reference.py), and a bad value stops a
+process at start-up with a message naming the variable."""
 import ast
 import os
 import re
@@ -10,19 +11,9 @@ from pathlib import Path
 import pytest
 
 from service import create_app
-from service.ledger.config import Config, SettingsError, readme_table, variables
+from service.ledger.config import Config, SettingsError, variables
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _readme_table() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("| variable | default | meaning |")
-    return text[start:text.index("\n\n", start) + 1]
-
-
-def test_readme_configuration_table_is_the_settings_table():
-    assert _readme_table() == readme_table(), "README's table drifted: paste service.ledger.config.readme_table()"
 
 
 def test_every_setting_has_a_variable_a_meaning_and_a_default_shown():

@@ -1,5 +1,5 @@
 """The worker's, the engine's and beat's configs are built from the one settings object (service/ledger/config.py):
-each TIDEPOOL_* value reaches the field it names, and what README shows as an engine default is the engine's."""
+each TIDEPOOL_* value reaches the field it names, and what the docs show as an engine default is the engine's."""
 import dataclasses
 
 import pytest
@@ -16,7 +16,7 @@ def _settings(tmp_path, **env) -> Config:
     return Config.from_env({"storage_dir": str(tmp_path)}, environ={k: str(v) for k, v in env.items()})
 
 
-def test_readme_shows_the_engines_own_defaults():
+def test_the_docs_show_the_engines_own_defaults():
     shown = {env: text for env, text, _ in variables()}
     engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     assert shown["TIDEPOOL_MAX_NUM_SEQS"] == f"`{engine['max_num_seqs']}`"
