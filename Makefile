@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP_FLAGS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: install services browser model test chaos run up bench clean
+.PHONY: install services browser model test chaos run up bench docs reference screenshots clean
 MODEL_DIR := models/smollm2-135m
 
 $(BIN)/python:
@@ -33,7 +33,8 @@ $(MODEL_DIR)/config.json: | $(VENV)/.installed
 
 model: $(MODEL_DIR)/config.json
 
-# Two test processes on a 2-core machine (TEST_JOBS=0 runs one); each file runs whole in one of them.
+# Two test processes on a 2-core machine (TEST_JOBS=0 runs one); each file runs whole in one of them. The suite
+# includes the documentation: the strict site build and the generated pages (tests/docs).
 TEST_JOBS ?= auto
 test: install services browser model
 	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
@@ -45,8 +46,9 @@ chaos: install services
 run: install model
 	$(BIN)/tidepool serve
 
-# The Procfile stack (web on $PORT, default 8000; worker: one engine per host, see README; beat) with the venv's commands on PATH.
-# Needs TIDEPOOL_DATABASE_URL, TIDEPOOL_REDIS_URL, TIDEPOOL_MODEL and TIDEPOOL_ADMIN_TOKEN: see README, Production.
+# The Procfile stack (web on $PORT, default 8000; worker: one engine per host; beat) with the venv's commands on PATH.
+# Needs TIDEPOOL_DATABASE_URL, TIDEPOOL_REDIS_URL, TIDEPOOL_MODEL and TIDEPOOL_ADMIN_TOKEN: see
+# docs/operations/production.md.
 PORT ?= 8000
 up: install
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/honcho start --no-colour -p $(PORT)
@@ -54,5 +56,20 @@ up: install
 bench: install model
 	$(BIN)/python benchmarks/engine_throughput.py --model $(MODEL_DIR)
 
+# The documentation site (mkdocs.yml, docs/) into site/, strict: a broken link, anchor or snippet fails. Offline.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# Regenerate what the docs take from the code (docs/gen_reference.py: configuration, CLI, HTTP API, metrics) and
+# from the recorded benchmark results (benchmarks/report.py: docs/benchmarks.md and its plots).
+reference: install
+	$(BIN)/python docs/gen_reference.py
+	$(BIN)/python benchmarks/report.py
+
+# The admin panel's screenshots for the docs (the browser tests in headless Chromium), then the page that lists them.
+screenshots: install services browser
+	TIDEPOOL_DOCS_SCREENSHOTS=1 $(BIN)/python -m pytest -n 0 tests/admin/test_browser.py tests/admin/test_panel_models.py
+	$(BIN)/python docs/gen_reference.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site

@@ -14,7 +14,8 @@ from .openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS  # noqa: F40
 
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: 512}
 MAX_OUTPUT_TOKENS = 1 << 20     # max_tokens where the model's context is not known (run-batch checks before loading)
-# Bounds on every list and string of a request (README "Request limits"); beyond them, a 400 naming the field.
+# Bounds on every list and string of a request (docs/guides/online-api.md, "Request limits"); beyond them, a 400
+# naming the field.
 MAX_PROMPT_TOKEN_IDS = 1 << 20     # ids in a token-id prompt
 MAX_TOKEN_ID = (1 << 31) - 1       # largest token id (prompt, stop_token_ids)
 MAX_PROMPT_CHARS = 1 << 21         # characters of a prompt, or of all messages' text together

@@ -96,8 +96,8 @@ def test_run_batch_keeps_input_order_and_custom_ids(tiny_model_dir, tmp_path, ca
 
 
 def test_run_batch_runs_the_shipped_examples(tiny_model_dir, tmp_path, capsys):
-    """examples/requests.jsonl, as the README runs it: a chat, a completion and a structured-output line, each
-    answered; `request_id` names the input line, as error lines do."""
+    """examples/requests.jsonl, as the getting-started page runs it: a chat, a completion and a structured-output
+    line, each answered; `request_id` names the input line, as error lines do."""
     from pathlib import Path
     examples = Path(__file__).resolve().parents[2] / "examples" / "requests.jsonl"
     dst = tmp_path / "results.jsonl"

@@ -1,5 +1,5 @@
-"""Every list and string of a request is bounded (README "Request limits"): beyond the bound, a 400 naming
-the field, so one tenant cannot make the workers crawl (a million stop_token_ids) or the ledger choke."""
+"""Every list and string of a request is bounded (docs/guides/online-api.md, "Request limits"): beyond the bound, a
+400 naming the field, so one tenant cannot make the workers crawl (a million stop_token_ids) or the ledger choke."""
 import json
 
 import pytest

@@ -1,6 +1,6 @@
-"""The ledger through PgBouncer in transaction pooling mode (the README's remedy for connection counts): job
-submission on the web, claims, lease renewals and completions on two workers, every statement through a pool
-of few server connections that change hands between transactions. Skipped where `pgbouncer` is not installed
+"""The ledger through PgBouncer in transaction pooling mode (docs/operations/scaling.md's remedy for connection
+counts): job submission on the web, claims, lease renewals and completions on two workers, every statement through a
+pool of few server connections that change hands between transactions. Skipped where `pgbouncer` is not installed
 (Debian: `apt-get install pgbouncer`)."""
 import os
 import shutil

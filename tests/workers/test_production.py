@@ -1,7 +1,8 @@
-"""The README's production sequence, top to bottom, as an operator runs it: `tidepool db upgrade` on a database
-that does not exist yet, `tidepool tenants create`, `make up` (honcho over the Procfile with the venv's commands),
-`/readyz` turning ready once a worker has its engine up, one request through the `openai` client; every line
-the processes log is JSON; on this host without a GPU the Procfile runs one engine, serving every class."""
+"""The production sequence of docs/operations/production.md, top to bottom, as an operator runs it: `tidepool db
+upgrade` on a database that does not exist yet, `tidepool tenants create`, `make up` (honcho over the Procfile with
+the venv's commands), `/readyz` turning ready once a worker has its engine up, one request through the `openai`
+client; every line the processes log is JSON; on this host without a GPU the Procfile runs one engine, serving every
+class."""
 import json
 import os
 import re
