@@ -6,7 +6,7 @@
 #      outputs 16-256, greedy, ignore_eos) on a random-weight model shaped like SmolLM2-135M (real weights are
 #      too large to travel to the device machine), with CUDA graphs;
 #   3. benchmarks/hybrid_sla.py --device cuda: realtime TTFT/ITL with a full offline load, on that model (the GPU
-#      step-policy figures, issue 27);
+#      step-policy figures);
 #   4. the same engine_throughput with --enforce-eager (each run prints its decode-graph replays);
 #   5. benchmarks/decode_graphs.py: decode-step time, CUDA graphs vs eager;
 #   6. benchmarks/kernel_bench.py: decode-attention bandwidth vs SDPA;
@@ -64,7 +64,7 @@ step tests 200 tests.log python3 -m pytest -q -p no:cacheprovider -n 4 -o addopt
 step graphs 90 engine_throughput.txt python3 benchmarks/engine_throughput.py --model "$model" --device cuda \
     --num-requests 256 --no-baselines
 
-# issue 27: online latency under full offline load (ratios and the JSON line at the end).
+# online latency under full offline load (ratios and the JSON line at the end).
 step hybrid_sla 150 hybrid_sla.txt python3 benchmarks/hybrid_sla.py --model "$model" --device cuda --offline 256 \
     --rt-rate 8 --no-fcfs
 

@@ -1,7 +1,7 @@
 """CPU linear layers on oneDNN with weights reordered once at load ("prepacked"), as vLLM-CPU and Inductor do.
 
-On CPU, F.linear runs fp32 through MKL's sgemm and reorders a bf16 weight on every call; oneDNN with a prepacked
-weight is ~3x faster in fp32 on AVX-512 CPUs and skips the per-call reorder in bf16. `prepack_linears(model)`
+On CPU, F.linear runs fp32 through MKL's sgemm (slow on AVX-512 AMD CPUs) and reorders a bf16 weight on every
+call; oneDNN with a prepacked weight is faster in fp32 and skips the per-call reorder in bf16. `prepack_linears(model)`
 swaps every nn.Linear of a CPU model for a PackedLinear (the original weight is dropped unless another module
 shares it, e.g. tied embeddings). `fuse_activation(layer, name)` lets a packed layer apply GELU or ReLU to its
 output inside the matmul (oneDNN's post-op: one pass over the output fewer). Nothing is swapped, and F.linear stays, when TIDEPOOL_CPU_KERNELS is off, oneDNN

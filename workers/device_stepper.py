@@ -1,10 +1,10 @@
-"""Fair use of one device by several engines (issue 17 point 4): `tidepool worker --models a,b` and `tidepool
-serve` load one engine per model into one process; each engine keeps its own thread, which asks one
-DeviceStepper before every step whether it may start one:
+"""Fair use of one device by several engines: `tidepool worker --models a,b` and `tidepool serve` load one engine
+per model into one process; each engine keeps its own thread, which asks one DeviceStepper before every step
+whether it may start one:
 
   - while no engine holds realtime or interactive work, engines with batch or deferrable work step at once, each
-    on its own thread (on the project's 2-core CPU two engines of one model overlap one's Python work with the
-    other's arithmetic: 1.15-1.21x one engine's tokens/s, one step at a time 0.77-0.86x; benchmarks/multi_model.py);
+    on its own thread, so one engine's Python work overlaps another's arithmetic (benchmarks/multi_model.py
+    measures this against one step at a time);
   - as soon as an engine holds realtime or interactive work (waiting, running, or just added), steps are taken
     one at a time and the most urgent SLA class of any model goes first (workers/engine/sequence.py ranks):
     that engine starts at once (a step already in flight is not interrupted, and not waited for either) and the

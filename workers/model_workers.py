@@ -269,7 +269,7 @@ class ModelHost:
     is lost or run twice), and its engine gets the pool pool_blocks decides. Unloading returns both. Each load
     and unload is logged with its duration and exported as tidepool:model_loaded{model} and
     tidepool:model_load_seconds{model}. The loaded models' engines share the device through one DeviceStepper
-    (fair use, issue 17 point 4)."""
+    (workers/device_stepper.py)."""
 
     def __init__(self, models: list[tuple[str, str, object]], redis_client, budget_bytes: int | None,
                  make_worker=None, registry=None):

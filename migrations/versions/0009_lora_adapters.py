@@ -1,4 +1,4 @@
-"""lora adapters: PEFT folders over a registered model, per tenant or shared (issue #30)
+"""lora adapters: PEFT folders over a registered model, per tenant or shared
 
 Revision ID: 0009
 Revises: 0008

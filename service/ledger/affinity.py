@@ -114,9 +114,9 @@ class PrefixMemory:
         return keys[::-1][:n]
 
 
-# Moves a private queue (KEYS[1]) to the consuming end of its shared queue (KEYS[2]), oldest message taken
-# first as before: consumers RPOP, so the private list is popped from its newest (left) end and appended on the
-# right, its oldest message ending rightmost. Returns how many moved.
+# Moves a private queue (KEYS[1]) to the consuming end of its shared queue (KEYS[2]), its oldest message to be taken
+# first: consumers RPOP, so the private list is popped from its newest (left) end and appended on the right, its
+# oldest message ending rightmost. Returns how many moved.
 _MOVE = """
 local n = 0
 while true do

@@ -1,4 +1,4 @@
-"""The Models page (issue #17) in headless Chromium against a live server: register (with per-field errors),
+"""The Models page in headless Chromium against a live server: register (with per-field errors),
 retier, disable, grant and revoke, a model's waiting jobs shown as served by no worker; every change audited
 with the panel as actor; a form without the CSRF token is refused."""
 from sqlalchemy import select

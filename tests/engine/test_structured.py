@@ -202,8 +202,8 @@ def _allowed(sd, grammar, size):
 
 
 def test_the_mask_admits_only_token_bytes_that_stay_valid_utf8(tiny_model_dir):
-    """Issue #31: the grammar library admitted token bytes that are not valid UTF-8 inside a JSON string (a surrogate's
-    encoding, stray continuation bytes), which decoded to U+FFFD and pushed the string past maxLength. Walks that
+    """The mask must not admit token bytes that are not valid UTF-8 inside a JSON string (a surrogate's encoding,
+    stray continuation bytes): they decode to U+FFFD and push the string past maxLength. Walks that
     prefer non-ASCII tokens among those the mask allows (any model could pick any of them) must spell valid UTF-8
     that parses and validates; after the lead byte ED only 80-9F may follow (A0-BF would encode a surrogate)."""
     import random

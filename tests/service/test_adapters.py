@@ -1,4 +1,4 @@
-"""The LoRA adapter registry (issue #30): registration through the admin API and the CLI, folders that do not fit
+"""The LoRA adapter registry: registration through the admin API and the CLI, folders that do not fit
 their base refused with the reason, /v1/models lists a tenant's usable adapters with their base as `parent`, and
 another tenant's adapter is a 404 exactly like a missing one."""
 import json

@@ -1,4 +1,4 @@
-"""The model registry (issue #17): registration, tiers, enable/disable and grants through the admin API, with
+"""The model registry: registration, tiers, enable/disable and grants through the admin API, with
 audit; /v1/models lists exactly what a tenant may use; unknown models are 404 and forbidden ones 403, in the
 OpenAI error shape, on every submission route and for each batch line; a model's jobs wait in its own queues,
 visible per (model, SLA class), and the sweeper republishes them there."""

@@ -1,4 +1,4 @@
-"""Fair use of the device by several models' engines (issue 17 point 4, workers/device_stepper.py): two real
+"""Fair use of the device by several models' engines (workers/device_stepper.py): two real
 random-weight engines of different architectures, stepped through DeviceStepper's public interface (step_once
 drives the turns one at a time, serve() runs them on threads as `tidepool worker --models a,b` does). The
 two-model worker process itself (ModelHost sets the stepper) is covered end to end, kill -9 included, in

@@ -1,4 +1,4 @@
-"""`tidepool serve` with two models in TIDEPOOL_MODELS_DIR (issue #17): the first start registers both (the
+"""`tidepool serve` with two models in TIDEPOOL_MODELS_DIR: the first start registers both (the
 default one hot, the other warm), /v1/models lists both, each answers with its own weights, and the admin queues
 view shows a live worker for each."""
 import os

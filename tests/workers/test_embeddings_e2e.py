@@ -1,4 +1,4 @@
-"""Embeddings end to end (issue #28) through `tidepool serve` and the official `openai` client: online in float
+"""Embeddings end to end through `tidepool serve` and the official `openai` client: online in float
 and base64, token-id inputs, the same body in /v1/jobs and in a Batch file, each vector equal to the engine's own;
 a model asked for what it does not serve and bad input are 400s naming the field."""
 import base64

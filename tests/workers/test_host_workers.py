@@ -1,4 +1,4 @@
-"""Which workers one host runs (issue 32 point 1): `tidepool worker --kind auto`, the Procfile's and the default,
+"""Which workers one host runs: `tidepool worker --kind auto`, the Procfile's and the default,
 runs one engine serving every class on a host without a GPU, and on a GPU host the gpu worker plus a cpu worker
 (deferrable) beside it, as `tidepool serve` does; names say the device and the role."""
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""One memory budget for the weights and KV pools of a worker's models (issue 17 point 3, workers/model_workers.py
+"""One memory budget for the weights and KV pools of a worker's models (workers/model_workers.py
 ModelHost): two random-weight models of different architectures, real Workers over the test ledger and broker,
 driven through ModelHost's tick(). A model's pool is sized when it loads: the budget left after the weights, split
 by demand (1 + queued + running jobs), never under one full-context sequence, never over the engine's own default;

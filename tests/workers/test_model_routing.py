@@ -1,4 +1,4 @@
-"""Routing by model (issue #17) with real worker processes over two random-weight models of different
+"""Routing by model with real worker processes over two random-weight models of different
 architectures: each job runs on its own model (outputs equal that model's own LLM.generate), a model no live
 worker serves keeps its jobs queued and shown so, never failed, until a worker for it starts; a worker without
 --models serves every enabled model whose weights fit its budget; one process serving both models

@@ -3,10 +3,10 @@
 libgomp (the OpenMP runtime PyTorch's wheels carry) keeps one pool of team threads for every thread that ever ran
 a parallel region, until that thread ends. Once the pools hold more threads than the host has CPUs, every idle
 team thread of every pool stops spinning between regions and sleeps at once (libgomp's throttled spin count), so
-each parallel region of the thread that steps the engine first waits for its team to be woken. On the 2-core VM
-that is ~70 us a region (a 100k-element add: 7 us with one pool, 77 us with two), and a SmolLM2 prompt step of a
-worker, whose engine is built on the main thread and stepped on its own, took 66 ms instead of 42 ms
-(`/tmp/thread_prefill.py` in the session-13 note). The thread that built an engine gives its team back
+each parallel region of the thread that steps the engine first waits for its team to be woken: on a host with
+few cores that wake-up costs more than a small region's work, and a worker's engine is built on one thread and
+stepped on another, so without this it would run every step with two pools. The thread that built an engine gives
+its team back
 (release_team) so that the stepping thread's team is the only one; a later parallel region on the building thread
 starts a new team (one thread start), which is what an engine stepped where it was built pays once."""
 import ctypes

@@ -24,10 +24,10 @@ The step policy while online work (realtime, interactive) is running or waiting,
   - offline never starved: while offline work waits, it gets at least `offline_floor` of each step's predicted
     time (its tokens' cost against the online tokens and the fixed cost). What a first-token step without running
     streams could not give it is owed and paid back in the next such steps (at most one floor's worth extra a
-    step) and by steps of offline work alone; while streams run, no debt is kept or paid: paying it stretched
-    every stream's gaps (decode steps beside the batch 107 -> 85 ms over HTTP, benchmarks/hybrid_http.py), and a
-    first-token step beside running streams carries no offline tokens even with the debt at OWED_CAP_S (a debt
-    nothing paid down made every such step twice as long: the new request's first token and every stream's gap).
+    step) and by steps of offline work alone; while streams run, no debt is kept or paid, since paying it would
+    stretch every stream's gaps, and a first-token step beside running streams carries no offline tokens even with
+    the debt at OWED_CAP_S, since carrying them would lengthen both the new request's first token and every
+    stream's gap.
 Without online work the token budget applies, and a step is kept within the tightest `ttft_ms - itl_ms` of the
 online classes and IDLE_GAPS of their tightest pace: an online prompt arriving while it runs waits for it, so an
 offline prefill wave must not hold it up longer than a few of its tokens would take (each such step still makes
@@ -445,11 +445,10 @@ class Scheduler:
         tenant level with the flood, and its own prompt then puts it ahead on service: the seats tell them apart);
         no arrival cuts into its own tenant's first-token step. Into a step that starts no online prompt (decode
         and offline work) any may cut, as long as the step's online streams stay on their pace through the rest of
-        it and the cut-in step (its fixed cost and the arrival's prompt, predicted): a cut into a decode step
-        beside the batch made each such stream's gap the whole step plus the cut-in step (305 ms on average over
-        HTTP, the tail of benchmarks/hybrid_http.py's mixed gaps), where without it the stream waits one first-token step. (A
-        stream banks at most PACE_CREDIT gaps, so a realtime stream never has that room; an interactive stream
-        well ahead of its pace may.)"""
+        it and the cut-in step (its fixed cost and the arrival's prompt, predicted): a cut into a decode step makes
+        each such stream's gap the whole step plus the cut-in step, where without it the stream waits one
+        first-token step. (A stream banks at most PACE_CREDIT gaps, so a realtime stream never has that room; an
+        interactive stream well ahead of its pace may.)"""
         if self.cost_model is None:
             return set()           # (schedule_cut_in needs it too)
         prompts = {(s.rank, s.tenant) for s in inflight.seqs if self._online_prompt(s)}
