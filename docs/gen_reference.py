@@ -53,17 +53,17 @@ def configuration() -> str:
 
 
 # -- command line -----------------------------------------------------------------------------------------------
-def _leaves(parser, words):
-    """(command words, parser) for every subcommand that runs something, depth first in registration order."""
+def _leaves(parser, words, text=""):
+    """(command words, parser, its help) for every subcommand that runs something, depth first in registration
+    order."""
     import argparse as ap
     subs = [a for a in parser._actions if isinstance(a, ap._SubParsersAction)]
     if not subs:
-        yield words, parser
+        yield words, parser, text or parser.description or ""
         return
     helps = {c.dest: c.help for c in subs[0]._choices_actions}
     for name, sub in subs[0].choices.items():
-        sub._tidepool_help = helps.get(name)
-        yield from _leaves(sub, [*words, name])
+        yield from _leaves(sub, [*words, name], helps.get(name) or "")
 
 
 def _cell(text) -> str:
@@ -84,14 +84,12 @@ def cli() -> str:
            "to their variable, then to the engine's default.", "",
            "| command | what it does |", "|---|---|"]
     leaves = list(_leaves(parser, ["tidepool"]))
-    for words, sub in leaves:
-        anchor = "-".join(words[1:])
-        out.append(f"| [`{' '.join(words)}`](#{anchor}) | {_cell(sub._tidepool_help or sub.description or '')} |")
+    for words, sub, text in leaves:
+        out.append(f"| [`{' '.join(words)}`](#{'-'.join(words[1:])}) | {_cell(text)} |")
     out.append("")
-    for words, sub in leaves:
-        anchor = "-".join(words[1:])
+    for words, sub, text in leaves:
         sub.formatter_class = lambda prog: ap.HelpFormatter(prog, width=100)
-        out += [f"## `{' '.join(words)}` {{#{anchor}}}", "", _cell(sub._tidepool_help or sub.description or ""), "",
+        out += [f"## `{' '.join(words)}` {{#{'-'.join(words[1:])}}}", "", _cell(text), "",
                 "```", sub.format_usage().strip().removeprefix("usage: "), "```", ""]
         rows = []
         for action in sub._actions:

@@ -44,7 +44,7 @@ def test_the_configuration_page_lists_every_setting_with_its_default(pages, gen)
 def test_the_cli_page_has_every_subcommand_and_flag(pages, gen):
     from workers.cli import build_parser
     page = pages[gen.REFERENCE / "cli.md"]
-    for words, parser in gen._leaves(build_parser(), ["tidepool"]):
+    for words, parser, _ in gen._leaves(build_parser(), ["tidepool"]):
         assert f"## `{' '.join(words)}`" in page
         for action in parser._actions:
             for option in action.option_strings:
