@@ -5,6 +5,8 @@ commit and the date), so a figure on the benchmarks page always names its machin
 Each benchmark script calls `record(name, result)` once, after printing its own output; `benchmarks/report.py`
 renders docs/benchmarks.md from these files. TIDEPOOL_BENCH_RESULTS points the files at another folder (tests).
 """
+from __future__ import annotations
+
 import json
 import os
 import re

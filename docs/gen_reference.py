@@ -364,8 +364,7 @@ def gallery() -> str:
     if not shots:
         return ("!!! note \"No screenshots on this commit\"\n"
                 "    The screenshots are taken by the admin panel's browser tests in headless Chromium: "
-                "`make screenshots` writes them to `docs/assets/panel/`, then `python docs/gen_reference.py` lists "
-                "them here. Chromium was not installed where this page was last generated.\n")
+                "`make screenshots` writes them to `docs/assets/panel/` and lists them here.\n")
     out = []
     for path in shots:
         out += [f"![{path.stem}](../assets/panel/{path.name})", "", f"*{CAPTIONS.get(path.stem, path.stem)}*", ""]
