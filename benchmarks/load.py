@@ -39,7 +39,6 @@ if __name__ == "__main__":   # Locust's gevent must patch the standard library b
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import shlex
@@ -50,14 +49,13 @@ import sys
 import tempfile
 import time
 import uuid
-from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from capacity import _ready, http, wait  # noqa: E402
+from results import record  # noqa: E402
 from online_latency import pct  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -100,7 +98,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="seconds the users get to finish the request they are in when the window closes")
     ap.add_argument("--admission-p99-ms", type=float, default=100.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "load.json"))
     args = ap.parse_args(argv)
     args.weights = parse_mix(args.mix)
     if args.wait_max < args.wait_min:
@@ -237,36 +234,6 @@ def verdict(r: dict, admission_p99_ms: float) -> list[str]:
 
 
 # -- where and what ----------------------------------------------------------------------------------------------
-
-def run_facts() -> dict:
-    """Machine, torch version, commit and date of a result (to be replaced by a shared results writer)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        cpu = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Model name")), cpu)
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = None
-    try:
-        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        if commit and dirty:
-            commit += "-dirty"
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {"machine": f"{cpu}, {os.cpu_count()} cores", "torch": torch, "commit": commit,
-            "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
-
-
-def write_result(result: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result) + "\n")
-
 
 def log(msg: str) -> None:
     print(f"[load] {msg}", file=sys.stderr, flush=True)
@@ -637,13 +604,12 @@ def main(argv=None) -> int:
                              for f in book.faults],
                   "settings": {k: getattr(args, k) for k in ("mix", "wait_min", "wait_max", "stream_tokens",
                                                              "max_tokens", "batch_lines", "batch_tokens",
-                                                             "lease_seconds", "grace")},
-                  **run_facts()}
+                                                             "lease_seconds", "grace")}}
         failed = verdict(result, args.admission_p99_ms)
         result["failed"], result["pass"] = failed, not failed
         ok = not failed
         print(json.dumps(result), flush=True)
-        write_result(result, args.out)
+        record("load", result)
         return 0 if ok else 1
     finally:
         if stack is not None:

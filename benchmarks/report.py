@@ -48,6 +48,8 @@ SECTIONS = [
         ("fairness", "fairness.py", "Fair intake against FIFO", "Postgres, redis-server"),
         ("prefix_affinity", "prefix_affinity.py", "Prefix-affinity routing", "Postgres, redis-server"),
         ("service_ingest", "service_ingest.py", "Job submission rate and a 50,000-line batch", "Postgres, Redis"),
+        ("load", "load.py", "Load test: 50 tenants, a worker kill -9 and a Redis restart in the window",
+         "Postgres, redis-server"),
         ("capacity", "capacity.py", "Capacity: what a job costs Postgres and Redis", "PostgreSQL binaries, "
          "redis-server"),
     ]),
