@@ -4,7 +4,7 @@ from datetime import datetime
 from flask import current_app, request
 
 from ..ledger.config import Config
-from ..ledger.bodies import bad_text, check_text, integral
+from ..ledger.bodies import bad_text, check_text, integral, loads
 from ..ledger.errors import APIError, bad_request
 
 
@@ -27,9 +27,11 @@ def json_body(max_bytes: int = MAX_JSON_BYTES) -> dict:
     if request.content_length is not None and request.content_length > max_bytes:
         raise APIError(413, f"The request body is larger than {max_bytes} bytes.", "request_too_large")
     request.max_content_length = max_bytes   # a body sent without a length is cut off there
-    body = request.get_json(silent=True, force=True)
-    if body is None:
-        raise bad_request("The request body must be valid JSON.", None, "invalid_json")
+    try:
+        body = loads(request.get_data(cache=False))
+    except ValueError as exc:
+        detail = f" ({exc})" if "deeper" in str(exc) else ""
+        raise bad_request(f"The request body must be valid JSON{detail}.", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
     check_text(body, "")

@@ -61,7 +61,7 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
             if not raw.strip():
                 continue
             try:
-                item = bodies.integral(json.loads(raw))
+                item = bodies.integral(bodies.loads(raw))
             except (ValueError, UnicodeDecodeError):
                 errors.append(_line_error(lineno, "invalid_json", "This line is not valid JSON."))
                 continue

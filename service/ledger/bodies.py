@@ -3,6 +3,7 @@
 Returns the normalised body the worker interprets, plus the admission token estimate
 (prompt estimate + max_tokens). Every failure is an APIError(400) naming the parameter.
 """
+import json
 import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -47,6 +48,32 @@ def bad_text(value: str) -> str | None:
     except UnicodeEncodeError:
         return "must not contain lone surrogates (invalid Unicode)"
     return None
+
+
+MAX_JSON_DEPTH = 64   # nesting of a client's JSON (objects and arrays); deeper is a 400, never a RecursionError
+
+
+def nesting(value) -> int:
+    """How deep objects and arrays nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v) if isinstance(x, (dict, list)))
+    return deepest
+
+
+def loads(text: str | bytes):
+    """A client's JSON document (a request body, a batch line): ValueError when it is not valid JSON or nests
+    deeper than MAX_JSON_DEPTH (the checks below walk it recursively)."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels") from None
+    if nesting(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
 
 
 def integral(value):

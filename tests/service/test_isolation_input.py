@@ -110,3 +110,29 @@ def test_a_tenant_name_with_bad_text_is_400(any_app, bad):
     r = any_app.test_client().post("/v1/admin/tenants", data=json.dumps({"name": bad}),
                                    content_type="application/json", headers={"Authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 400 and r.get_json()["error"]["param"] == "name"
+
+
+def test_deeply_nested_json_is_400_not_500(any_app):
+    """Nesting past bodies.MAX_JSON_DEPTH (in a body or a batch line) is a 400: neither the parser's nor the
+    checks' recursion reaches Python's limit."""
+    client = any_app.test_client()
+    _, key = Admin(client).tenant()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    for depth in (900, 50_000, 100):
+        nested = "[" * depth + "]" * depth
+        for path, body, headers in (("/v1/jobs", '{"prompt": %s}' % nested, key),
+                                    ("/v1/chat/completions", '{"messages": %s}' % nested, key),
+                                    ("/v1/admin/tenants", '{"name": %s}' % nested, admin)):
+            r = client.post(path, data=body, content_type="application/json", headers=headers)
+            assert r.status_code == 400, (path, depth, r.status_code)
+            assert r.get_json()["error"]["code"] == "invalid_json"
+    ok = {"prompt": "x", "metadata": {"k": "v"}, "response_format": {"type": "json_object"}}
+    assert client.post("/v1/jobs", json=ok, headers=key).status_code == 202
+    line = '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": %s}}\n' % (
+        "[" * 5000 + "]" * 5000)
+    f = client.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(line.encode()), "in.jsonl")},
+                    headers=key, content_type="multipart/form-data").get_json()
+    b = client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                         "completion_window": "24h"}, headers=key)
+    assert b.status_code == 200 and b.get_json()["status"] == "failed"
+    assert b.get_json()["errors"]["data"][0]["code"] == "invalid_json"
