@@ -11,6 +11,7 @@ from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new
 from .storage import Storage
 
 ENDPOINTS = (*bodies.ENDPOINTS, responses.RESPONSES)    # OpenAI batches; message batches are /v1/messages
+MAX_ERRORS = 100   # line errors a failed batch keeps; past them, one more entry counts the rest
 ACTIVE = (BatchStatus.validating, BatchStatus.in_progress, BatchStatus.finalizing, BatchStatus.cancelling)
 
 
@@ -42,6 +43,15 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
     registry.Registry) resolves each line's model against the tenant's quota, route(sla_class, model) names the
     line's queue; without them every line runs on served_model, in the class's queue."""
     errors: list[dict] = []
+    more = 0    # errors past MAX_ERRORS, counted only
+
+    def fail(error: dict) -> None:
+        nonlocal more
+        if len(errors) < MAX_ERRORS:
+            errors.append(error)
+        else:
+            more += 1
+
     seen: set[str] = set()
     rows: list[dict] = []
     created: list[tuple] = []
@@ -63,32 +73,32 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
             try:
                 item = bodies.integral(bodies.loads(raw))
             except (ValueError, UnicodeDecodeError):
-                errors.append(_line_error(lineno, "invalid_json", "This line is not valid JSON."))
+                fail(_line_error(lineno, "invalid_json", "This line is not valid JSON."))
                 continue
             if not isinstance(item, dict):
-                errors.append(_line_error(lineno, "invalid_request", "Each line must be a JSON object."))
+                fail(_line_error(lineno, "invalid_request", "Each line must be a JSON object."))
                 continue
             custom_id = item.get("custom_id")
             if not isinstance(custom_id, str) or not custom_id or len(custom_id) > 512:
-                errors.append(_line_error(lineno, "missing_required_parameter",
-                                          "'custom_id' must be a non-empty string of at most 512 characters.",
-                                          "custom_id"))
+                fail(_line_error(lineno, "missing_required_parameter",
+                                 "'custom_id' must be a non-empty string of at most 512 characters.",
+                                 "custom_id"))
                 continue
             if bodies.bad_text(custom_id):
-                errors.append(_line_error(lineno, "invalid_value", f"'custom_id' {bodies.bad_text(custom_id)}.",
-                                          "custom_id"))
+                fail(_line_error(lineno, "invalid_value", f"'custom_id' {bodies.bad_text(custom_id)}.",
+                                 "custom_id"))
                 continue
             if custom_id in seen:
-                errors.append(_line_error(lineno, "duplicate_custom_id",
-                                          f"The custom_id '{custom_id}' appears more than once.", "custom_id"))
+                fail(_line_error(lineno, "duplicate_custom_id",
+                                 f"The custom_id '{custom_id}' appears more than once.", "custom_id"))
                 continue
             seen.add(custom_id)
             if item.get("method", "POST") != "POST":
-                errors.append(_line_error(lineno, "invalid_method", "'method' must be POST.", "method"))
+                fail(_line_error(lineno, "invalid_method", "'method' must be POST.", "method"))
                 continue
             if item.get("url") != batch.endpoint:
-                errors.append(_line_error(lineno, "invalid_url", f"'url' must be '{batch.endpoint}' to match "
-                                          f"the batch endpoint, got {item.get('url')!r}.", "url"))
+                fail(_line_error(lineno, "invalid_url", f"'url' must be '{batch.endpoint}' to match "
+                                 f"the batch endpoint, got {item.get('url')!r}.", "url"))
                 continue
             try:
                 body = item.get("body")
@@ -108,8 +118,8 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                                             f"{embeddings.MAX_BATCH_INPUTS} embedding inputs in all.",
                                             "body.input")], []
             except Exception as exc:  # APIError carries message and param
-                errors.append(_line_error(lineno, getattr(exc, "code", None) or "invalid_body",
-                                          getattr(exc, "message", str(exc)), f"body.{getattr(exc, 'param', '')}"))
+                fail(_line_error(lineno, getattr(exc, "code", None) or "invalid_body",
+                                 getattr(exc, "message", str(exc)), f"body.{getattr(exc, 'param', '')}"))
                 continue
             if errors:
                 continue  # keep validating, stop writing: the batch will fail as a whole
@@ -122,6 +132,9 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
             created.append((job_id, sla if route is None else route(sla, model),
                             affinity.job_prefix_key(batch.tenant_id, cache_group, checked.endpoint, checked.body),
                             fair.meta(batch.tenant_id, weight, batch.expires_at, checked.estimated_tokens)))
+    if more:
+        errors.append(_line_error(None, "too_many_errors", f"{more} more lines have errors; only the first "
+                                  f"{MAX_ERRORS} are listed."))
     if not errors and not created:
         errors.append(_line_error(0, "empty_file", "The input file holds no requests."))
     if not errors:
