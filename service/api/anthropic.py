@@ -197,7 +197,7 @@ def create_batch():
         errors, created = ledger.load_jobs(s, storage, batch, quota, served_model=conf.served_model_name,
                                            max_lines=MAX_BATCH_REQUESTS, chunk_size=conf.batch_chunk_size,
                                            cache_group=g.tenant.prefix_cache_group, models=ext("registry"),
-                                           route=ext("dispatcher").queue)
+                                           route=ext("dispatcher").queue, key_id=g.get("api_key_id"))
     except APIError:
         s.rollback()
         storage.delete(file_id)
