@@ -59,7 +59,7 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
 
 
 def _own_job(job_id: str) -> Job:
-    job = session().scalar(select(Job).where(Job.id == job_id, Job.tenant_id == g.tenant.id))
+    job = session().scalar(select(Job).where(Job.id == job_id, Job.tenant_id == g.tenant.id, Job.hidden.is_(False)))
     if job is None:
         raise not_found("job", job_id)
     return job
@@ -149,7 +149,7 @@ def get_job(job_id):
 @bp.get("/v1/jobs")
 @tenant_required
 def list_jobs():
-    stmt = select(Job).where(Job.tenant_id == g.tenant.id)
+    stmt = select(Job).where(Job.tenant_id == g.tenant.id, Job.hidden.is_(False))
     status, sla, cursor = request.args.get("status"), request.args.get("sla_class"), request.args.get("cursor")
     if status:
         if status not in JobStatus.__members__:

@@ -135,9 +135,11 @@ def online_class(service_tier, sla_class) -> str:
     return sla
 
 
-def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, wait: bool = True):
+def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, wait: bool = True,
+           hidden: bool = False):
     """A checked body as a ledger job of class `sla` on `model` (a registry entry): rate-checked, admitted (max_queued,
-    budget), committed and dispatched. Returns (job, a _Waiter on its token stream), or (job, None) without wait."""
+    budget), committed and dispatched. Returns (job, a _Waiter on its token stream), or (job, None) without wait.
+    hidden: the job is not readable through /v1/jobs (a Responses request with `store: false`)."""
     marks = marks if marks is not None else {"recv": time.time()}
     quotas.check_rate(ext("limiter"), g.quota, checked.estimated_tokens)
     marks["valid"] = time.time()
@@ -145,7 +147,7 @@ def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, 
     job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), model=model.name,
               status=JobStatus.queued, endpoint=checked.endpoint, request=checked.body, metadata_=None,
               idempotency_key=None, request_hash=None, estimated_tokens=checked.estimated_tokens, deadline=None,
-              attempts=0, created_at=now, queued_at=now)
+              attempts=0, created_at=now, queued_at=now, hidden=hidden)
     xmin = admission.admit(job)    # counted against max_queued and the budget, inserted and committed: one statement
     marks["insert"] = time.time()
     sub = _hub().subscribe(job.id) if wait else None      # before dispatch, so no event can be missed

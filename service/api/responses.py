@@ -4,7 +4,7 @@ response (and its input items) for GET, input_items and `previous_response_id`."
 import json
 
 from flask import Blueprint, g, request
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from ..ledger import bodies, jobs as transitions, responses as shapes, structured, tiers
 from ..auth import tenant_required
@@ -62,7 +62,7 @@ def create_response():
     checked = shapes.check(parsed, history, lambda chat: bodies.check(
         chat, bodies.CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
         context_len=ext("registry").context_len(model)))
-    job, waiter = submit(checked, sla, model, wait=not background)
+    job, waiter = submit(checked, sla, model, wait=not background, hidden=not store)
     response_id = shapes.response_id(job.id)
     kw = dict(background=background, store=store, previous_response_id=prev)
     if store:
@@ -167,6 +167,7 @@ def delete_response(response_id):
     row, _ = _own(response_id)
     s = session()
     s.delete(row)
+    s.execute(update(Job).where(Job.id == row.job_id).values(hidden=True))    # nor readable as its job
     s.commit()
     return {"id": response_id, "object": "response", "deleted": True}
 

@@ -5,7 +5,7 @@ import time
 from datetime import datetime, timezone
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer,
-                        MetaData, String, Text, TypeDecorator, UniqueConstraint)
+                        MetaData, String, Text, TypeDecorator, UniqueConstraint, false)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from .sla import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, SlaClass  # noqa: F401 (the ledger's import point)
@@ -221,6 +221,8 @@ class Job(Base):
     endpoint: Mapped[str] = mapped_column(String(64))
     request: Mapped[dict] = mapped_column(JSON)
     metadata_: Mapped[dict | None] = mapped_column("metadata", JSON)
+    # Not readable through /v1/jobs: the job of a Responses request with `store: false`, or of a deleted response.
+    hidden: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     idempotency_key: Mapped[str | None] = mapped_column(String(255))
     request_hash: Mapped[str | None] = mapped_column(String(64))
     estimated_tokens: Mapped[int] = mapped_column(Integer, default=0)

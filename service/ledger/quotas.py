@@ -175,13 +175,14 @@ def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None,
 
 
 # The columns an admitted job is inserted with (the rest take their defaults), listed once for both statements.
-JOB_COLUMNS = ("id", "tenant_id", "sla_class", "model", "status", "endpoint", "request", "metadata", "idempotency_key",
-               "request_hash", "estimated_tokens", "deadline", "attempts", "created_at", "queued_at")
+JOB_COLUMNS = ("id", "tenant_id", "sla_class", "model", "status", "endpoint", "request", "metadata", "hidden",
+               "idempotency_key", "request_hash", "estimated_tokens", "deadline", "attempts", "created_at", "queued_at")
 
 
 def _job_values(job) -> dict:
-    """A transient Job's values for JOB_COLUMNS (attempts 0: it has not run)."""
-    return {c: 0 if c == "attempts" else getattr(job, "metadata_" if c == "metadata" else c) for c in JOB_COLUMNS}
+    """A transient Job's values for JOB_COLUMNS (attempts 0: it has not run; hidden unless set)."""
+    return {c: 0 if c == "attempts" else bool(job.hidden) if c == "hidden" else
+            getattr(job, "metadata_" if c == "metadata" else c) for c in JOB_COLUMNS}
 
 
 def _recordset_types() -> str:

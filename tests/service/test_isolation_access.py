@@ -7,6 +7,7 @@ from sqlalchemy.orm import Session
 from service.ledger.models import Batch, Job
 
 from .conftest import Admin
+from .fake_worker import FakeWorker
 
 MESSAGE = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -30,3 +31,24 @@ def test_a_revoked_key_creates_no_message_batch(any_app):
     with Session(any_app.extensions["tidepool.db"]) as s:
         assert s.scalar(select(func.count()).select_from(Batch).where(Batch.tenant_id == tenant_id)) == 0
         assert s.scalar(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id)) == 0
+
+
+def test_unstored_and_deleted_responses_are_not_readable_as_jobs(any_app):
+    """A response's id names its job (resp_<x> runs as job_<x>): with `store: false`, or once the response is
+    deleted, GET /v1/jobs/job_<x> is a 404 and the job is not listed."""
+    client = any_app.test_client()
+    tenant_id, key = Admin(client).tenant()
+    with FakeWorker(any_app, tenant_id):
+        unstored = client.post("/v1/responses", json={"input": "Hi", "store": False}, headers=key)
+        stored = client.post("/v1/responses", json={"input": "Hi"}, headers=key)
+    assert unstored.status_code == stored.status_code == 200, (unstored.get_json(), stored.get_json())
+    job_of = {name: "job_" + r.get_json()["id"].split("_", 1)[1] for name, r in (("unstored", unstored),
+                                                                                  ("stored", stored))}
+    listed = lambda: {j["id"] for j in client.get("/v1/jobs", headers=key).get_json()["data"]}   # noqa: E731
+    assert client.get(f"/v1/jobs/{job_of['stored']}", headers=key).status_code == 200
+    assert client.get(f"/v1/jobs/{job_of['unstored']}", headers=key).status_code == 404
+    assert listed() == {job_of["stored"]}
+    assert client.delete(f"/v1/responses/{stored.get_json()['id']}", headers=key).status_code == 200
+    assert client.get(f"/v1/jobs/{job_of['stored']}", headers=key).status_code == 404
+    assert client.post(f"/v1/jobs/{job_of['stored']}/cancel", headers=key).status_code == 404
+    assert listed() == set()

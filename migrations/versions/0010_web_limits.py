@@ -1,0 +1,24 @@
+"""web limits: jobs hidden from /v1/jobs (store false, deleted responses)
+
+Revision ID: 0010
+Revises: 0009
+Create Date: 2026-12-04
+"""
+from alembic import op
+import sqlalchemy as sa
+
+
+revision = '0010'
+down_revision = '0009'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table('jobs') as batch:
+        batch.add_column(sa.Column('hidden', sa.Boolean(), server_default=sa.false(), nullable=False))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table('jobs') as batch:
+        batch.drop_column('hidden')
