@@ -150,11 +150,11 @@ class OfflineRun:
                 self.failed += 1
 
     def poll(self) -> int:
-        """Completions so far (Tidepool: read from the ledger, one page of up to 1000 jobs)."""
+        """Completions so far (Tidepool: read from the ledger, pages of up to 100 jobs)."""
         if self.server.tidepool:
             want, done, cursor = set(self.ids), [], None
             while True:
-                path = "/v1/jobs?sla_class=batch&status=completed&limit=1000" + (f"&cursor={cursor}" if cursor else "")
+                path = "/v1/jobs?sla_class=batch&status=completed&limit=100" + (f"&cursor={cursor}" if cursor else "")
                 status, raw = _get(self.server.base, path, self.server.key)
                 page = json.loads(raw)
                 for job in page["data"]:

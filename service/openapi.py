@@ -422,14 +422,15 @@ SCHEMAS = {
 _CURSOR = {"type": "string"}
 _STATUS = {"enum": ["", *(s.value for s in JobStatus)], "description": "empty: any"}
 _CLASS = {"enum": ["", *SLA_CLASSES], "description": "empty: any"}
+_INCLUDE = {"enum": ["", "request"], "description": "request: each job's request body (left out by default)"}
 _QUERY = {   # query parameters each listing reads (each at most once)
     ("get", "/v1/jobs"): {"status": _STATUS, "sla_class": _CLASS,
-                          "cursor": _CURSOR, "limit": _int(1, 1000)},
+                          "cursor": _CURSOR, "limit": _int(1, 100), "include": _INCLUDE},
     ("get", "/v1/files"): {"purpose": _STR, "after": _CURSOR, "order": {"enum": ["asc", "desc"]},
                            "limit": _int(1, 10_000)},
     ("get", "/v1/batches"): {"after": _CURSOR, "limit": _int(1, 100)},
     ("get", "/v1/admin/jobs"): {"tenant_id": _STR, "batch_id": _STR, "status": _STATUS, "sla_class": _CLASS,
-                                "cursor": _CURSOR, "limit": _int(1, 1000)},
+                                "cursor": _CURSOR, "limit": _int(1, 100), "include": _INCLUDE},
     ("get", "/v1/admin/batches"): {"tenant_id": _STR, "after": _CURSOR, "limit": _int(1, 100)},
     ("get", "/v1/admin/audit"): {"limit": _int(1, 1000)},
     ("get", "/v1/responses/{response_id}/input_items"): {"after": _CURSOR, "limit": _int(1, 100),

@@ -10,7 +10,7 @@ from ..ledger.errors import bad_request, not_found
 from ..ledger.models import SLA_CLASSES, ApiKey, AuditLog, Batch, Job, JobStatus, Quota, Tenant
 from . import cfg, ext, json_body, limit_arg, page, ts
 from .batches import batch_json
-from .jobs import job_json
+from .jobs import job_json, list_args
 
 bp = Blueprint("admin", __name__, url_prefix="/v1/admin")
 
@@ -144,9 +144,9 @@ def list_jobs():
         stmt = stmt.where(Job.sla_class == request.args["sla_class"])
     if request.args.get("cursor"):
         stmt = stmt.where(Job.id < request.args["cursor"])
-    limit = limit_arg(cfg().page_size, 1000)
+    limit, with_request = list_args()
     out = page(session().scalars(stmt.order_by(Job.id.desc()).limit(limit + 1)).all(), limit,
-               lambda j: {**job_json(j), "tenant_id": j.tenant_id})
+               lambda j: {**job_json(j, with_request=with_request), "tenant_id": j.tenant_id})
     out["next_cursor"] = out["last_id"] if out["has_more"] else None
     return out
 

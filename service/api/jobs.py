@@ -18,6 +18,7 @@ from ..ledger.models import SLA_CLASSES, Job, JobStatus, SlaClass, new_id, utcno
 from . import cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("jobs", __name__)
+MAX_PAGE = 100   # jobs in one page of a listing (OpenAI's lists stop at 100)
 
 
 def _tool_calls(job: Job) -> dict:
@@ -36,15 +37,17 @@ def _choices(job: Job, one: bool) -> dict:
                         for i, c in enumerate(choices.of_job(job))]}
 
 
-def job_json(job: Job, with_logprobs: bool = False) -> dict:
-    """A job as JSON; with_logprobs (one job's GET) adds output.logprobs when the request asked for them."""
+def job_json(job: Job, with_logprobs: bool = False, with_request: bool = True) -> dict:
+    """A job as JSON; with_logprobs (one job's GET) adds output.logprobs when the request asked for them; without
+    with_request (a listing that did not ask for it) the request body is left out."""
     usage = None
     if job.prompt_tokens is not None:
         usage = embeddings.usage(job.prompt_tokens) if job.endpoint == bodies.EMBEDDINGS else \
             openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
     return {"id": job.id, "object": "job", "status": job.status.value, "sla_class": job.sla_class.value,
             "service_tier": tiers.tier(job.sla_class),
-            "model": job.model, "endpoint": job.endpoint, "request": job.request, "metadata": job.metadata_,
+            "model": job.model, "endpoint": job.endpoint, **({"request": job.request} if with_request else {}),
+            "metadata": job.metadata_,
             "batch_id": job.batch_id, "custom_id": job.custom_id, "deadline": ts(job.deadline),
             "created_at": ts(job.created_at), "queued_at": ts(job.queued_at),
             "dispatched_at": ts(job.dispatched_at), "started_at": ts(job.started_at),
@@ -56,6 +59,14 @@ def job_json(job: Job, with_logprobs: bool = False) -> dict:
              **({"logprobs": logprobs.shaped(job.endpoint, job.logprobs)}
                 if with_logprobs and logprobs.requested(job.endpoint, job.request) else {})},
             "finish_reason": job.finish_reason, "error": job.error}
+
+
+def list_args() -> tuple[int, bool]:
+    """A job listing's `limit` (at most MAX_PAGE) and whether `include=request` asks for the request bodies."""
+    include = request.args.get("include")
+    if include not in (None, "", "request"):
+        raise bad_request("'include' may only be 'request' (adds each job's request body).", "include")
+    return limit_arg(cfg().page_size, MAX_PAGE), include == "request"
 
 
 def _own_job(job_id: str) -> Job:
@@ -161,9 +172,9 @@ def list_jobs():
         stmt = stmt.where(Job.sla_class == sla)
     if cursor:
         stmt = stmt.where(Job.id < cursor)
-    limit = limit_arg(cfg().page_size, 1000)
+    limit, with_request = list_args()
     rows = session().scalars(stmt.order_by(Job.id.desc()).limit(limit + 1)).all()
-    out = page(rows, limit, job_json)
+    out = page(rows, limit, lambda j: job_json(j, with_request=with_request))
     out["next_cursor"] = out["last_id"] if out["has_more"] else None
     return out
 

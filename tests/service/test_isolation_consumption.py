@@ -4,7 +4,7 @@ clear 4xx in the API's error format."""
 import io
 import json
 
-from .conftest import Admin
+from .conftest import ADMIN, Admin
 
 MAX_ERRORS = 100    # service.ledger.batches.MAX_ERRORS
 
@@ -26,3 +26,22 @@ def test_a_failed_batch_keeps_a_bounded_error_list(any_app):
     errors = b["errors"]["data"]
     assert len(errors) == MAX_ERRORS + 1 and errors[0]["line"] == 1 and errors[MAX_ERRORS - 1]["line"] == MAX_ERRORS
     assert errors[-1]["code"] == "too_many_errors" and str(1000 - MAX_ERRORS) in errors[-1]["message"]
+
+
+def test_job_listings_are_capped_and_leave_request_bodies_out(any_app):
+    """GET /v1/jobs (and the admin listing) pages at most 100 jobs (as OpenAI's lists) and returns each job's
+    request body only with include=request: a listing cannot carry a thousand full requests."""
+    client = any_app.test_client()
+    tenant_id, key = Admin(client).tenant()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    body = {"prompt": "x" * 1000, "max_tokens": 1, "sla_class": "batch"}
+    ids = [client.post("/v1/jobs", json=body, headers=key).get_json()["id"] for _ in range(3)]
+    for path, headers in (("/v1/jobs?sla_class=batch", key), (f"/v1/admin/jobs?tenant_id={tenant_id}", admin)):
+        r = client.get(f"{path}&limit=1000", headers=headers)
+        assert r.status_code == 400 and r.get_json()["error"]["param"] == "limit"
+        listed = client.get(f"{path}&limit=100", headers=headers).get_json()["data"]
+        assert [j["id"] for j in listed] == ids[::-1] and all("request" not in j for j in listed)
+        listed = client.get(f"{path}&include=request", headers=headers).get_json()["data"]
+        assert [j["request"]["prompt"] for j in listed] == [body["prompt"]] * 3
+        assert client.get(f"{path}&include=everything", headers=headers).status_code == 400
+    assert client.get(f"/v1/jobs/{ids[0]}", headers=key).get_json()["request"]["prompt"] == body["prompt"]
