@@ -23,6 +23,7 @@ from .streams import text_deltas
 bp = Blueprint("anthropic", __name__)
 MAX_BATCH_REQUESTS = 100_000
 MAX_BATCH_BYTES = 256 << 20
+RESULTS_PAGE = 500     # results read per session while streaming a batch's results
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
@@ -277,10 +278,21 @@ def batch_results(batch_id):
     model, sessions = cfg().served_model_name, ext("sessions")
 
     def lines():
-        with sessions() as s:
-            for job in s.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.id)
-                                 .options(undefer(Job.choices)).execution_options(yield_per=1000)):
-                yield json.dumps({"custom_id": job.custom_id, "result": _result(job, model)}) + "\n"
+        """A page of results at a time, each read in its own short session that is closed (its connection back in
+        the pool, no lock held) before the page is written to the client, however slowly it reads."""
+        after = ""
+        while True:
+            with sessions() as s:
+                jobs = s.scalars(select(Job).where(Job.batch_id == batch_id, Job.id > after).order_by(Job.id)
+                                 .limit(RESULTS_PAGE).options(undefer(Job.choices))).all()
+                text = "".join(json.dumps({"custom_id": j.custom_id, "result": _result(j, model)}) + "\n"
+                               for j in jobs)
+            if not jobs:
+                return
+            yield text
+            if len(jobs) < RESULTS_PAGE:
+                return
+            after = jobs[-1].id
 
     return Response(lines(), mimetype="application/x-jsonl")
 

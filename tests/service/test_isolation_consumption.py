@@ -4,6 +4,8 @@ clear 4xx in the API's error format."""
 import io
 import json
 
+from sqlalchemy import text
+
 from .conftest import ADMIN, Admin
 
 MAX_ERRORS = 100    # service.ledger.batches.MAX_ERRORS
@@ -45,3 +47,29 @@ def test_job_listings_are_capped_and_leave_request_bodies_out(any_app):
         assert [j["request"]["prompt"] for j in listed] == [body["prompt"]] * 3
         assert client.get(f"{path}&include=everything", headers=headers).status_code == 400
     assert client.get(f"/v1/jobs/{ids[0]}", headers=key).get_json()["request"]["prompt"] == body["prompt"]
+
+
+def test_message_batch_results_hold_no_connection_while_the_client_reads(any_app, monkeypatch):
+    """Results stream a page at a time, each page read in its own short session: a client that stops reading
+    holds no pooled connection (nor, on SQLite, the write lock); every result still arrives, in order."""
+    from service.api import anthropic
+    monkeypatch.setattr(anthropic, "RESULTS_PAGE", 2, raising=False)
+    client = any_app.test_client()
+    _, key = Admin(client).tenant()
+    message = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    reqs = [{"custom_id": f"r{i}", "params": message} for i in range(5)]
+    batch = client.post("/v1/messages/batches", json={"requests": reqs}, headers=key).get_json()
+    ended = client.post(f"/v1/messages/batches/{batch['id']}/cancel", headers=key).get_json()
+    assert ended["processing_status"] == "ended", ended
+    engine = any_app.extensions["tidepool.db"]
+    r = client.get(f"/v1/messages/batches/{batch['id']}/results", headers=key, buffered=False)
+    pages = iter(r.response)
+    first = next(pages)
+    assert engine.pool.checkedout() == 0      # the client has a page and reads no further: nothing is held
+    with engine.begin() as conn:              # a writer is not kept waiting (SQLite: the one write lock is free)
+        conn.execute(text("UPDATE tenants SET weight = weight"))
+    rest = b"".join(pages)
+    r.close()
+    lines = [json.loads(x) for x in (first + rest).decode().splitlines()]
+    assert [x["custom_id"] for x in lines] == [f"r{i}" for i in range(5)]
+    assert {x["result"]["type"] for x in lines} == {"canceled"}
