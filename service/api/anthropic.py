@@ -16,7 +16,7 @@ from ..db import session
 from ..errors import error_body
 from ..ledger.errors import APIError, bad_request
 from ..ledger.models import Batch, BatchStatus, File, Job, JobStatus, SlaClass, new_id, utcnow
-from . import cfg, ext, json_body
+from . import MAX_JSON_BYTES, cfg, ext, json_body
 from .openai_compat import _job_error, event_stream, first_event, online_class, submit
 from .streams import text_deltas
 
@@ -152,45 +152,57 @@ def _own_batch(batch_id: str) -> Batch:
     return b
 
 
-def _requests(body: dict) -> list[dict]:
-    extra = sorted(set(body) - {"requests"})
-    if extra:
-        raise bad_request(f"{extra[0]}: Extra inputs are not permitted", extra[0], "unknown_parameter")
-    reqs = body.get("requests")
-    if not isinstance(reqs, list) or not reqs:
+def _request(i: int, r, seen: set) -> dict:
+    """The i-th item of `requests`, checked: {custom_id, params}, a new custom_id, no streaming."""
+    where = f"requests.{i}"
+    if i >= MAX_BATCH_REQUESTS:
+        raise bad_request(f"requests: at most {MAX_BATCH_REQUESTS} requests per batch.", "requests")
+    if not isinstance(r, dict) or set(r) - {"custom_id", "params"}:
+        raise bad_request(f"{where}: must be {{custom_id, params}}.", where)
+    bodies.check_text(r, f"requests[{i}]")
+    cid = r.get("custom_id")
+    if not isinstance(cid, str) or not CUSTOM_ID.match(cid):
+        raise bad_request(f"{where}.custom_id: must be 1-64 letters, digits, '_' or '-'.", f"{where}.custom_id")
+    if cid in seen:
+        raise bad_request(f"{where}.custom_id: '{cid}' appears more than once.", f"{where}.custom_id")
+    seen.add(cid)
+    if not isinstance(r.get("params"), dict):
+        raise bad_request(f"{where}.params: Field required (an object).", f"{where}.params")
+    if "stream" in r["params"]:
+        raise bad_request(f"{where}.params.stream: streaming is not available in a batch.",
+                          f"{where}.params.stream")
+    return bodies.integral(r)
+
+
+def _write_requests(storage, file_id: str) -> int:
+    """The body's requests, checked one at a time as they are read (the body, up to MAX_BATCH_BYTES, is never held
+    whole), written to the batch's input file; its size in bytes. Nothing is left on disk when it fails."""
+    if request.content_length is not None and request.content_length > MAX_BATCH_BYTES:
+        raise APIError(413, f"The request body is larger than {MAX_BATCH_BYTES} bytes.", "request_too_large")
+    request.max_content_length = MAX_BATCH_BYTES     # a body sent without a length is cut off there
+    seen: set = set()
+    lines = (json.dumps({"custom_id": r["custom_id"], "method": "POST", "url": shapes.MESSAGES, "body": r["params"]})
+             for r in (_request(i, r, seen) for i, r in enumerate(
+                 bodies.array_items(request.stream, "requests", MAX_JSON_BYTES))))
+    try:
+        size = storage.write_lines(file_id, lines)
+    except BaseException:
+        storage.delete(file_id)
+        raise
+    if not seen:
+        storage.delete(file_id)
         raise bad_request("requests: Field required (a non-empty list of {custom_id, params}).", "requests")
-    if len(reqs) > MAX_BATCH_REQUESTS:
-        raise bad_request(f"requests: at most {MAX_BATCH_REQUESTS} requests per batch, got {len(reqs)}.", "requests")
-    seen = set()
-    for i, r in enumerate(reqs):
-        where = f"requests.{i}"
-        if not isinstance(r, dict) or set(r) - {"custom_id", "params"}:
-            raise bad_request(f"{where}: must be {{custom_id, params}}.", where)
-        cid = r.get("custom_id")
-        if not isinstance(cid, str) or not CUSTOM_ID.match(cid):
-            raise bad_request(f"{where}.custom_id: must be 1-64 letters, digits, '_' or '-'.", f"{where}.custom_id")
-        if cid in seen:
-            raise bad_request(f"{where}.custom_id: '{cid}' appears more than once.", f"{where}.custom_id")
-        seen.add(cid)
-        if not isinstance(r.get("params"), dict):
-            raise bad_request(f"{where}.params: Field required (an object).", f"{where}.params")
-        if "stream" in r["params"]:
-            raise bad_request(f"{where}.params.stream: streaming is not available in a batch.",
-                              f"{where}.params.stream")
-    return reqs
+    return size
 
 
 @bp.post("/v1/messages/batches")
 @tenant_required
 def create_batch():
-    body, quota, conf = json_body(MAX_BATCH_BYTES), g.quota, cfg()
-    reqs = _requests(body)
+    quota, conf = g.quota, cfg()
     quotas.check_class(quota, SlaClass.batch.value)
     s, storage, now = session(), ext("storage"), utcnow()
     file_id = new_id("file-")
-    size = storage.write_lines(file_id, (json.dumps({"custom_id": r["custom_id"], "method": "POST",
-                                                      "url": shapes.MESSAGES, "body": r["params"]})
-                                         for r in reqs))
+    size = _write_requests(storage, file_id)
     batch = Batch(id=new_id("msgbatch_"), tenant_id=g.tenant.id, endpoint=shapes.MESSAGES, input_file_id=file_id,
                   completion_window="24h", sla_class=SlaClass.batch, status=BatchStatus.validating, metadata_=None,
                   total=0, completed=0, failed=0, created_at=now, expires_at=ledger.default_expiry(now))

@@ -3,13 +3,14 @@
 Returns the normalised body the worker interprets, plus the admission token estimate
 (prompt estimate + max_tokens). Every failure is an APIError(400) naming the parameter.
 """
+import codecs
 import json
 import math
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from . import embeddings, structured
-from .errors import bad_request
+from .errors import APIError, bad_request
 
 from .openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS  # noqa: F401 (bodies.CHAT & co. for callers)
 
@@ -74,6 +75,107 @@ def loads(text: str | bytes):
     if nesting(value) > MAX_JSON_DEPTH:
         raise ValueError(f"JSON nests deeper than {MAX_JSON_DEPTH} levels")
     return value
+
+
+_DECODER = json.JSONDecoder()
+_SPACE = " \t\r\n"
+
+
+def array_items(stream, key: str, max_item_bytes: int, chunk: int = 1 << 16):
+    """The items of the array `key` of a JSON object read from a binary stream, one at a time: memory holds one
+    item (at most max_item_bytes of text; past it a 413), not the document. The object must have no other member
+    (a 400 naming it); invalid JSON, or an item nesting past MAX_JSON_DEPTH, is a 400 invalid_json."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    buf, pos, eof = "", 0, False
+
+    def invalid(why: str) -> APIError:
+        return bad_request(f"The request body must be valid JSON ({why}).", None, "invalid_json")
+
+    def read(at_least: int) -> None:
+        """Append at least `at_least` more characters to the buffer (fewer at the end of the stream)."""
+        nonlocal buf, pos, eof
+        parts, got = [], 0
+        while got < at_least and not eof:
+            data = stream.read(chunk)
+            try:
+                text = decoder.decode(data, final=not data)
+            except UnicodeDecodeError:
+                raise invalid("not UTF-8") from None
+            eof = not data
+            parts.append(text)
+            got += len(text)
+        buf, pos = buf[pos:] + "".join(parts), 0
+
+    def peek() -> str:
+        """The next character that is not whitespace ("" at the end)."""
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in _SPACE:
+                pos += 1
+            if pos < len(buf) or eof:
+                return buf[pos] if pos < len(buf) else ""
+            read(1)
+
+    def expect(char: str) -> None:
+        nonlocal pos
+        if peek() != char:
+            raise invalid(f"expected '{char}' at character {pos}")
+        pos += 1
+
+    def value():
+        nonlocal pos
+        peek()
+        while True:
+            try:
+                v, end = _DECODER.raw_decode(buf, pos)
+            except RecursionError:
+                raise invalid(f"nests deeper than {MAX_JSON_DEPTH} levels") from None
+            except ValueError as exc:
+                if eof:
+                    raise invalid(exc.msg) from None
+                end = None
+            if end is not None and (end < len(buf) or eof):    # (a value that ends the buffer may go on)
+                pos = end
+                return v
+            if len(buf) - pos > max_item_bytes:
+                raise APIError(413, f"An item of '{key}' is larger than {max_item_bytes} bytes.", "request_too_large",
+                               key)
+            read(len(buf) - pos + chunk)      # twice as much each time: parsing an item is linear overall
+
+    expect("{")
+    if peek() != '"':
+        raise bad_request(f"{key}: Field required.", key)
+    name = value()
+    if name != key:
+        raise bad_request(f"{name}: Extra inputs are not permitted", str(name), "unknown_parameter")
+    expect(":")
+    if peek() != "[":
+        raise bad_request(f"{key}: must be a list.", key)
+    pos += 1
+    if peek() == "]":
+        pos += 1
+    else:
+        while True:
+            item = value()
+            if nesting(item) > MAX_JSON_DEPTH - 2:
+                raise invalid(f"nests deeper than {MAX_JSON_DEPTH} levels")
+            yield item
+            if peek() == ",":
+                pos += 1
+                continue
+            expect("]")
+            break
+    if peek() == ",":
+        pos += 1
+        name = value() if peek() == '"' else None
+        if not isinstance(name, str):
+            raise invalid("expected a member name")
+        if name == key:
+            raise invalid(f"'{key}' given twice")
+        raise bad_request(f"{name}: Extra inputs are not permitted", name, "unknown_parameter")
+    expect("}")
+    if peek():
+        raise invalid("extra data after the object")
 
 
 def integral(value):

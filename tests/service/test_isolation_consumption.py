@@ -73,3 +73,50 @@ def test_message_batch_results_hold_no_connection_while_the_client_reads(any_app
     lines = [json.loads(x) for x in (first + rest).decode().splitlines()]
     assert [x["custom_id"] for x in lines] == [f"r{i}" for i in range(5)]
     assert {x["result"]["type"] for x in lines} == {"canceled"}
+
+
+def test_a_message_batch_body_is_read_a_request_at_a_time(any_app):
+    """POST /v1/messages/batches (bodies up to 256 MB, as Anthropic's) is parsed one request at a time into the
+    batch's input file: the web process never holds the whole body, parsed or not."""
+    import tracemalloc
+    any_app.config["TIDEPOOL"].batch_chunk_size = 10     # (the rows of one insert are held)
+    client = any_app.test_client()
+    _, key = Admin(client).tenant()
+    params = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 32000}]}
+    body = json.dumps({"requests": [{"custom_id": f"r{i}", "params": params} for i in range(250)]}).encode()
+    warm = {"requests": [{"custom_id": "w", "params": params}]}     # first-use imports are not the body's
+    assert client.post("/v1/messages/batches", json=warm, headers=key).status_code == 200
+    stream = io.BytesIO(body)
+    tracemalloc.start()
+    try:
+        r = client.post("/v1/messages/batches", input_stream=stream, content_length=len(body),
+                        content_type="application/json", headers=key)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert r.status_code == 200, r.get_json()
+    assert r.get_json()["request_counts"]["processing"] == 250
+    assert peak < len(body) / 8, (peak, len(body))     # the body is 8 MB; read whole it costs twice that or more
+
+
+def test_message_batch_bodies_are_checked_as_they_stream(any_app):
+    client = any_app.test_client()
+    tenant_id, key = Admin(client).tenant()
+    ok = {"custom_id": "a", "params": {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}}
+    cases = [({"requests": [ok], "extra": 1}, 400, "extra"), ({"requests": []}, 400, "requests"),
+             ({"requests": 5}, 400, "requests"), ({"requests": [ok, ok]}, 400, "requests.1.custom_id"),
+             ({"requests": [{**ok, "params": {**ok["params"], "stream": True}}]}, 400, "requests.0.params.stream"),
+             ({"requests": [{**ok, "custom_id": "b\\x00"}]}, 400, None)]
+    for body, status, param in cases:
+        r = client.post("/v1/messages/batches", json=body, headers=key)
+        assert r.status_code == status, (body, r.get_json())
+        assert r.get_json()["type"] == "error" and r.get_json()["error"]["type"] == "invalid_request_error"
+    for raw in (b'{"requests": [', b'{"requests": [{"custom_id": "a"}] x', b'\\xff\\xfe'):
+        r = client.post("/v1/messages/batches", data=raw, content_type="application/json", headers=key)
+        assert r.status_code == 400, raw
+    r = client.post("/v1/messages/batches", input_stream=io.BytesIO(b"{}"), content_length=(256 << 20) + 1,
+                    content_type="application/json", headers=key)     # refused on its stated length
+    assert r.status_code == 413 and r.get_json()["error"]["type"] == "request_too_large"
+    storage = any_app.extensions["tidepool.storage"].root
+    assert not [p for p in storage.rglob("*") if p.is_file()]      # nothing refused left bytes behind
+    assert client.post("/v1/messages/batches", json={"requests": [ok]}, headers=key).status_code == 200
