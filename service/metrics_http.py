@@ -1,6 +1,9 @@
-"""/metrics for the web app: the service's counters (service/ledger/metrics.py) and, read from the ledger and the broker at
-scrape time, jobs by state and queue depth by class; plus the per-request counting of HTTP requests and latency."""
+"""/metrics for the web app: the service's counters (service/ledger/metrics.py) and, read from the ledger and the broker,
+jobs by state and queue depth by class (computed at most once per CACHE_SECONDS, however often it is scraped); plus
+the per-request counting of HTTP requests and latency. It needs a bearer token: TIDEPOOL_METRICS_TOKEN or the admin
+token. Tenant and batch ids label series only with TIDEPOOL_METRICS_TENANT_LABELS=1."""
 import hmac
+import threading
 import time
 
 from flask import Blueprint, Response, current_app, g, request
@@ -9,20 +12,34 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from .ledger import affinity, eta, fair
+from .errors import error_response
+from .ledger import affinity, eta, fair, metrics as counters
 from .ledger.metrics import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
 from .ledger.models import Job, utcnow
 
 bp = Blueprint("metrics", __name__)
+CACHE_SECONDS = 10.0    # the ledger and broker gauges are recomputed at most this often
 
 
 class LedgerCollector:
-    """Gauges computed when scraped, so every web process reports the same truth."""
+    """Gauges read from the ledger and the broker, so every web process reports the same truth; computed at most
+    once per CACHE_SECONDS (the queries scan the jobs and batches), the last result served in between."""
 
     def __init__(self, app):
         self.app = app
+        self.by_tenant = app.config["TIDEPOOL"].metrics_tenant_labels
+        self.lock = threading.Lock()
+        self.families: list | None = None
+        self.computed = 0.0
 
     def collect(self):
+        with self.lock:
+            if self.families is None or time.monotonic() - self.computed > CACHE_SECONDS:
+                self.families = list(self.compute())
+                self.computed = time.monotonic()
+            return list(self.families)
+
+    def compute(self):
         jobs = GaugeMetricFamily("tidepool:jobs", "Jobs in the ledger by state and SLA class.",
                                  labels=["state", "sla_class"])
         with self.app.extensions["tidepool.db"].connect() as conn:
@@ -46,32 +63,46 @@ class LedgerCollector:
         yield from self.fairness()
 
     def batches(self):
+        tenant = ["tenant"] if self.by_tenant else []
         at_risk = GaugeMetricFamily("tidepool:batches_at_risk", "In-progress batches whose estimated completion "
-                                    "falls after their window (service/ledger/eta.py), by tenant and SLA class.",
-                                    labels=["tenant", "sla_class"])
-        eta_s = GaugeMetricFamily("tidepool:batch_eta_seconds", "Seconds until an in-progress batch's estimated "
-                                  "completion (absent until its class has a measured drain rate).",
-                                  labels=["batch", "tenant", "sla_class"])
+                                    "falls after their window (service/ledger/eta.py), by SLA class (and tenant with "
+                                    "TIDEPOOL_METRICS_TENANT_LABELS=1).", labels=[*tenant, "sla_class"])
+        eta_s = GaugeMetricFamily("tidepool:batch_eta_seconds", "Seconds until the estimated completion of the "
+                                  "in-progress batch of a class that finishes last (of each batch, labelled by batch "
+                                  "and tenant id, with TIDEPOOL_METRICS_TENANT_LABELS=1); absent until the class has "
+                                  "a measured drain rate.", labels=["batch", "tenant", "sla_class"] if self.by_tenant
+                                  else ["sla_class"])
         counts: dict = {}
+        latest: dict = {}
         with Session(self.app.extensions["tidepool.db"]) as s:
             now = utcnow()
             for batch, est in eta.in_progress(s, now):
-                key = (batch.tenant_id, batch.sla_class.value)
+                key = (batch.tenant_id, batch.sla_class.value) if self.by_tenant else (batch.sla_class.value,)
                 counts[key] = counts.get(key, 0) + int(est.at_risk)
                 if est.eta is not None:
-                    eta_s.add_metric([batch.id, *key], max(0.0, (est.eta - now).total_seconds()))
+                    left = max(0.0, (est.eta - now).total_seconds())
+                    if self.by_tenant:
+                        eta_s.add_metric([batch.id, *key], left)
+                    else:
+                        latest[key] = max(latest.get(key, 0.0), left)
         for key, n in counts.items():
             at_risk.add_metric(list(key), n)
+        for key, left in latest.items():
+            eta_s.add_metric(list(key), left)
         yield at_risk
         yield eta_s
 
     def fairness(self):
-        """The fair take's view (service/ledger/fair.py), per tenant and class: weighted service (decayed tokens
-        served / weight), jobs waiting, and per class the gap between the backlogged tenants' weighted service."""
+        """The fair take's view (service/ledger/fair.py) per class: the gap between the backlogged tenants' weighted
+        service (decayed tokens served / weight) and the jobs waiting; per tenant too (weighted service, backlog)
+        with TIDEPOOL_METRICS_TENANT_LABELS=1."""
+        tenant = ["tenant"] if self.by_tenant else []
         service = GaugeMetricFamily("tidepool:fair_weighted_service", "Decayed tokens served / weight, by tenant "
-                                    "and class (queue).", labels=["tenant", "sla_class"])
+                                    "and class (queue); only with TIDEPOOL_METRICS_TENANT_LABELS=1.",
+                                    labels=["tenant", "sla_class"])
         backlog = GaugeMetricFamily("tidepool:fair_backlog", "Jobs waiting in the fair take's per-tenant queues, "
-                                    "by tenant and class (queue).", labels=["tenant", "sla_class"])
+                                    "by class (queue), and tenant with TIDEPOOL_METRICS_TENANT_LABELS=1.",
+                                    labels=[*tenant, "sla_class"])
         gap = GaugeMetricFamily("tidepool:fair_service_gap", "Largest difference in weighted service between two "
                                 "backlogged tenants of a class (queue): VTC's fairness bound.", labels=["sla_class"])
         try:
@@ -81,17 +112,21 @@ class LedgerCollector:
             for lane, tenants in dispatcher.fair_backlogs().items():
                 parts = affinity.split_private(lane)
                 queue = lane if parts is None else parts[0]
-                for tenant, n in tenants.items():
-                    waiting.setdefault(queue, {}).setdefault(tenant, 0)
-                    waiting[queue][tenant] += n
+                for tenant_id, n in tenants.items():
+                    waiting.setdefault(queue, {}).setdefault(tenant_id, 0)
+                    waiting[queue][tenant_id] += n
             window = self.app.config["TIDEPOOL"].fair_window
             for queue in sorted(set(waiting) | set(fair.known_queues(client) if client is not None else ())):
                 served = fair.services(client, queue, window) if client is not None else {}
-                for tenant, (tokens, weight) in sorted(served.items()):
-                    service.add_metric([tenant, queue], tokens / weight)
-                for tenant, n in sorted(waiting.get(queue, {}).items()):
-                    backlog.add_metric([tenant, queue], n)
-                norms = [served[t][0] / served[t][1] if t in served else 0.0 for t in waiting.get(queue, {})]
+                queued = waiting.get(queue, {})
+                if self.by_tenant:
+                    for tenant_id, (tokens, weight) in sorted(served.items()):
+                        service.add_metric([tenant_id, queue], tokens / weight)
+                    for tenant_id, n in sorted(queued.items()):
+                        backlog.add_metric([tenant_id, queue], n)
+                elif queued:
+                    backlog.add_metric([queue], sum(queued.values()))
+                norms = [served[t][0] / served[t][1] if t in served else 0.0 for t in queued]
                 gap.add_metric([queue], max(norms) - min(norms) if len(norms) > 1 else 0.0)
         except Exception:  # broker down: report nothing rather than fail the scrape
             current_app.logger.warning("fair intake figures unavailable for /metrics")
@@ -100,20 +135,29 @@ class LedgerCollector:
         yield gap
 
 
+def _allowed() -> bool:
+    """A bearer token that is TIDEPOOL_METRICS_TOKEN or the admin token (with neither set, nothing is)."""
+    conf = current_app.config["TIDEPOOL"]
+    sent = request.headers.get("Authorization", "").encode()
+    return any(hmac.compare_digest(sent, f"Bearer {token}".encode())
+               for token in (conf.metrics_token, conf.admin_token) if token)
+
+
 @bp.get("/metrics")
 def metrics():
-    token = current_app.config["TIDEPOOL"].metrics_token  # optional: scrapers then send it as a bearer token
-    if token and not hmac.compare_digest(request.headers.get("Authorization", "").encode(),
-                                         f"Bearer {token}".encode()):
-        return Response("metrics token required\n", status=401, content_type="text/plain")
+    if not _allowed():
+        return error_response(401, "/metrics needs 'Authorization: Bearer <token>' with TIDEPOOL_METRICS_TOKEN or "
+                                   "the admin token.", "invalid_api_key")
     ledger = CollectorRegistry()
-    ledger.register(LedgerCollector(current_app._get_current_object()))
+    ledger.register(current_app.extensions["tidepool.metrics_ledger"])
     body = generate_latest(registry_for_scrape()) + generate_latest(ledger)
     return Response(body, content_type=CONTENT_TYPE_LATEST)
 
 
 def init_app(app) -> None:
     app.register_blueprint(bp)
+    counters.TENANT_LABELS = app.config["TIDEPOOL"].metrics_tenant_labels
+    app.extensions["tidepool.metrics_ledger"] = LedgerCollector(app)
 
     @app.before_request
     def _start_timer():
@@ -122,8 +166,9 @@ def init_app(app) -> None:
     @app.after_request
     def _count(response):
         route = request.url_rule.rule if request.url_rule is not None else "unmatched"
-        HTTP_REQUESTS.labels(route, request.method, str(response.status_code)).inc()
+        method = counters.method_label(request.method)
+        HTTP_REQUESTS.labels(route, method, str(response.status_code)).inc()
         started = g.get("request_started")
         if started is not None:
-            HTTP_LATENCY.labels(route, request.method).observe(time.perf_counter() - started)
+            HTTP_LATENCY.labels(route, method).observe(time.perf_counter() - started)
         return response

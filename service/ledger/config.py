@@ -126,8 +126,14 @@ class Config:
                                      shown="derived from the admin token", secret=True)
     insecure_cookies: bool = setting("TIDEPOOL_INSECURE_COOKIES", False, "`1` drops the Secure flag on the panel "
                                      "cookie (plain-HTTP development only)", parse=_bool)
-    metrics_token: str | None = setting("TIDEPOOL_METRICS_TOKEN", None, "When set, `/metrics` requires "
-                                        "`Authorization: Bearer <token>`", secret=True)
+    metrics_token: str | None = setting("TIDEPOOL_METRICS_TOKEN", None, "Bearer token a scraper sends to the web "
+                                        "app's `/metrics` (`Authorization: Bearer <token>`); the admin token is "
+                                        "accepted too. With neither set, `/metrics` answers 401",
+                                        shown="unset (the admin token)", secret=True)
+    metrics_tenant_labels: bool = setting("TIDEPOOL_METRICS_TENANT_LABELS", False, "`1` labels the web app's "
+                                          "`/metrics` series by tenant and batch id (quota rejections, batches at "
+                                          "risk and their ETA, fair intake); by default they are summed per reason "
+                                          "or class", parse=_bool)
     auth_cache_ttl: float = setting("TIDEPOOL_AUTH_CACHE_TTL", 2.0, "Seconds a web process keeps an API key's "
                                     "tenant and quota; `0` reads them on every request (see Accepting a job)",
                                     parse=FLOAT, check=NON_NEGATIVE)

@@ -12,12 +12,21 @@ HTTP_REQUESTS = Counter("tidepool:http_requests", "HTTP requests by route and st
 HTTP_LATENCY = Histogram("tidepool:http_request_duration_seconds", "HTTP request latency by route.",
                          ["route", "method"], registry=REGISTRY,
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0))
-QUOTA_REJECTIONS = Counter("tidepool:quota_rejections", "Requests refused by a quota, by tenant id and reason.",
+QUOTA_REJECTIONS = Counter("tidepool:quota_rejections", "Requests refused by a quota, by reason (and tenant id "
+                           "with TIDEPOOL_METRICS_TENANT_LABELS=1; else the tenant label is empty).",
                            ["tenant", "reason"], registry=REGISTRY)
+# Label values are bounded: an HTTP method outside this set is counted as "other", a route is its template (or
+# "unmatched"), and tenant ids label series only where an operator opted in (Config.metrics_tenant_labels).
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+TENANT_LABELS = False     # set by the web app from its settings (service/metrics_http.py)
+
+
+def method_label(method: str) -> str:
+    return method if method in METHODS else "other"
 
 
 def quota_rejected(tenant_id: str, reason: str) -> None:
-    QUOTA_REJECTIONS.labels(tenant_id, reason).inc()
+    QUOTA_REJECTIONS.labels(tenant_id if TENANT_LABELS else "", reason).inc()
 
 
 def registry_for_scrape() -> CollectorRegistry:

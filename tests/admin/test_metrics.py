@@ -34,19 +34,25 @@ def value(page: dict, name: str, **labels) -> float:
     return sum(v for (n, ls), v in page.items() if n == name and set(labels.items()) <= set(ls))
 
 
-def test_service_metrics_move_when_jobs_run(client, app):
+def scrape(client) -> dict:
+    return samples(client.get("/metrics", headers=BEARER).text)
+
+
+def test_service_metrics_move_when_jobs_run(client, app, monkeypatch):
+    from service import metrics_http
+    monkeypatch.setattr(metrics_http, "CACHE_SECONDS", 0.0)     # every scrape reads the ledger
     r = client.post("/v1/admin/tenants", json={"name": "m", "quota": {"max_queued": 1}}, headers=BEARER)
-    tenant_id, key = r.get_json()["id"], r.get_json()["api_key"]
+    key = r.get_json()["api_key"]
     auth = {"Authorization": f"Bearer {key}"}
-    before = samples(client.get("/metrics").text)
+    before = scrape(client)
     assert value(before, "tidepool:jobs", state="queued") == 0
     job = client.post("/v1/jobs", json={"prompt": "hi", "sla_class": "batch"}, headers=auth).get_json()
     assert client.post("/v1/jobs", json={"prompt": "hi"}, headers=auth).status_code == 429  # max_queued
-    page = samples(client.get("/metrics").text)
+    page = scrape(client)
     assert value(page, "tidepool:jobs", state="queued", sla_class="batch") == 1
     assert value(page, "tidepool:queue_depth", sla_class="batch") == 1
-    assert value(page, "tidepool:quota_rejections_total", tenant=tenant_id, reason="max_queued") == \
-        value(before, "tidepool:quota_rejections_total", tenant=tenant_id, reason="max_queued") + 1
+    assert value(page, "tidepool:quota_rejections_total", tenant="", reason="max_queued") == \
+        value(before, "tidepool:quota_rejections_total", tenant="", reason="max_queued") + 1
     assert value(page, "tidepool:http_requests_total", route="/v1/jobs", method="POST", status="202") >= \
         value(before, "tidepool:http_requests_total", route="/v1/jobs", method="POST", status="202") + 1
     assert value(page, "tidepool:http_request_duration_seconds_count", route="/v1/jobs") >= 2
@@ -54,13 +60,13 @@ def test_service_metrics_move_when_jobs_run(client, app):
     with app.extensions["tidepool.sessions"]() as s:
         token = transitions.start(s, job["id"], "gpu0").lease_token
         s.commit()
-        page = samples(client.get("/metrics").text)
+        page = scrape(client)
         assert value(page, "tidepool:jobs", state="running", sla_class="batch") == 1
         assert value(page, "tidepool:jobs", state="queued") == 0
         transitions.complete(s, job["id"], token, output="x", output_token_ids=[1], prompt_tokens=1,
                              completion_tokens=1, finish_reason="stop")
         s.commit()
-    page = samples(client.get("/metrics").text)
+    page = scrape(client)
     assert value(page, "tidepool:jobs", state="completed", sla_class="batch") == 1
     assert value(page, "tidepool:jobs", state="running") == 0
 
@@ -72,7 +78,7 @@ def test_multiprocess_mode_sums_counters_across_processes(client, tmp_path, monk
     monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue(lambda: 4242))
     c = Counter("tidepool:http_requests", "x", ["route", "method", "status"], registry=None)
     c.labels("/v1/jobs", "POST", "202").inc(7)
-    page = samples(client.get("/metrics").text)
+    page = scrape(client)
     assert value(page, "tidepool:http_requests_total", route="/v1/jobs", status="202") == 7
     assert ("tidepool:queue_depth", frozenset({("model", ""), ("sla_class", "batch")})) in page  # ledger gauges still served
 
@@ -226,7 +232,7 @@ def test_grafana_dashboard_plots_only_metrics_that_exist(client):
     used = {m for e in exprs for m in re.findall(r"tidepool:[a-z_]+", e)}
     registry = CollectorRegistry()
     EngineMetrics(registry=registry).update_from_stats({"by_class": {}, "total_steps": 1, "last_step": {}})
-    exposed = generate_latest(registry).decode() + client.get("/metrics").text
+    exposed = generate_latest(registry).decode() + client.get("/metrics", headers=BEARER).text
     exposed_names = set(re.findall(r"^# TYPE (tidepool:[a-z_]+)", exposed, re.M))
     for name in used:
         base = re.sub(r"_(bucket|sum|count)$", "", name)
@@ -300,3 +306,87 @@ def test_text_log_format(monkeypatch):
     assert len(lines) == 2 and not lines[0].startswith("{")
     assert "INFO tidepool.jobs: job.started" in lines[0] and "job_id=job_1" in lines[0]
     assert lines[1].endswith("x: key tp_abcdefghij_[redacted]")
+
+
+def test_metrics_need_a_token_by_default(pg_url, tmp_path, admin_redis):
+    """/metrics is closed by default: the admin token (or TIDEPOOL_METRICS_TOKEN) opens it; with neither set,
+    nothing does. The refusal is in the API's error format."""
+    for extra, tokens in (({}, [ADMIN]), ({"metrics_token": "scrape-secret"}, [ADMIN, "scrape-secret"]),
+                          ({"admin_token": None}, [])):
+        app = make_app(pg_url, tmp_path, admin_redis, **extra)
+        try:
+            client = app.test_client()
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer "}):
+                r = client.get("/metrics", headers=headers)
+                assert r.status_code == 401 and r.get_json()["error"]["code"] == "invalid_api_key", (extra, headers)
+            for token in tokens:
+                r = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
+                assert r.status_code == 200 and "tidepool:http_requests_total" in r.text
+        finally:
+            app.extensions["tidepool.db"].dispose()
+
+
+def test_http_series_have_bounded_labels(client):
+    """A client's method and path never become label values: methods outside the standard set count as
+    "other", paths as their route template (or "unmatched")."""
+    for method in ("BREW", "PROPFIND", "X" * 200):
+        client.open("/v1/jobs", method=method)
+    client.get("/v1/jobs/job_anything-at-all")
+    client.get("/no/such/route/12345")
+    page = scrape(client)
+    methods = {dict(ls).get("method") for (n, ls) in page if n == "tidepool:http_requests_total"}
+    routes = {dict(ls).get("route") for (n, ls) in page if n == "tidepool:http_requests_total"}
+    assert methods <= {"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS", "other"} and "other" in methods
+    assert "/v1/jobs/<job_id>" in routes and "unmatched" in routes
+    assert not [r for r in routes if "12345" in r or "job_anything" in r]
+
+
+def _tenant_with_ids(client) -> tuple[str, str]:
+    """A tenant with a quota rejection and an in-progress batch: (tenant id, batch id)."""
+    import io
+    r = client.post("/v1/admin/tenants", json={"name": f"ids-{time.monotonic_ns()}", "quota": {"max_queued": 2}},
+                    headers=BEARER)
+    tenant_id, auth = r.get_json()["id"], {"Authorization": f"Bearer {r.get_json()['api_key']}"}
+    line = json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}).encode()
+    f = client.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(line), "in.jsonl")},
+                    headers=auth).get_json()["id"]
+    batch = client.post("/v1/batches", json={"input_file_id": f, "endpoint": "/v1/completions",
+                                             "completion_window": "24h"}, headers=auth).get_json()
+    assert batch["status"] == "in_progress", batch
+    client.post("/v1/jobs", json={"prompt": "hi", "sla_class": "batch"}, headers=auth)
+    assert client.post("/v1/jobs", json={"prompt": "hi"}, headers=auth).status_code == 429     # max_queued
+    return tenant_id, batch["id"]
+
+
+def test_no_tenant_or_batch_ids_as_labels_unless_opted_in(client, pg_url, tmp_path, admin_redis, monkeypatch):
+    from service.ledger import metrics as counters
+    monkeypatch.setattr(counters, "TENANT_LABELS", False, raising=False)    # restored after the opted-in app
+    tenant_id, batch_id = _tenant_with_ids(client)
+    text = client.get("/metrics", headers=BEARER).text
+    assert tenant_id not in text and batch_id not in text
+    assert value(samples(text), "tidepool:quota_rejections_total", reason="max_queued") >= 1
+    assert value(samples(text), "tidepool:batches_at_risk", sla_class="batch") == 0
+    opted = make_app(pg_url, tmp_path, admin_redis, metrics_tenant_labels=True)
+    try:
+        other = opted.test_client()
+        tenant_id, _ = _tenant_with_ids(other)
+        page = samples(other.get("/metrics", headers=BEARER).text)
+        assert value(page, "tidepool:quota_rejections_total", tenant=tenant_id, reason="max_queued") == 1
+        assert ("tidepool:batches_at_risk", frozenset({("tenant", tenant_id), ("sla_class", "batch")})) in page
+    finally:
+        opted.extensions["tidepool.db"].dispose()
+
+
+def test_scrapes_in_quick_succession_run_the_ledger_queries_once(client, app):
+    from sqlalchemy import event
+    engine = app.extensions["tidepool.db"]
+    statements = []
+    assert client.get("/metrics", headers=BEARER).status_code == 200
+    listen = lambda *args: statements.append(args[2])     # noqa: E731
+    event.listen(engine, "before_cursor_execute", listen)
+    try:
+        for _ in range(3):
+            assert "tidepool:jobs" in client.get("/metrics", headers=BEARER).text
+    finally:
+        event.remove(engine, "before_cursor_execute", listen)
+    assert statements == []

@@ -138,7 +138,8 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
     assert view["queues"]["batch"] == 7
     assert view["private"] == [{"queue": private_queue("batch", "w1"), "shared": "batch", "worker": "w1",
                                 "depth": 5}]
-    assert 'tidepool:queue_depth{model="served",sla_class="batch"} 7.0' in client.get("/metrics").text
+    assert 'tidepool:queue_depth{model="served",sla_class="batch"} 7.0' in client.get(
+        "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     app.extensions["tidepool.db"].dispose()
 
 

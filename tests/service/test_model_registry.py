@@ -148,7 +148,8 @@ def test_jobs_wait_in_their_models_queue_visible_and_republished_there(two):
                            "served": False}]
     from prometheus_client.parser import text_string_to_metric_families
     page = {(s.name, frozenset(s.labels.items())): s.value
-            for fam in text_string_to_metric_families(client.get("/metrics").text) for s in fam.samples}
+            for fam in text_string_to_metric_families(client.get("/metrics", headers=admin.headers).text)
+            for s in fam.samples}
     assert page[("tidepool:queue_depth", frozenset({("model", "beta"), ("sla_class", "batch")}))] == 1
     assert page[("tidepool:queue_depth", frozenset({("model", "alpha"), ("sla_class", "interactive")}))] == 1
 
