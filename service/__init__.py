@@ -24,6 +24,9 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     cfg = test_config if isinstance(test_config, Config) else Config.from_env(test_config)
     app = Flask(__name__, static_folder=None)
     app.config["TIDEPOOL"] = cfg
+    if cfg.trusted_proxies:     # request.remote_addr is then the client's address, as the proxies saw it
+        from werkzeug.middleware.proxy_fix import ProxyFix
+        app.wsgi_app = ProxyFix(app.wsgi_app, x_for=cfg.trusted_proxies, x_proto=cfg.trusted_proxies)
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_file_bytes + (1 << 20)  # multipart overhead
     app.json.sort_keys = False
     db.init_app(app, cfg.database_url)

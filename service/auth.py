@@ -30,6 +30,7 @@ from .ledger.errors import APIError
 from .ledger.models import ApiKey, Quota, Tenant, utcnow
 
 LAST_USED_RESOLUTION = timedelta(seconds=60)
+ADMIN_FAILURES_PER_MINUTE = 10   # wrong admin tokens (panel sign-in and bearer) per client address and minute
 _CACHE_SIZE = 10_000
 
 
@@ -221,12 +222,41 @@ def tenant_required(view):
     return wrapper
 
 
+# ---- admin token guessing ---------------------------------------------------------------------------------
+# Wrong admin tokens, through the panel's sign-in or as a bearer, are counted per client address (the one the trusted
+# proxies name, TIDEPOOL_TRUSTED_PROXIES) in the rate limiter's one-minute windows, as its token counter; past
+# ADMIN_FAILURES_PER_MINUTE that address is refused until the window ends. Right tokens are not counted, and other
+# addresses are never affected: nobody can lock the admins out from elsewhere.
+
+def _failures_key() -> str:
+    return f"admin-auth-failures:{request.remote_addr}"
+
+
+def admin_throttled() -> int | None:
+    """Seconds until this client address may try an admin token again; None when it may now."""
+    from .ledger.quotas import WINDOW
+    now = time.time()
+    if current_app.extensions["tidepool.limiter"].hit(_failures_key(), None, ADMIN_FAILURES_PER_MINUTE - 1, 0, now):
+        return WINDOW - int(now) % WINDOW
+    return None
+
+
+def admin_failed() -> None:
+    """Count a wrong admin token from this client address."""
+    current_app.extensions["tidepool.limiter"].hit(_failures_key(), None, None, 1, time.time())
+
+
 def admin_required(view):
     @functools.wraps(view)
     def wrapper(*args, **kwargs):
         expected = current_app.config["TIDEPOOL"].admin_token
+        wait = admin_throttled()
+        if wait is not None:
+            raise APIError(429, "Too many wrong admin tokens from this address; retry after the window resets.",
+                           "too_many_attempts", retry_after=wait)
         token = _bearer()
         if not expected or token is None or not hmac.compare_digest(token.encode(), expected.encode()):
+            admin_failed()
             raise _unauthorized("Admin token required.")
         return view(*args, **kwargs)
     return wrapper

@@ -124,6 +124,10 @@ class Config:
                                       "admin panel's sign-in", shown="unset (admin API disabled)", secret=True)
     secret_key: str | None = setting("TIDEPOOL_SECRET_KEY", None, "Key that signs admin-panel sessions",
                                      shown="derived from the admin token", secret=True)
+    trusted_proxies: int = setting("TIDEPOOL_TRUSTED_PROXIES", 0, "Reverse proxies in front of the web app whose "
+                                   "`X-Forwarded-For` and `X-Forwarded-Proto` are believed: the client's address is "
+                                   "the one that many hops from the right (sign-in throttling and logs use it); `0`: "
+                                   "the connection's peer is the client", parse=INT, check=NON_NEGATIVE)
     insecure_cookies: bool = setting("TIDEPOOL_INSECURE_COOKIES", False, "`1` drops the Secure flag on the panel "
                                      "cookie (plain-HTTP development only)", parse=_bool)
     metrics_token: str | None = setting("TIDEPOOL_METRICS_TOKEN", None, "Bearer token a scraper sends to the web "

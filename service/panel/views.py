@@ -1,6 +1,5 @@
 """Panel pages: sign-in, tenants (usage, weight, default online class, disable, quota, keys), jobs and batches."""
 import logging
-import time
 from datetime import datetime, timezone
 
 from flask import abort, flash, redirect, render_template, request, send_file, session, url_for
@@ -9,6 +8,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..ledger import batches as ledger, embeddings, eta, jobs as transitions, tenants
 from ..api import cfg, ext
+from ..auth import admin_failed, admin_throttled
 from ..db import session as db
 from ..ledger.errors import APIError
 from ..ledger.logging import log_job
@@ -19,7 +19,6 @@ from .blueprint import bp, check_token, sign_in, signed_in
 
 log = logging.getLogger("tidepool.panel")
 ACTOR = "panel"
-LOGIN_ATTEMPTS_PER_MINUTE = 10
 INT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued", "monthly_token_budget",
               "max_tokens_per_request", "max_file_bytes")
 FIELD_HELP = {
@@ -42,11 +41,14 @@ def login():
         if signed_in():
             return redirect(_safe_next(request.args.get("next")))
         return render_template("login.html", next=request.args.get("next", ""))
-    if ext("limiter").hit(f"panel-login:{request.remote_addr}", LOGIN_ATTEMPTS_PER_MINUTE, None, 0, time.time()):
+    wait = admin_throttled()
+    if wait is not None:
         log.warning("panel sign-in throttled", extra={"actor": ACTOR, "event": "panel.login_throttled"})
         return render_template("login.html", next=request.form.get("next", ""),
-                               error="Too many sign-in attempts from this address; wait a minute."), 429
+                               error=f"Too many sign-in attempts from this address; wait {wait} s."), 429, \
+            {"Retry-After": str(wait)}
     if not check_token(request.form.get("token", "")):
+        admin_failed()
         log.warning("panel sign-in refused", extra={"actor": ACTOR, "event": "panel.login_failed"})
         return render_template("login.html", next=request.form.get("next", ""),
                                error="That admin token is not right." if cfg().admin_token else

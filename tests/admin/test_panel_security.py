@@ -3,7 +3,7 @@ from sqlalchemy import func, select
 
 from service.ledger.models import Tenant
 
-from .conftest import ADMIN, csrf_from, sign_in
+from .conftest import ADMIN, csrf_from, make_app, sign_in
 
 HTTPS = "https://localhost"
 
@@ -115,3 +115,62 @@ def test_sign_in_attempts_are_throttled(client):
     assert codes == [401] * 10 + [429]
     r = client.post("/admin/login", data={"token": ADMIN, "csrf_token": csrf}, base_url=HTTPS)
     assert r.status_code == 429 and "Too many sign-in attempts" in r.text
+
+
+def _proxied_app(pg_url, tmp_path, admin_redis, **extra):
+    import redis
+    redis.Redis.from_url(admin_redis).flushdb()
+    return make_app(pg_url, tmp_path, admin_redis, **extra)
+
+
+def _login(client, token: str, address: str | None = None):
+    headers = {"X-Forwarded-For": address} if address else {}
+    csrf = csrf_from(client.get("/admin/login", base_url=HTTPS, headers=headers).text)
+    return client.post("/admin/login", data={"token": token, "csrf_token": csrf}, base_url=HTTPS, headers=headers)
+
+
+def test_a_throttled_address_locks_out_no_one_else(pg_url, tmp_path, admin_redis):
+    """Behind a trusted proxy (TIDEPOOL_TRUSTED_PROXIES) wrong tokens are counted per client address: one that
+    keeps guessing is refused for the rest of the minute, every other address still signs in."""
+    app = _proxied_app(pg_url, tmp_path, admin_redis, trusted_proxies=1)
+    try:
+        guesser, admin = app.test_client(), app.test_client()
+        codes = [_login(guesser, f"guess-{i}", "203.0.113.9").status_code for i in range(11)]
+        assert codes == [401] * 10 + [429]
+        r = _login(guesser, ADMIN, "203.0.113.9")
+        assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+        assert _login(admin, ADMIN, "198.51.100.7").status_code == 302
+        assert admin.get("/admin/tenants", base_url=HTTPS).status_code == 200
+    finally:
+        app.extensions["tidepool.db"].dispose()
+
+
+def test_without_trusted_proxies_a_forwarded_address_is_not_believed(client):
+    for i in range(10):
+        assert _login(client, f"guess-{i}", f"192.0.2.{i}").status_code == 401
+    assert _login(client, ADMIN, "192.0.2.200").status_code == 429       # same socket peer: same address
+
+
+def test_right_tokens_are_not_counted(app):
+    for _ in range(12):     # a new browser each time (a signed-in one is sent on from the sign-in page)
+        assert _login(app.test_client(), ADMIN).status_code == 302
+    assert _login(app.test_client(), "nope").status_code == 401
+
+
+def test_wrong_admin_bearer_tokens_are_throttled_per_address(pg_url, tmp_path, admin_redis):
+    app = _proxied_app(pg_url, tmp_path, admin_redis, trusted_proxies=1)
+    try:
+        client = app.test_client()
+        guesser = {"X-Forwarded-For": "203.0.113.9"}
+        codes = [client.get("/v1/admin/tenants", headers={**guesser, "Authorization": f"Bearer guess-{i}"}).status_code
+                 for i in range(10)]
+        assert codes == [401] * 10
+        for token in ("guess-10", ADMIN):
+            r = client.get("/v1/admin/tenants", headers={**guesser, "Authorization": f"Bearer {token}"})
+            assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+            assert r.get_json()["error"]["code"] == "too_many_attempts"
+        r = client.get("/v1/admin/tenants", headers={"X-Forwarded-For": "198.51.100.7",
+                                                     "Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 200
+    finally:
+        app.extensions["tidepool.db"].dispose()
