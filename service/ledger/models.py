@@ -278,6 +278,15 @@ class Usage(Base):
     completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
+class AdminSession(Base):
+    """A signed-in admin panel session: the session cookie names it (by a random id, stored hashed) and every panel
+    request checks it is here, so signing out (which deletes it) ends it for every copy of the cookie."""
+    __tablename__ = "admin_sessions"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)    # sha256 of the id in the cookie
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
 class AuditLog(Base):
     __tablename__ = "audit_log"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

@@ -1,10 +1,15 @@
-"""The admin panel's blueprint: sign-in (the admin token exchanged for a signed session cookie), the per-session
-CSRF token every form carries, the guard in front of every page, security headers and template filters."""
+"""The admin panel's blueprint: sign-in (the admin token exchanged for a signed session cookie that names a
+server-side session, ended by sign-out), the per-session CSRF token every form carries, the guard in front of every
+page, security headers and template filters."""
 import hashlib
 import hmac
 import secrets
 
-from flask import Blueprint, current_app, redirect, render_template, request, session, url_for
+from flask import Blueprint, current_app, g, redirect, render_template, request, session, url_for
+from sqlalchemy import delete, select
+
+from ..db import session as db
+from ..ledger.models import AdminSession, utcnow
 
 from ..ledger.resources import WEB
 
@@ -22,9 +27,19 @@ def _fingerprint(token: str) -> str:
     return hmac.new(current_app.secret_key.encode(), token.encode(), hashlib.sha256).hexdigest()[:32]
 
 
+def _session_key(sid: str) -> str:
+    return hashlib.sha256(sid.encode()).hexdigest()
+
+
 def signed_in() -> bool:
-    token = _token()
-    return bool(token) and hmac.compare_digest(session.get("admin", ""), _fingerprint(token))
+    """The cookie was signed for the current admin token and names a session that has not signed out or expired."""
+    if "tp_signed_in" not in g:
+        token, sid = _token(), session.get("sid")
+        g.tp_signed_in = bool(token) and bool(sid) and hmac.compare_digest(session.get("admin", ""),
+                                                                           _fingerprint(token)) \
+            and db().scalar(select(AdminSession.id).where(AdminSession.id == _session_key(sid),
+                                                          AdminSession.expires_at > utcnow())) is not None
+    return g.tp_signed_in
 
 
 def csrf_token() -> str:
@@ -41,8 +56,27 @@ def check_token(candidate: str) -> bool:
 def sign_in() -> None:
     session.clear()  # a fresh session (and CSRF token) on sign-in: no fixation
     session.permanent = True
+    sid, now = secrets.token_urlsafe(32), utcnow()
+    s = db()
+    s.execute(delete(AdminSession).where(AdminSession.expires_at <= now))
+    s.add(AdminSession(id=_session_key(sid), created_at=now,
+                       expires_at=now + current_app.permanent_session_lifetime))
+    s.commit()
+    session["sid"] = sid
     session["admin"] = _fingerprint(_token())
     session["csrf"] = secrets.token_urlsafe(32)
+    g.pop("tp_signed_in", None)
+
+
+def sign_out() -> None:
+    """End the session for every copy of its cookie."""
+    sid = session.get("sid")
+    if sid:
+        s = db()
+        s.execute(delete(AdminSession).where(AdminSession.id == _session_key(sid)))
+        s.commit()
+    session.clear()
+    g.pop("tp_signed_in", None)
 
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "::1")

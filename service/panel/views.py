@@ -15,7 +15,7 @@ from ..ledger.logging import log_job
 from ..ledger.endpoints import EMBEDDINGS
 from ..ledger.models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, Usage
 from ..ledger.quotas import period
-from .blueprint import bp, check_token, sign_in, signed_in
+from .blueprint import bp, check_token, sign_in, sign_out, signed_in
 
 log = logging.getLogger("tidepool.panel")
 ACTOR = "panel"
@@ -61,7 +61,7 @@ def login():
 
 @bp.post("/logout")
 def logout():
-    session.clear()
+    sign_out()
     flash("Signed out.", "ok")
     return redirect(url_for("panel.login"))
 

@@ -174,3 +174,21 @@ def test_wrong_admin_bearer_tokens_are_throttled_per_address(pg_url, tmp_path, a
         assert r.status_code == 200
     finally:
         app.extensions["tidepool.db"].dispose()
+
+
+def test_a_copied_cookie_signs_in_nothing_after_sign_out(app):
+    """Sign-out ends the session on the server: a copy of the cookie taken before (another tab, a stolen copy)
+    is signed out too; a new sign-in starts a new session."""
+    browser, thief = app.test_client(), app.test_client()
+    csrf = sign_in(browser)
+    cookie = browser.get_cookie("tidepool_admin", domain="localhost", path="/admin")
+    thief.set_cookie("tidepool_admin", cookie.value, domain="localhost", path="/admin", secure=True)
+    assert thief.get("/admin/tenants", base_url=HTTPS).status_code == 200
+    assert browser.post("/admin/logout", data={"csrf_token": csrf}, base_url=HTTPS).status_code == 302
+    assert browser.get("/admin/tenants", base_url=HTTPS).status_code == 302
+    r = thief.get("/admin/tenants", base_url=HTTPS)
+    assert r.status_code == 302 and r.headers["Location"].startswith("/admin/login")
+    assert thief.get("/admin/api/dashboard", base_url=HTTPS).status_code == 401
+    sign_in(browser)
+    assert browser.get("/admin/tenants", base_url=HTTPS).status_code == 200
+    assert thief.get("/admin/tenants", base_url=HTTPS).status_code == 302
