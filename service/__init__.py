@@ -14,11 +14,11 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     import redis as redis_lib
     from flask import Flask
 
-    from . import access_log, db, errors, metrics_http, panel
+    from . import access_log, admission, db, errors, metrics_http, panel
     from . import api
     from .api import admin, anthropic, batches, files, health, jobs, openai_compat, responses
     from .ledger.dispatch import Dispatcher, make_celery
-    from .ledger.quotas import MemoryLimiter, RedisLimiter
+    from .ledger.quotas import MemoryLimiter, MemorySlots, RedisLimiter, RedisSlots
     from .ledger.storage import Storage
 
     cfg = test_config if isinstance(test_config, Config) else Config.from_env(test_config)
@@ -36,9 +36,11 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
         client = redis_lib.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
         app.extensions["tidepool.redis"] = client
         app.extensions["tidepool.limiter"] = RedisLimiter(client)
+        app.extensions["tidepool.slots"] = RedisSlots(client)
     else:
         app.extensions["tidepool.redis"] = None
         app.extensions["tidepool.limiter"] = MemoryLimiter()
+        app.extensions["tidepool.slots"] = MemorySlots()
     celery = make_celery(cfg.broker_url)
     app.extensions["tidepool.celery"] = celery
     app.extensions["tidepool.dispatcher"] = Dispatcher(celery, app.extensions["tidepool.db"],
@@ -50,6 +52,7 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     for bp in (health.bp, jobs.bp, files.bp, batches.bp, admin.bp, openai_compat.bp, responses.bp, anthropic.bp):
         app.register_blueprint(bp)
     api.init_app(app)
+    admission.init_app(app)
     metrics_http.init_app(app)
     access_log.init_app(app)
     panel.init_app(app)

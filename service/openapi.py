@@ -269,9 +269,11 @@ _MESSAGE_BATCH = {"type": "object", "properties": {
                                                                            "canceled", "expired")}},
     "ended_at": _RFC3339, "created_at": _RFC3339, "expires_at": _RFC3339, "archived_at": _RFC3339,
     "cancel_initiated_at": _RFC3339, "results_url": _NULL_STR}}
-_QUOTA = {name: _nullable(_int(0, (1 << 63) - 1 if name in ("monthly_token_budget", "max_file_bytes") else (1 << 31) - 1))
+_QUOTA = {name: _nullable(_int(0, (1 << 63) - 1 if name in ("monthly_token_budget", "max_file_bytes",
+                                                             "max_storage_bytes") else (1 << 31) - 1))
           for name in ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued",
-                       "monthly_token_budget", "max_tokens_per_request", "max_file_bytes")}
+                       "monthly_token_budget", "max_tokens_per_request", "max_file_bytes", "max_concurrent_requests",
+                       "max_files", "max_storage_bytes")}
 _WEIGHT = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6}
 _MODEL_NAME = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"}
 _TIER = {"enum": ["hot", "warm", "cold"]}

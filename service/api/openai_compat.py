@@ -141,6 +141,7 @@ def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, 
     budget), committed and dispatched. Returns (job, a _Waiter on its token stream), or (job, None) without wait.
     hidden: the job is not readable through /v1/jobs (a Responses request with `store: false`)."""
     marks = marks if marks is not None else {"recv": time.time()}
+    slot = admission.hold_online_slot() if wait else None     # an answer waited for holds a web thread
     quotas.check_rate(ext("limiter"), g.quota, checked.estimated_tokens)
     marks["valid"] = time.time()
     now = utcnow()
@@ -162,7 +163,7 @@ def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, 
         return job, None
     conf = cfg()
     return job, _Waiter(ext("sessions"), sub, job.id, conf.online_timeout, marks,
-                        start_within=conf.flex_timeout if sla == FLEX else None)
+                        start_within=conf.flex_timeout if sla == FLEX else None, slot=slot)
 
 
 def first_event(waiter: "_Waiter", whole: bool) -> tuple[dict, Job | None]:
@@ -179,8 +180,8 @@ def first_event(waiter: "_Waiter", whole: bool) -> tuple[dict, Job | None]:
 
 
 def event_stream(events) -> Response:
-    return Response(events, mimetype="text/event-stream", headers={"Cache-Control": "no-cache",
-                                                                   "X-Accel-Buffering": "no"})
+    return Response(admission.streaming(events), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class LedgerUnavailable(APIError):
@@ -199,8 +200,9 @@ class _Waiter:
     reads are retried with backoff through a database outage of up to LEDGER_PATIENCE seconds."""
 
     def __init__(self, sessions, sub, job_id: str, timeout: float, marks: dict | None = None,
-                 start_within: float | None = None):
+                 start_within: float | None = None, slot=None):
         self.sessions, self.sub, self.job_id = sessions, sub, job_id
+        self.slot = slot     # the request's concurrency slot (quotas.Slot), renewed while it waits
         self.marks = marks if marks is not None else {}   # stage timestamps up to the first token written
         self.deadline = time.monotonic() + timeout
         # flex: a job still queued after start_within seconds is withdrawn and the client answered 429
@@ -223,6 +225,8 @@ class _Waiter:
     def next_event(self, keepalive: bool) -> dict | None:
         """The next event; None (keepalive=True) after a quiet second, so the caller can write a ping."""
         while True:
+            if self.slot is not None:
+                self.slot.renew()
             ev = self.sub.get(QUIET)
             if ev is not None:
                 if "ts" in ev and "event" not in self.marks:

@@ -115,6 +115,14 @@ class ApiKey(Base):
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
+# Limits every new tenant starts with (an admin may raise them, or set NULL: unlimited). Online requests a tenant may
+# have in progress at once: half of a web process's request threads (gunicorn --threads and `tidepool serve
+# --threads` default to 32), so one tenant cannot hold them all; files and bytes a tenant may keep in storage.
+DEFAULT_MAX_CONCURRENT_REQUESTS = 16
+DEFAULT_MAX_FILES = 10_000
+DEFAULT_MAX_STORAGE_BYTES = 10 << 30
+
+
 class Quota(Base):
     """Per-tenant limits; NULL means unlimited."""
     __tablename__ = "quotas"
@@ -127,6 +135,12 @@ class Quota(Base):
     allowed_sla_classes: Mapped[list] = mapped_column(JSON, default=lambda: [c.value for c in SlaClass])
     max_tokens_per_request: Mapped[int | None] = mapped_column(Integer)
     max_file_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    max_concurrent_requests: Mapped[int | None] = mapped_column(
+        Integer, default=DEFAULT_MAX_CONCURRENT_REQUESTS, server_default=str(DEFAULT_MAX_CONCURRENT_REQUESTS))
+    max_files: Mapped[int | None] = mapped_column(Integer, default=DEFAULT_MAX_FILES,
+                                                  server_default=str(DEFAULT_MAX_FILES))
+    max_storage_bytes: Mapped[int | None] = mapped_column(BigInteger, default=DEFAULT_MAX_STORAGE_BYTES,
+                                                          server_default=str(DEFAULT_MAX_STORAGE_BYTES))
     # Registered models this tenant may use; NULL or [] means every enabled model (service/ledger/registry.py).
     allowed_models: Mapped[list | None] = mapped_column(JSON)
 
@@ -173,6 +187,8 @@ class File(Base):
     filename: Mapped[str] = mapped_column(String(255))
     bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    # An upload's `expires_after`: beat deletes the file (row and bytes) once it is past (service/ledger/files.py).
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, index=True)
 
 
 class Batch(Base):

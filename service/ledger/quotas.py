@@ -1,4 +1,5 @@
-"""Admission control: per-minute rate limits (Redis or memory), monthly budget, max queued.
+"""Admission control: per-minute rate limits and concurrent online requests (Redis or memory), monthly budget, max
+queued.
 
 Counting a job against max_queued is one conditional UPDATE of the tenant row that also requires, in the
 database, that the tenant is not disabled, that the caller's API key is not revoked and that the live
@@ -12,6 +13,7 @@ when called, for the API's callers."""
 import copy
 import json
 import logging
+import secrets
 import threading
 import time
 from datetime import datetime, timezone
@@ -85,6 +87,145 @@ class MemoryLimiter:
             c[0] += 1
             c[1] += tokens
             return 0
+
+
+# ---- concurrent online requests -------------------------------------------------------------------------
+# Each online request in progress (waiting for its job, or streaming it) holds one of its tenant's
+# quotas.max_concurrent_requests slots. A slot is a lease of LEASE_SECONDS, renewed while its request runs, so the
+# slots of a web process that dies are free again within LEASE_SECONDS.
+LEASE_SECONDS = 60.0
+
+_ACQUIRE = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
+_RENEW = """
+if redis.call('ZADD', KEYS[1], 'XX', 'CH', ARGV[1], ARGV[2]) == 1 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
+return 1
+"""
+
+
+class MemorySlots:
+    """Leased slots per tenant in this process (the embedded mode; and each web process while Redis is down)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.held: dict[str, dict[str, float]] = {}    # tenant -> {slot id: lease end}
+
+    def acquire(self, tenant_id: str, limit: int, now: float) -> str | None:
+        with self.lock:
+            leases = self.held.setdefault(tenant_id, {})
+            for slot in [s for s, end in leases.items() if end <= now]:
+                del leases[slot]
+            if len(leases) >= limit:
+                return None
+            slot = secrets.token_hex(8)
+            leases[slot] = now + LEASE_SECONDS
+            return slot
+
+    def renew(self, tenant_id: str, slot: str, now: float) -> None:
+        with self.lock:
+            if slot in self.held.get(tenant_id, {}):
+                self.held[tenant_id][slot] = now + LEASE_SECONDS
+
+    def release(self, tenant_id: str, slot: str) -> None:
+        with self.lock:
+            leases = self.held.get(tenant_id, {})
+            leases.pop(slot, None)
+            if not leases:
+                self.held.pop(tenant_id, None)
+
+    def active(self, tenant_id: str, now: float) -> int:
+        with self.lock:
+            return sum(end > now for end in self.held.get(tenant_id, {}).values())
+
+
+class RedisSlots:
+    """The same leases shared by every web process: a sorted set per tenant (slot id scored by its lease end),
+    checked and added to in one Lua call. While Redis is unreachable each process counts in memory, so a tenant
+    holds at most (web processes) x its limit meanwhile, and nobody gets a 5xx."""
+
+    def __init__(self, client):
+        self.client = client
+        self.acquire_script = client.register_script(_ACQUIRE)
+        self.renew_script = client.register_script(_RENEW)
+        self.fallback = MemorySlots()
+
+    @staticmethod
+    def _key(tenant_id: str) -> str:
+        return f"tp:slots:{{{tenant_id}}}"
+
+    def acquire(self, tenant_id: str, limit: int, now: float) -> str | None:
+        slot = secrets.token_hex(8)
+        try:
+            ok = self.acquire_script(keys=[self._key(tenant_id)],
+                                     args=[now, limit, now + LEASE_SECONDS, slot, int(LEASE_SECONDS) * 2])
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("concurrent requests counted in this process: Redis is unreachable (%s)", exc)
+            local = self.fallback.acquire(tenant_id, limit, now)
+            return None if local is None else "mem:" + local
+        return slot if int(ok) else None
+
+    def renew(self, tenant_id: str, slot: str, now: float) -> None:
+        if slot.startswith("mem:"):
+            return self.fallback.renew(tenant_id, slot[4:], now)
+        try:
+            self.renew_script(keys=[self._key(tenant_id)], args=[now + LEASE_SECONDS, slot, int(LEASE_SECONDS) * 2])
+        except (RedisConnectionError, RedisTimeoutError):
+            pass     # the lease may lapse: the slot is then counted free a little early
+
+    def release(self, tenant_id: str, slot: str) -> None:
+        if slot.startswith("mem:"):
+            return self.fallback.release(tenant_id, slot[4:])
+        try:
+            self.client.zrem(self._key(tenant_id), slot)
+        except (RedisConnectionError, RedisTimeoutError):
+            pass     # its lease lapses within LEASE_SECONDS
+
+    def active(self, tenant_id: str, now: float) -> int:
+        return int(self.client.zcount(self._key(tenant_id), f"({now}", "+inf")) + self.fallback.active(tenant_id, now)
+
+
+class Slot:
+    """One online request's hold on a concurrency slot: renewed (at most every third of its lease) while the request
+    runs, released once, on whichever exit path comes first."""
+
+    def __init__(self, slots, tenant_id: str, slot_id: str, now: float):
+        self.slots, self.tenant_id, self.id = slots, tenant_id, slot_id
+        self.renewed, self.released = now, False
+        self.lock = threading.Lock()
+
+    def renew(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if not self.released and now - self.renewed > LEASE_SECONDS / 3:
+            self.renewed = now
+            self.slots.renew(self.tenant_id, self.id, now)
+
+    def release(self) -> None:
+        with self.lock:
+            if self.released:
+                return
+            self.released = True
+        self.slots.release(self.tenant_id, self.id)
+
+
+def hold_slot(slots, quota: Quota, now: float | None = None) -> Slot | None:
+    """A slot for one more online request of the quota's tenant; None when it has no limit; 429 (with Retry-After)
+    when it already has max_concurrent_requests in progress."""
+    limit = quota.max_concurrent_requests
+    if limit is None:
+        return None
+    now = time.time() if now is None else now
+    slot_id = slots.acquire(quota.tenant_id, limit, now)
+    if slot_id is None:
+        quota_rejected(quota.tenant_id, "max_concurrent_requests")
+        raise APIError(429, f"Too many concurrent requests: this tenant may have at most {limit} online requests in "
+                            "progress at once; retry when one has finished.", "max_concurrent_requests",
+                       retry_after=1)
+    return Slot(slots, quota.tenant_id, slot_id, now)
 
 
 def check_rate(limiter, quota: Quota, tokens: int, now: float | None = None) -> None:

@@ -12,11 +12,13 @@ from .models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Quota, Tenant, utcnow
 QUOTA_FIELDS = {
     "requests_per_minute": int, "tokens_per_minute": int, "max_running": int, "max_queued": int,
     "monthly_token_budget": int, "max_tokens_per_request": int, "max_file_bytes": int,
+    "max_concurrent_requests": int, "max_files": int, "max_storage_bytes": int,
     "allowed_sla_classes": list, "allowed_models": list,
 }
 
 
-_QUOTA_MAX = {"monthly_token_budget": (1 << 63) - 1, "max_file_bytes": (1 << 63) - 1}   # BIGINT columns
+_QUOTA_MAX = {"monthly_token_budget": (1 << 63) - 1, "max_file_bytes": (1 << 63) - 1,   # BIGINT columns
+              "max_storage_bytes": (1 << 63) - 1}
 MAX_WEIGHT = 1e6
 
 

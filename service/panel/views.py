@@ -20,12 +20,14 @@ from .blueprint import bp, check_token, sign_in, sign_out, signed_in
 log = logging.getLogger("tidepool.panel")
 ACTOR = "panel"
 INT_FIELDS = ("requests_per_minute", "tokens_per_minute", "max_running", "max_queued", "monthly_token_budget",
-              "max_tokens_per_request", "max_file_bytes")
+              "max_tokens_per_request", "max_file_bytes", "max_concurrent_requests", "max_files", "max_storage_bytes")
 FIELD_HELP = {
     "requests_per_minute": "Requests accepted per minute.", "tokens_per_minute": "Prompt + max_tokens per minute.",
     "max_running": "Jobs running at once.", "max_queued": "Jobs waiting at once.",
     "monthly_token_budget": "Tokens per calendar month (UTC).",
     "max_tokens_per_request": "Cap on max_tokens of one request.", "max_file_bytes": "Largest batch file upload.",
+    "max_concurrent_requests": "Online requests in progress at once.", "max_files": "Files kept at once.",
+    "max_storage_bytes": "Bytes of files kept at once.",
 }
 
 

@@ -3,10 +3,17 @@ the ledger's connections and write lock, the web process's memory, the disk the 
 clear 4xx in the API's error format."""
 import io
 import json
+import threading
+import time
 
-from sqlalchemy import text
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
+
+from service.ledger import token_stream
+from service.ledger.models import Job, JobStatus
 
 from .conftest import ADMIN, Admin
+from .fake_worker import FakeWorker
 
 MAX_ERRORS = 100    # service.ledger.batches.MAX_ERRORS
 
@@ -120,3 +127,103 @@ def test_message_batch_bodies_are_checked_as_they_stream(any_app):
     storage = any_app.extensions["tidepool.storage"].root
     assert not [p for p in storage.rglob("*") if p.is_file()]      # nothing refused left bytes behind
     assert client.post("/v1/messages/batches", json={"requests": [ok]}, headers=key).status_code == 200
+
+
+# ---- concurrent online requests ----------------------------------------------------------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def _queued_job(app, tenant_id: str, timeout: float = 10.0) -> str:
+    """The id of the tenant's queued job, once its request has submitted it."""
+    engine, deadline = app.extensions["tidepool.db"], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with Session(engine) as s:
+            job_id = s.scalar(select(Job.id).where(Job.tenant_id == tenant_id, Job.status == JobStatus.queued))
+        if job_id:
+            return job_id
+        time.sleep(0.02)
+    raise AssertionError("no job was queued")
+
+
+def _open_stream(app, tenant_id, key):
+    """A streamed chat request whose first token has arrived, left open: (response, job id)."""
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=app.test_client().post(
+        "/v1/chat/completions", json={**CHAT, "stream": True}, headers=key, buffered=False)))
+    t.start()
+    job_id = _queued_job(app, tenant_id)
+    hub = token_stream.for_redis(app.extensions["tidepool.redis"])
+    while t.is_alive():      # (until the request has subscribed: an event before that is not heard)
+        hub.publish(job_id, {"t": "tok", "d": "He", "p": 0})
+        t.join(0.05)
+    assert out["r"].status_code == 200, out["r"].get_data()
+    return out["r"], job_id
+
+
+def test_a_tenant_cannot_hold_more_online_requests_than_its_cap(any_app):
+    """max_concurrent_requests bounds a tenant's online requests in progress (each holds a web thread): past it a
+    429 with Retry-After, in each API's error shape; the slot is free again when the client goes away."""
+    client = any_app.test_client()
+    tenant_id, key = Admin(client).tenant(max_concurrent_requests=1)
+    slots = any_app.extensions["tidepool.slots"]
+    stream, job_id = _open_stream(any_app, tenant_id, key)
+    assert next(iter(stream.response)).startswith(b"data: ")
+    assert slots.active(tenant_id, time.time()) == 1
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=key)
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert r.get_json()["error"]["code"] == "max_concurrent_requests"
+    r = client.post("/v1/messages", json={"model": "m", **CHAT}, headers=key)
+    assert r.status_code == 429 and r.get_json()["error"]["type"] == "rate_limit_error"
+    other_id, other = Admin(client).tenant(max_concurrent_requests=1)     # another tenant is not affected
+    with FakeWorker(any_app, other_id):
+        assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=other).status_code == 200
+    stream.close()                                  # the client goes away mid-stream
+    assert slots.active(tenant_id, time.time()) == 0
+    with Session(any_app.extensions["tidepool.db"]) as s:
+        assert s.get(Job, job_id).status == JobStatus.cancelled
+    with FakeWorker(any_app, tenant_id):
+        assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=key).status_code == 200
+        r = client.post("/v1/chat/completions", json={**CHAT, "stream": True}, headers=key)
+        assert r.status_code == 200 and r.get_data().endswith(b"data: [DONE]\n\n")
+    assert slots.active(tenant_id, time.time()) == 0
+
+
+def test_every_exit_path_frees_the_slot(any_app):
+    client = any_app.test_client()
+    tenant_id, key = Admin(client).tenant(max_concurrent_requests=1, max_queued=0, requests_per_minute=1000)
+    slots = any_app.extensions["tidepool.slots"]
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=key)
+    assert r.status_code == 429 and r.get_json()["error"]["code"] == "max_queued"     # refused after the slot
+    client.patch(f"/v1/admin/tenants/{tenant_id}/quota", json={"max_queued": None, "tokens_per_minute": 1},
+                 headers={"Authorization": f"Bearer {ADMIN}"})
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=key)
+    assert r.status_code == 400 and r.get_json()["error"]["code"] == "request_too_large"    # rate check
+    any_app.config["TIDEPOOL"].online_timeout = 1.0
+    client.patch(f"/v1/admin/tenants/{tenant_id}/quota", json={"tokens_per_minute": None},
+                 headers={"Authorization": f"Bearer {ADMIN}"})
+    r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=key)
+    assert r.status_code == 504          # nobody ran it
+    assert slots.active(tenant_id, time.time()) == 0
+
+
+def test_default_quota_caps_concurrent_requests_and_storage(any_app):
+    client = any_app.test_client()
+    tenant_id, _ = Admin(client).tenant()
+    quota = client.get(f"/v1/admin/tenants/{tenant_id}", headers={"Authorization": f"Bearer {ADMIN}"}).get_json()
+    assert quota["quota"]["max_concurrent_requests"] == 16
+    assert quota["quota"]["max_files"] == 10_000 and quota["quota"]["max_storage_bytes"] == 10 << 30
+
+
+def test_redis_slots_are_leases_a_dead_process_gives_back(redis_client):
+    """A web process that dies holding slots (it never releases them) frees them when their leases lapse."""
+    from service.ledger.quotas import LEASE_SECONDS, RedisSlots
+    slots, now = RedisSlots(redis_client), 1_000_000.0
+    held = slots.acquire("ten_x", 2, now)
+    assert held and slots.acquire("ten_x", 2, now) and slots.acquire("ten_x", 2, now + 1) is None
+    slots.renew("ten_x", held, now + LEASE_SECONDS - 1)           # its holder is alive: renewed
+    assert slots.acquire("ten_x", 2, now + LEASE_SECONDS + 1) is not None    # the other lapsed
+    assert slots.acquire("ten_x", 2, now + LEASE_SECONDS + 2) is None
+    slots.release("ten_x", held)
+    assert slots.active("ten_x", now + LEASE_SECONDS + 2) == 1
+    assert redis_client.ttl("tp:slots:{ten_x}") > 0      # nothing lives on in Redis without an expiry
