@@ -9,7 +9,7 @@ from datetime import timedelta
 from kombu import Connection
 from sqlalchemy.orm import Session
 
-from service.ledger import batches, jobs
+from service.ledger import batches, files, jobs
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"
@@ -23,16 +23,17 @@ def _ext(app, name):
 
 def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_timeout: float | None = None,
           orphan_grace: float = ORPHAN_GRACE) -> dict:
-    """Requeue (or fail) running jobs whose lease lapsed, expire overdue jobs and batches, return
-    unacked messages of dead consumers to their queues, and republish what never reached the broker."""
+    """Requeue (or fail) running jobs whose lease lapsed, expire overdue jobs and batches, delete expired files,
+    return unacked messages of dead consumers to their queues, and republish what never reached the broker."""
     done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "batches_failed": 0, "restored_broker": 0, "restored_orphans": 0,
-            "republished": 0, "private_drained": 0}
+            "republished": 0, "private_drained": 0, "files_expired": 0}
     with Session(_ext(app, "db")) as s:
         done["reclaimed"] = jobs.reclaim_lapsed(s, max_attempts=max_attempts)
         done["expired"] = jobs.expire_overdue(s)
         done["batches_failed"] = batches.fail_stale_validating(s, timedelta(seconds=STALE_VALIDATING))
         done["batches_expired"] = batches.expire_overdue(s)
         s.commit()
+        done["files_expired"] = files.delete_expired(s, _ext(app, "storage"))
     if visibility_timeout is not None:
         _restore_visible(app, visibility_timeout)
     done["restored_orphans"] = restore_orphans(app, grace=orphan_grace)

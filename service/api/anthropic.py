@@ -10,7 +10,7 @@ from flask import Blueprint, Response, g, request
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import undefer
 
-from ..ledger import anthropic_shapes as shapes, batches as ledger, bodies, quotas, structured
+from ..ledger import anthropic_shapes as shapes, batches as ledger, bodies, files, quotas, structured
 from ..auth import tenant_required
 from ..db import session
 from ..errors import error_body
@@ -224,8 +224,13 @@ def create_batch():
         status = 404 if e.get("code") == "model_not_found" else 403 if e.get("code") == "model_not_allowed" else 400
         raise APIError(status, f"{where}.params: {e['message']}", e.get("code"),
                        f"{where}.params" + (f".{param}" if param else ""))
-    s.add(File(id=file_id, tenant_id=g.tenant.id, purpose="batch", filename="message_batch_requests.jsonl",
-               bytes=size, created_at=now))
+    try:      # the requests are a file the tenant keeps (with the batch): counted against its storage
+        files.add(s, File(id=file_id, tenant_id=g.tenant.id, purpose="batch", filename="message_batch_requests.jsonl",
+                          bytes=size, created_at=now), quota)
+    except APIError:
+        s.rollback()
+        storage.delete(file_id)
+        raise
     batch.status, batch.in_progress_at, batch.total = BatchStatus.in_progress, utcnow(), len(created)
     s.commit()
     ext("dispatcher").publish(created)

@@ -1,4 +1,6 @@
-"""OpenAI Files API: bytes stream to the storage folder, the ledger keeps the metadata."""
+"""OpenAI Files API: bytes stream to the storage folder, the ledger keeps the metadata. An upload counts against the
+tenant's requests per minute, and its files and bytes against max_files and max_storage_bytes (service/ledger/files.py);
+one with `expires_after` is deleted by beat when it expires."""
 import re
 import unicodedata
 
@@ -6,6 +8,7 @@ from flask import Blueprint, g, request, send_file
 from sqlalchemy import select
 
 from ..auth import tenant_required
+from ..ledger import files as kept, quotas
 from ..ledger.bodies import bad_text
 from ..db import session
 from ..ledger.errors import APIError, bad_request, not_found
@@ -28,7 +31,7 @@ def safe_filename(name: str | None) -> str:
 def file_json(f: File) -> dict:
     return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": ts(f.created_at),
             "filename": f.filename, "purpose": f.purpose, "status": "processed", "status_details": None,
-            "expires_at": None}
+            "expires_at": ts(f.expires_at)}
 
 
 def own_file(file_id: str) -> File:
@@ -42,6 +45,11 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"File exceeds the maximum size of {limit} bytes.", "file_too_large", "file")
 
 
+def _storage_full(room: int) -> APIError:
+    return APIError(413, f"This file does not fit in this tenant's storage: {room} bytes are left.",
+                    "max_storage_bytes", "file")
+
+
 @bp.post("/v1/files")
 @tenant_required
 def upload_file():
@@ -51,23 +59,32 @@ def upload_file():
     if not (request.mimetype or "").startswith("multipart/form-data"):
         raise APIError(415, "Upload the file as multipart/form-data with fields 'file' and 'purpose'.",
                        "unsupported_media_type")
+    quotas.check_rate(ext("limiter"), g.quota, 0)     # an upload is a request like any other
     purpose = request.form.get("purpose")
     if purpose not in PURPOSES:
         raise bad_request(f"'purpose' must be one of {list(PURPOSES)}.", "purpose")
+    now = utcnow()
+    expires_at = kept.expiry(request.form.get("expires_after[anchor]"), request.form.get("expires_after[seconds]"),
+                             now)
     upload = request.files.get("file")
     if upload is None:
         raise bad_request("'file' is required.", "file", "missing_required_parameter")
     why = bad_text(upload.filename or "")
     if why:
         raise bad_request(f"The file name {why}.", "file")
+    s = session()
+    room = kept.room(s, g.quota)
+    s.rollback()      # (a read: nothing held while the bytes arrive)
     file_id = new_id("file-")
     storage = ext("storage")
-    size = storage.save(file_id, upload.stream, limit)
+    if room is not None and room < limit:
+        size = storage.save(file_id, upload.stream, room, _storage_full(room))
+    else:
+        size = storage.save(file_id, upload.stream, limit)
     f = File(id=file_id, tenant_id=g.tenant.id, purpose=purpose, filename=safe_filename(upload.filename),
-             bytes=size, created_at=utcnow())
-    s = session()
+             bytes=size, created_at=now, expires_at=expires_at)
     try:
-        s.add(f)
+        kept.add(s, f, g.quota)
         s.commit()
     except BaseException:   # no bytes on disk without their row
         s.rollback()

@@ -19,8 +19,8 @@ class Storage:
             raise ValueError(f"bad file id {file_id!r}")
         return self.root / file_id[-2:] / file_id
 
-    def save(self, file_id: str, stream, limit: int) -> int:
-        """Copy a stream to storage in chunks; over `limit` bytes, delete it and raise 413."""
+    def save(self, file_id: str, stream, limit: int, too_large: APIError | None = None) -> int:
+        """Copy a stream to storage in chunks; over `limit` bytes, delete it and raise 413 (or `too_large`)."""
         path = self.path(file_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".part")
@@ -30,8 +30,8 @@ class Storage:
                 while chunk := stream.read(CHUNK):
                     size += len(chunk)
                     if size > limit:
-                        raise APIError(413, f"File exceeds the maximum size of {limit} bytes.", "file_too_large",
-                                       "file")
+                        raise too_large or APIError(413, f"File exceeds the maximum size of {limit} bytes.",
+                                                    "file_too_large", "file")
                     out.write(chunk)
             os.replace(tmp, path)
         finally:

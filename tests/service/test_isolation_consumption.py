@@ -227,3 +227,81 @@ def test_redis_slots_are_leases_a_dead_process_gives_back(redis_client):
     slots.release("ten_x", held)
     assert slots.active("ten_x", now + LEASE_SECONDS + 2) == 1
     assert redis_client.ttl("tp:slots:{ten_x}") > 0      # nothing lives on in Redis without an expiry
+
+
+# ---- uploads -------------------------------------------------------------------------------------------------
+
+def _stored(app) -> set:
+    return {p.name for p in app.extensions["tidepool.storage"].root.rglob("*") if p.is_file()}
+
+
+def test_uploads_count_against_the_tenants_files_and_bytes(any_app):
+    client = any_app.test_client()
+    tenant_id, key = Admin(client).tenant(max_files=2, max_storage_bytes=1000)
+    a = _upload(client, key, b"x" * 300).get_json()["id"]
+    _upload(client, key, b"x" * 300)
+    r = _upload(client, key, b"x")
+    assert r.status_code == 429 and r.get_json()["error"]["code"] == "max_files"
+    assert client.delete(f"/v1/files/{a}", headers=key).status_code == 200
+    r = _upload(client, key, b"x" * 701)              # 300 + 701 > 1000: cut off as it arrives
+    assert r.status_code == 413 and r.get_json()["error"]["code"] == "max_storage_bytes"
+    assert _upload(client, key, b"x" * 700).status_code == 200
+    assert len(_stored(any_app)) == 2                 # nothing refused was kept
+    reqs = [{"custom_id": "a", "params": {"model": "m", "max_tokens": 4,
+                                          "messages": [{"role": "user", "content": "Hi"}]}}]
+    r = client.post("/v1/messages/batches", json={"requests": reqs}, headers=key)     # its requests are a file too
+    assert r.status_code == 429 and r.get_json()["error"]["type"] == "rate_limit_error"
+    assert len(_stored(any_app)) == 2
+
+
+def test_concurrent_uploads_never_pass_the_file_limit(any_app):
+    client = any_app.test_client()
+    tenant_id, key = Admin(client).tenant(max_files=3)
+    codes, barrier = [], threading.Barrier(8)
+
+    def upload():
+        c = any_app.test_client()
+        barrier.wait()
+        codes.append(_upload(c, key, b"{}\n").status_code)
+
+    threads = [threading.Thread(target=upload) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(codes) == [200] * 3 + [429] * 5
+    assert len(client.get("/v1/files", headers=key).get_json()["data"]) == 3 == len(_stored(any_app))
+
+
+def test_uploads_count_against_requests_per_minute(any_app):
+    if time.time() % 60 > 50:      # the count is per one-minute window: start in a fresh one
+        time.sleep(61 - time.time() % 60)
+    client = any_app.test_client()
+    _, key = Admin(client).tenant(requests_per_minute=2)
+    assert [_upload(client, key, b"{}\n").status_code for _ in range(2)] == [200, 200]
+    r = _upload(client, key, b"{}\n")
+    assert r.status_code == 429 and r.get_json()["error"]["code"] == "requests_per_minute"
+    assert int(r.headers["Retry-After"]) >= 1 and len(_stored(any_app)) == 2
+
+
+def test_an_upload_that_expires_is_deleted_by_beat(any_app):
+    from workers import beat
+    client = any_app.test_client()
+    _, key = Admin(client).tenant()
+    fields = {"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
+    f = _upload(client, key, b"{}\n", **fields).get_json()
+    assert f["expires_at"] == f["created_at"] + 3600
+    keep = _upload(client, key, b"{}\n").get_json()
+    assert keep["expires_at"] is None
+    for bad in ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "60"},
+                {"expires_after[anchor]": "created_at", "expires_after[seconds]": "soon"},
+                {"expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"},
+                {"expires_after[seconds]": "3600"}):
+        r = _upload(client, key, b"{}\n", **bad)
+        assert r.status_code == 400 and r.get_json()["error"]["param"].startswith("expires_after["), bad
+    assert beat.sweep(any_app)["files_expired"] == 0
+    with any_app.extensions["tidepool.db"].begin() as conn:       # an hour later
+        conn.execute(text("UPDATE files SET expires_at = created_at WHERE id = :id"), {"id": f["id"]})
+    assert beat.sweep(any_app)["files_expired"] == 1
+    assert client.get(f"/v1/files/{f['id']}", headers=key).status_code == 404
+    assert _stored(any_app) == {keep["id"]}
