@@ -33,7 +33,7 @@ def _checked(body: dict, fields=shapes.FIELDS):
     model = ext("registry").resolve(g.quota, body.get("model"))
     checked = shapes.check(chat, origin, lambda c: bodies.check(
         c, bodies.CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
-        context_len=ext("registry").context_len(model)))
+        context_len=ext("registry").context_len(model), count_tokens=ext("registry").token_counter(model)))
     return checked, model
 
 

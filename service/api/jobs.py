@@ -100,7 +100,8 @@ def create_job():
     checked = bodies.check(body, endpoint, served_model=None,
                            max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA,
                            context_len=ext("registry").context_len(model),
-                           embed_model=ext("registry").embed_model(model))
+                           embed_model=ext("registry").embed_model(model),
+                           count_tokens=ext("registry").token_counter(model))
     sla = tiers.sla_class(body.get("service_tier"), body.get("sla_class"),
                           g.tenant.default_sla_class or "interactive" if body.get("service_tier") == "auto"
                           else "interactive")

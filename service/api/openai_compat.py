@@ -105,7 +105,8 @@ def _serve(endpoint: str):
     model = adapters.resolve(session(), ext("registry"), g.quota, g.tenant.id, body.get("model"))  # 404/403
     ext("registry").check_endpoint(model, endpoint)
     checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
-                           context_len=ext("registry").context_len(model))
+                           context_len=ext("registry").context_len(model),
+                           count_tokens=ext("registry").token_counter(model))
     if stream and (checked.body.get("best_of") or 1) > (checked.body.get("n") or 1):
         raise bad_request("'best_of' above 'n' cannot be streamed (the best are known only at the end).", "best_of")
     job, waiter = submit(checked, sla, model, marks)

@@ -61,7 +61,7 @@ def create_response():
     model = ext("registry").resolve(g.quota, body.get("model"))
     checked = shapes.check(parsed, history, lambda chat: bodies.check(
         chat, bodies.CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
-        context_len=ext("registry").context_len(model)))
+        context_len=ext("registry").context_len(model), count_tokens=ext("registry").token_counter(model)))
     job, waiter = submit(checked, sla, model, wait=not background, hidden=not store)
     response_id = shapes.response_id(job.id)
     kw = dict(background=background, store=store, previous_response_id=prev)

@@ -110,7 +110,8 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                 checked = check_line(batch.endpoint, body, served_model=served_model if models is None else None,
                                      max_tokens_cap=quota.max_tokens_per_request,
                                      context_len=None if entry is None else models.context_len(entry),
-                                     embed_model=None if entry is None else models.embed_model(entry))
+                                     embed_model=None if entry is None else models.embed_model(entry),
+                                     count_tokens=None if entry is None else models.token_counter(entry))
                 if batch.endpoint == bodies.EMBEDDINGS:
                     inputs += embeddings.count(checked.body)
                     if inputs > embeddings.MAX_BATCH_INPUTS:

@@ -2,6 +2,11 @@
 
 Returns the normalised body the worker interprets, plus the admission token estimate
 (prompt estimate + max_tokens). Every failure is an APIError(400) naming the parameter.
+
+The prompt's tokens are counted with the model's tokenizer where the web side can read it (Registry.token_counter);
+elsewhere they are estimated from the text's UTF-8 bytes, one token per byte: no tokenizer makes more tokens than
+that (byte-level BPE and byte fallback give at most one per byte), so tokens per minute and the monthly budget hold
+whatever the text (bytes / 4 let text that falls back to bytes through at four times its limit).
 """
 import codecs
 import json
@@ -253,18 +258,19 @@ def _check_max_tokens(body, name: str, context_len: int | None) -> None:
                           f"finish_reason 'length').", name, "context_length_exceeded")
 
 
-def _estimate_text(text: str) -> int:
-    return max(1, math.ceil(len(text.encode()) / 4))
+def _estimate_text(text: str, count=None) -> int:
+    """The tokens of a text: count(text) with the model's tokenizer, else its UTF-8 bytes (an upper bound)."""
+    return max(1, count(text) if count is not None else len(text.encode()))
 
 
-def _check_prompt(prompt) -> int:
+def _check_prompt(prompt, count=None) -> int:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty.", "prompt")
         if len(prompt) > MAX_PROMPT_CHARS:
             raise bad_request(f"'prompt' has {len(prompt)} characters; at most {MAX_PROMPT_CHARS} are allowed.",
                               "prompt", "string_above_max_length")
-        return _estimate_text(prompt)
+        return _estimate_text(prompt, count)
     if isinstance(prompt, list) and len(prompt) > MAX_PROMPT_TOKEN_IDS:
         raise bad_request(f"'prompt' has {len(prompt)} token ids; at most {MAX_PROMPT_TOKEN_IDS} are allowed.",
                           "prompt", "array_above_max_length")
@@ -274,7 +280,7 @@ def _check_prompt(prompt) -> int:
                       "(one prompt per request).", "prompt")
 
 
-def _check_messages(messages) -> int:
+def _check_messages(messages, count=None) -> int:
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list.", "messages")
     if len(messages) > MAX_MESSAGES:
@@ -312,7 +318,7 @@ def _check_messages(messages) -> int:
         if chars > MAX_PROMPT_CHARS:
             raise bad_request(f"'messages' hold more than {MAX_PROMPT_CHARS} characters.", "messages",
                               "string_above_max_length")
-        total += _estimate_text(content) + 4 if content else 4
+        total += _estimate_text(content, count) + 4 if content else 4
     return total
 
 
@@ -361,8 +367,10 @@ def parse_deadline(value) -> datetime | None:
 
 
 def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int | None,
-          extra_allowed=frozenset(), context_len: int | None = None, embed_model=None) -> Checked:
-    """embed_model: for /v1/embeddings, the model's embeddings.EmbedModel (None: not checked against it)."""
+          extra_allowed=frozenset(), context_len: int | None = None, embed_model=None,
+          count_tokens=None) -> Checked:
+    """embed_model: for /v1/embeddings, the model's embeddings.EmbedModel (None: not checked against it);
+    count_tokens: the model's tokenizer as text -> tokens (None: the prompt is estimated from its bytes)."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
     check_text(body, "")
@@ -380,7 +388,7 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
     if endpoint == COMPLETIONS:
         if "prompt" not in body:
             raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
-        prompt_tokens = _check_prompt(body["prompt"])
+        prompt_tokens = _check_prompt(body["prompt"], count_tokens)
         _number(body, "logprobs", 0, 20, integer=True)
         structured.check(body)
         if not _one_of(body.get("echo"), True, False):
@@ -391,8 +399,8 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
     else:
         if "messages" not in body:
             raise bad_request("'messages' is required.", "messages", "missing_required_parameter")
-        prompt_tokens = _check_messages(body["messages"])
-        prompt_tokens += structured.check(body)
+        prompt_tokens = _check_messages(body["messages"], count_tokens)
+        prompt_tokens += structured.check(body, lambda text: _estimate_text(text, count_tokens))
         if not _one_of(body.get("logprobs"), True, False):
             raise bad_request("'logprobs' must be a boolean.", "logprobs")
         _number(body, "top_logprobs", 0, 20, integer=True)

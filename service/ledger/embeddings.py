@@ -56,8 +56,9 @@ def inputs(value) -> list:
 
 
 def estimate(items: list) -> int:
-    """Admission estimate of the input tokens (bytes / 4 for a string, plus two special tokens)."""
-    return sum((len(i.encode()) + 3) // 4 + 2 if isinstance(i, str) else len(i) for i in items)
+    """Admission estimate of the input tokens without the model's tokenizer: a string's UTF-8 bytes (no tokenizer
+    makes more tokens than that), plus two special tokens."""
+    return sum(len(i.encode()) + 2 if isinstance(i, str) else len(i) for i in items)
 
 
 class EmbedModel:

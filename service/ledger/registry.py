@@ -343,6 +343,21 @@ class Registry:
                 self._context[key] = None
         return self._context[key]
 
+    def token_counter(self, entry: Entry):
+        """text -> tokens with a generation model's tokenizer (tokenizer.json, read here once); None when this
+        process cannot read it (then the API estimates from UTF-8 bytes, service/ledger/bodies.py)."""
+        if entry.name is None or self.kind(entry) != "generate":
+            return None
+        key = ("tokens", entry.name, entry.source)
+        if key not in self._context:
+            try:
+                from tokenizers import Tokenizer
+                tokenizer = Tokenizer.from_file(str(Path(entry.source) / "tokenizer.json"))
+                self._context[key] = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+            except Exception:     # noqa: BLE001 - no tokenizer here
+                self._context[key] = None
+        return self._context[key]
+
     def context_len(self, entry: Entry) -> int | None:
         if entry.name is None:
             return folder_context_len(None, self.max_model_len)

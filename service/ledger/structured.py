@@ -138,9 +138,9 @@ def _check_tools(tools) -> set[str]:
     return names
 
 
-def check(body: dict) -> int:
+def check(body: dict, estimate=lambda text: len(text.encode())) -> int:
     """400 for a bad response_format / tools / tool_choice / parallel_tool_calls; returns the prompt tokens
-    the tools add (estimate)."""
+    the tools add (estimate(text): the tokens of the tools' JSON as the prompt shows it)."""
     if body.get("response_format") is not None:
         _check_response_format(body["response_format"])
     names = _check_tools(body["tools"]) if body.get("tools") is not None else set()
@@ -165,7 +165,7 @@ def check(body: dict) -> int:
     if forced_tools(body) and (body.get("response_format") or {}).get("type", "text") != "text":
         raise bad_request("'response_format' cannot constrain the output while 'tool_choice' forces a tool call.",
                           "response_format")
-    return max(0, len(json.dumps(body["tools"])) // 4) if names else 0
+    return estimate(json.dumps(body["tools"], ensure_ascii=False)) if names else 0
 
 
 def check_message(m: dict, where: str) -> None:

@@ -12,8 +12,8 @@ from service.ledger.models import Job, JobStatus, Tenant, Usage, utcnow
 
 from .conftest import Admin
 
-BODY = {"prompt": "Hi", "max_tokens": 100}     # 1 + 100 tokens reserved each
-EACH = 101
+BODY = {"prompt": "Hi", "max_tokens": 100}     # 2 (its bytes: no tokenizer here) + 100 tokens reserved each
+EACH = 102
 
 
 def _reserved(app, tenant_id) -> int:

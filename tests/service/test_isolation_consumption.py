@@ -305,3 +305,47 @@ def test_an_upload_that_expires_is_deleted_by_beat(any_app):
     assert beat.sweep(any_app)["files_expired"] == 1
     assert client.get(f"/v1/files/{f['id']}", headers=key).status_code == 404
     assert _stored(any_app) == {keep["id"]}
+
+
+# ---- tokens per minute -----------------------------------------------------------------------------------------
+
+CJK = "".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(100))    # 300 UTF-8 bytes a byte-level BPE splits
+
+
+def test_text_without_a_tokenizer_counts_a_token_per_byte(any_app):
+    """Without the model's tokenizer the prompt is estimated from its UTF-8 bytes, one token per byte (an upper
+    bound): text a tokenizer splits into single bytes cannot pass tokens_per_minute at four times its limit."""
+    client = any_app.test_client()
+    _, key = Admin(client).tenant(tokens_per_minute=200)
+    for body in ({"prompt": CJK, "max_tokens": 4}, {"messages": [{"role": "user", "content": CJK}], "max_tokens": 4}):
+        r = client.post("/v1/jobs", json=body, headers=key)
+        assert r.status_code == 400 and r.get_json()["error"]["code"] == "request_too_large", r.get_json()
+    assert client.post("/v1/jobs", json={"prompt": "x" * 150, "max_tokens": 4}, headers=key).status_code == 202
+
+
+def test_with_the_models_tokenizer_the_prompt_is_counted_exactly(sqlite_url, tmp_path):
+    from service import create_app
+    from workers.tools.tiny_model import train_tokenizer
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                    "max_position_embeddings": 4096}))
+    tokenizer = train_tokenizer()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    app = create_app({"database_url": sqlite_url, "redis_url": None, "storage_dir": str(tmp_path / "storage"),
+                      "admin_token": ADMIN, "model": str(folder)})
+    try:
+        client = app.test_client()
+        _, key = Admin(client).tenant(tokens_per_minute=400)
+        english = "the quick brown fox jumps over the lazy dog " * 12
+        exact = len(tokenizer.encode(english, add_special_tokens=False).ids)
+        assert exact + 4 < 400 < len(english.encode())
+        r = client.post("/v1/jobs", json={"prompt": english, "max_tokens": 4}, headers=key)
+        assert r.status_code == 202, r.get_json()
+        with Session(app.extensions["tidepool.db"]) as s:
+            assert s.get(Job, r.get_json()["id"]).estimated_tokens == exact + 4
+        assert len(tokenizer.encode(CJK + CJK, add_special_tokens=False).ids) + 4 > 400
+        r = client.post("/v1/jobs", json={"prompt": CJK + CJK, "max_tokens": 4}, headers=key)
+        assert r.status_code == 400 and r.get_json()["error"]["code"] == "request_too_large"
+    finally:
+        app.extensions["tidepool.db"].dispose()
