@@ -20,10 +20,11 @@ def ts(value: datetime | None) -> int | None:
     return int(value.timestamp()) if value is not None else None
 
 
-MAX_JSON_BYTES = 16 << 20   # a JSON request body; files go through /v1/files
+MAX_JSON_BYTES = 16 << 20   # a request that carries a prompt (README "Request limits"); files go through /v1/files
+SMALL_JSON_BYTES = 1 << 20  # any other JSON body (admin, batch creation): what parsing it may cost stays small
 
 
-def json_body(max_bytes: int = MAX_JSON_BYTES) -> dict:
+def json_body(max_bytes: int = SMALL_JSON_BYTES) -> dict:
     if request.content_length is not None and request.content_length > max_bytes:
         raise APIError(413, f"The request body is larger than {max_bytes} bytes.", "request_too_large")
     request.max_content_length = max_bytes   # a body sent without a length is cut off there

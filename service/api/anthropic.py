@@ -40,7 +40,7 @@ def _checked(body: dict, fields=shapes.FIELDS):
 @bp.post("/v1/messages")
 @tenant_required
 def create_message():
-    body = json_body()
+    body = json_body(MAX_JSON_BYTES)
     if body.get("stream") not in (None, True, False):
         raise bad_request("stream: must be a boolean.", "stream")
     stream = bool(body.get("stream"))

@@ -15,7 +15,7 @@ from ..db import session
 from ..ledger.errors import APIError, bad_request, not_found
 from ..ledger.logging import log_job
 from ..ledger.models import SLA_CLASSES, Job, JobStatus, SlaClass, new_id, utcnow
-from . import cfg, ext, json_body, limit_arg, page, ts
+from . import MAX_JSON_BYTES, cfg, ext, json_body, limit_arg, page, ts
 
 bp = Blueprint("jobs", __name__)
 MAX_PAGE = 100   # jobs in one page of a listing (OpenAI's lists stop at 100)
@@ -88,7 +88,7 @@ def _replay(job: Job | None, request_hash: str):
 @bp.post("/v1/jobs")
 @tenant_required
 def create_job():
-    body = json_body()
+    body = json_body(MAX_JSON_BYTES)
     quota, conf = g.quota, cfg()
     if "prompt" in body and "messages" in body:
         raise bad_request("Send either 'prompt' or 'messages', not both.", "messages")

@@ -19,7 +19,7 @@ from ..auth import tenant_required
 from ..ledger.errors import APIError, bad_request
 from ..ledger.models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
 from ..db import session
-from . import cfg, ext, json_body
+from . import MAX_JSON_BYTES, cfg, ext, json_body
 
 bp = Blueprint("openai", __name__)
 FLEX = SlaClass.batch.value   # service_tier "flex": the batch class, served online
@@ -73,7 +73,7 @@ def chat_completions():
 def create_embeddings():
     """One ledger job for all the request's inputs, answered when the worker has written its vectors."""
     marks = {"recv": time.time()}
-    body = json_body()
+    body = json_body(MAX_JSON_BYTES)
     sla = online_class(body.pop("service_tier", None), body.pop("sla_class", None))
     model = ext("registry").resolve(g.quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
     ext("registry").check_endpoint(model, bodies.EMBEDDINGS)
@@ -95,7 +95,7 @@ def create_embeddings():
 
 def _serve(endpoint: str):
     marks = {"recv": time.time()}
-    body = json_body()
+    body = json_body(MAX_JSON_BYTES)
     stream, options = body.pop("stream", None), body.pop("stream_options", None)
     if stream not in (None, True, False):
         raise bad_request("'stream' must be a boolean.", "stream")

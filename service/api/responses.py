@@ -11,7 +11,7 @@ from ..auth import tenant_required
 from ..db import session
 from ..ledger.errors import APIError, bad_request
 from ..ledger.models import Job, JobStatus, StoredResponse, new_id
-from . import ext, json_body, limit_arg
+from . import MAX_JSON_BYTES, ext, json_body, limit_arg
 from .openai_compat import _job_error, event_stream, first_event, online_class, submit
 from .streams import text_deltas
 
@@ -47,7 +47,7 @@ def _history(prev_id: str) -> list[dict]:
 @bp.post("/v1/responses")
 @tenant_required
 def create_response():
-    body = json_body()
+    body = json_body(MAX_JSON_BYTES)
     parsed = shapes.parse(body, new_id)
     store, background, stream = body.get("store", True), bool(body.get("background")), bool(body.get("stream"))
     if background and not store:

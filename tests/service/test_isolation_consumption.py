@@ -349,3 +349,19 @@ def test_with_the_models_tokenizer_the_prompt_is_counted_exactly(sqlite_url, tmp
         assert r.status_code == 400 and r.get_json()["error"]["code"] == "request_too_large"
     finally:
         app.extensions["tidepool.db"].dispose()
+
+
+def test_json_bodies_are_bounded_per_route(any_app):
+    """A body that carries a prompt may be up to 16 MiB (README "Request limits"); every other JSON body (admin,
+    batch creation) is refused past 1 MiB before it is parsed."""
+    client = any_app.test_client()
+    _, key = Admin(client).tenant()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    padding = "x" * (1 << 20)
+    for path, body, headers in (("/v1/batches", {"input_file_id": padding, "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"}, key),
+                                ("/v1/admin/tenants", {"name": padding}, admin)):
+        r = client.post(path, json=body, headers=headers)
+        assert r.status_code == 413 and r.get_json()["error"]["code"] == "request_too_large", path
+    r = client.post("/v1/jobs", json={"prompt": "x" * (3 << 19), "max_tokens": 1}, headers=key)    # 1.5 MiB
+    assert r.status_code == 202, r.get_json()
