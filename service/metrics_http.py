@@ -1,6 +1,6 @@
-"""/metrics for the web app: the service's counters (service/ledger/metrics.py) and, read from the ledger and the broker,
-jobs by state and queue depth by class (computed at most once per CACHE_SECONDS, however often it is scraped); plus
-the per-request counting of HTTP requests and latency. It needs a bearer token: TIDEPOOL_METRICS_TOKEN or the admin
+"""/metrics for the web app: the service's counters (service/ledger/metrics.py) and, read from the ledger and the
+broker, jobs by state and queue depth by class (computed at most once per CACHE_SECONDS, however often it is
+scraped); plus the per-request counting of HTTP requests and latency. It needs a bearer token: TIDEPOOL_METRICS_TOKEN or the admin
 token. Tenant and batch ids label series only with TIDEPOOL_METRICS_TENANT_LABELS=1."""
 import hmac
 import threading
