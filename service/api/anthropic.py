@@ -224,7 +224,8 @@ def create_batch():
         status = 404 if e.get("code") == "model_not_found" else 403 if e.get("code") == "model_not_allowed" else 400
         raise APIError(status, f"{where}.params: {e['message']}", e.get("code"),
                        f"{where}.params" + (f".{param}" if param else ""))
-    try:      # the requests are a file the tenant keeps (with the batch): counted against its storage
+    try:      # the requests are a file the tenant keeps with the batch, counted against its storage (last: the check
+        # locks the tenant's row until the commit, as the admission in load_jobs does)
         files.add(s, File(id=file_id, tenant_id=g.tenant.id, purpose="batch", filename="message_batch_requests.jsonl",
                           bytes=size, created_at=now), quota)
     except APIError:
