@@ -30,7 +30,6 @@ from .ledger.errors import APIError
 from .ledger.models import ApiKey, Quota, Tenant, utcnow
 
 LAST_USED_RESOLUTION = timedelta(seconds=60)
-ADMIN_FAILURES_PER_MINUTE = 10   # wrong admin tokens (panel sign-in and bearer) per client address and minute
 _CACHE_SIZE = 10_000
 
 
@@ -225,7 +224,7 @@ def tenant_required(view):
 # ---- admin token guessing ---------------------------------------------------------------------------------
 # Wrong admin tokens, through the panel's sign-in or as a bearer, are counted per client address (the one the trusted
 # proxies name, TIDEPOOL_TRUSTED_PROXIES) in the rate limiter's one-minute windows, as its token counter; past
-# ADMIN_FAILURES_PER_MINUTE that address is refused until the window ends. Right tokens are not counted, and other
+# Config.admin_failures_per_minute that address is refused until the window ends. Right tokens are not counted, and other
 # addresses are never affected: nobody can lock the admins out from elsewhere.
 
 def _failures_key() -> str:
@@ -236,7 +235,8 @@ def admin_throttled() -> int | None:
     """Seconds until this client address may try an admin token again; None when it may now."""
     from .ledger.quotas import WINDOW
     now = time.time()
-    if current_app.extensions["tidepool.limiter"].hit(_failures_key(), None, ADMIN_FAILURES_PER_MINUTE - 1, 0, now):
+    allowed = current_app.config["TIDEPOOL"].admin_failures_per_minute
+    if current_app.extensions["tidepool.limiter"].hit(_failures_key(), None, allowed - 1, 0, now):
         return WINDOW - int(now) % WINDOW
     return None
 

@@ -260,6 +260,7 @@ class Config:
     dispatch_chunk_size: int = 1_000
     page_size: int = 20
     online_timeout: float = 600.0     # seconds an online request waits for its job before it is answered 504
+    admin_failures_per_minute: int = 10    # wrong admin tokens (panel and bearer) per client address and minute
 
     def __post_init__(self):
         for f in fields(self):
@@ -274,7 +275,8 @@ class Config:
             self.model = os.path.abspath(os.path.expanduser(self.model))   # abspath: a symlink keeps its name
         if self.served_model_name is None and self.model:
             self.served_model_name = Path(self.model.rstrip("/")).name or self.model
-        for name in ("max_file_bytes", "max_batch_lines", "batch_chunk_size", "dispatch_chunk_size", "page_size"):
+        for name in ("max_file_bytes", "max_batch_lines", "batch_chunk_size", "dispatch_chunk_size", "page_size",
+                     "admin_failures_per_minute"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
 
