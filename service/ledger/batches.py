@@ -1,5 +1,6 @@
 """OpenAI Batch API: streaming validation of the input file into job rows, cancellation, finalisation."""
 import json
+import tempfile
 from datetime import timedelta
 
 from sqlalchemy import func, insert, select, update
@@ -33,9 +34,14 @@ def check_line(endpoint: str, body, **limits) -> bodies.Checked:
     return bodies.check(body, endpoint, **limits)
 
 
-def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, served_model: str | None,
-              max_lines: int, chunk_size: int, cache_group: str | None = None, models=None,
-              route=None, key_id: int | None = None) -> tuple[list[dict], list[tuple]]:
+def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, **options) -> tuple[list[dict], list[tuple]]:
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as spool:   # checked lines wait on disk, not in memory
+        return _load_jobs(s, storage, batch, quota, spool, **options)
+
+
+def _load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, spool, *, served_model: str | None,
+               max_lines: int, chunk_size: int, cache_group: str | None = None, models=None,
+               route=None, key_id: int | None = None) -> tuple[list[dict], list[tuple]]:
     """Validate every line of the batch's input file, then (all valid) insert the batch and its job rows in chunks.
     Returns (errors, [(job_id, queue, prefix key)]) (Dispatcher.publish's entries; cache_group: the tenant's
     prefix_cache_group, for the keys); with any error nothing is written. Validation only reads, so on SQLite the
@@ -53,7 +59,6 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
             more += 1
 
     seen: set[str] = set()
-    rows: list[dict] = []
     created: list[tuple] = []
     tokens = inputs = 0
     now = utcnow()
@@ -126,10 +131,8 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
                 continue  # keep validating, stop writing: the batch will fail as a whole
             job_id = new_id("job_")
             tokens += checked.estimated_tokens
-            rows.append(dict(id=job_id, tenant_id=batch.tenant_id, batch_id=batch.id, custom_id=custom_id,
-                             sla_class=sla, model=model, status=JobStatus.queued.value, endpoint=checked.endpoint,
-                             request=checked.body, estimated_tokens=checked.estimated_tokens, attempts=0,
-                             created_at=now, queued_at=now))
+            spool.write(json.dumps([job_id, custom_id, model, checked.endpoint, checked.body,
+                                    checked.estimated_tokens]) + "\n")
             created.append((job_id, sla if route is None else route(sla, model),
                             affinity.job_prefix_key(batch.tenant_id, cache_group, checked.endpoint, checked.body),
                             fair.meta(batch.tenant_id, weight, batch.expires_at, checked.estimated_tokens)))
@@ -141,8 +144,18 @@ def load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, *, serve
     if not errors:
         s.add(batch)
         s.flush()
-        for i in range(0, len(rows), chunk_size):
-            s.execute(insert(Job), rows[i:i + chunk_size])
+        spool.seek(0)
+        rows = []
+        for line in spool:
+            job_id, custom_id, model, endpoint, body, estimated = json.loads(line)
+            rows.append(dict(id=job_id, tenant_id=batch.tenant_id, batch_id=batch.id, custom_id=custom_id,
+                             sla_class=sla, model=model, status=JobStatus.queued.value, endpoint=endpoint,
+                             request=body, estimated_tokens=estimated, attempts=0, created_at=now, queued_at=now))
+            if len(rows) >= chunk_size:
+                s.execute(insert(Job), rows)
+                rows = []
+        if rows:
+            s.execute(insert(Job), rows)
         quotas.reserve_queued(s, quota, len(created), key_id, tokens=tokens)
     return errors, created
 
