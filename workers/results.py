@@ -104,21 +104,31 @@ class Results:
 
     def write_results(self, done: list) -> list[str]:
         """One transaction for a list of (attempt, output): each result written through the guarded transitions;
-        per item "completed", "lost" (the lease is gone), "released" or "cancelled" (an abort)."""
+        per item "completed", "lost" (the lease is gone), "released" or "cancelled" (an abort, or a completion the
+        job's cancel came before). A cancelled job is billed what its attempt computed, once (settle_cancelled)."""
         statuses = []
         with Session(self.db) as s:
             for inf, out in done:
                 if out.finish_reason == "abort":
                     # check_leases aborts an attempt whose lease is gone (cancelled, or requeued by the
-                    # sweeper): then there is nothing to write. Any other abort hands the job back.
-                    released = jobs.release(s, inf.job_id, inf.lease_token)
-                    statuses.append("released" if released else "cancelled")
+                    # sweeper): a cancelled job is billed what the attempt computed. Any other abort hands it back.
+                    if jobs.release(s, inf.job_id, inf.lease_token):
+                        statuses.append("released")
+                    else:
+                        jobs.settle_cancelled(s, inf.job_id, inf.lease_token, out.num_prompt_processed,
+                                              out.generated_tokens or len(out.token_ids))
+                        statuses.append("cancelled")
                     continue
                 if inf.first_token_at is not None and not inf.first_recorded:
                     jobs.first_token(s, inf.job_id, inf.lease_token, utc(inf.first_token_at))
-                ok = jobs.complete(s, inf.job_id, inf.lease_token,
-                                   **ledger_result(out, self.engine.tokenizer, ledger_text, echo=inf.echo))
-                statuses.append("completed" if ok else "lost")
+                result = ledger_result(out, self.engine.tokenizer, ledger_text, echo=inf.echo)
+                if jobs.complete(s, inf.job_id, inf.lease_token, **result):
+                    statuses.append("completed")
+                elif jobs.settle_cancelled(s, inf.job_id, inf.lease_token, result["prompt_tokens"],
+                                           result["completion_tokens"]):
+                    statuses.append("cancelled")
+                else:
+                    statuses.append("lost")
             s.commit()
         return statuses
 

@@ -183,15 +183,16 @@ def usage_and_model(s: Session, batch: Batch, default_model: str | None) -> tupl
 
 def cancel(s: Session, batch: Batch) -> None:
     """in_progress → cancelling: queued and running jobs are cancelled now; a worker running one finds
-    its lease gone and aborts the sequence."""
+    its lease gone, aborts the sequence and bills what it computed (jobs.settle_cancelled: running jobs keep
+    their lease token for it)."""
     now = utcnow()
     # The jobs first, the tenant row last: the order a worker's claim and completion lock them in (job, then
     # tenant). Taking the tenant between the two job updates deadlocked with a claim in flight.
     counts, reserved = {}, 0
     for status, counter in ((JobStatus.queued, Tenant.queued_count), (JobStatus.running, Tenant.running_count)):
         tokens = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == status)
-                           .values(status=JobStatus.cancelled, finished_at=now, lease_token=None,
-                                   lease_expires_at=None).returning(Job.estimated_tokens)).scalars().all()
+                           .values(status=JobStatus.cancelled, finished_at=now, lease_expires_at=None)
+                           .returning(Job.estimated_tokens)).scalars().all()
         if tokens:
             counts[counter] = counter - len(tokens)
             reserved += sum(tokens)

@@ -200,17 +200,35 @@ def release(s: Session, job_id: str, lease_token: str) -> bool:
 
 def cancel(s: Session, job_id: str, tenant_id: str | None = None, running: bool = True) -> bool:
     """queued|running (or only queued, running=False) → cancelled; a running job's worker finds its lease gone
-    and aborts."""
+    and aborts. A running job keeps its lease token: the worker bills what the attempt computed with it
+    (settle_cancelled), once."""
     for status, counter in ((Q, "queued"), (R, "running"))[:2 if running else 1]:
         stmt = update(Job).where(Job.id == job_id, Job.status == status)
         if tenant_id is not None:
             stmt = stmt.where(Job.tenant_id == tenant_id)
-        row = s.execute(stmt.values(status=JobStatus.cancelled, finished_at=utcnow(), lease_token=None,
-                                    lease_expires_at=None).returning(Job.tenant_id, Job.estimated_tokens)).first()
+        row = s.execute(stmt.values(status=JobStatus.cancelled, finished_at=utcnow(), lease_expires_at=None)
+                        .returning(Job.tenant_id, Job.estimated_tokens)).first()
         if row is not None:
             _counters(s, row[0], released=row[1], **{counter: -1})
             return True
     return False
+
+
+def settle_cancelled(s: Session, job_id: str, lease_token: str, prompt_tokens: int, completion_tokens: int) -> bool:
+    """The usage of the attempt that ran a job when it was cancelled: the prompt tokens it processed and the tokens
+    it generated are billed (usage and this month's budget) and written on the job. Guarded by the attempt's lease
+    token, which it clears: a redelivered result, or a completion that lost the race to the cancel, bills nothing
+    more. False when there is nothing to settle."""
+    tenant_id = s.execute(update(Job).where(Job.id == job_id, Job.status == JobStatus.cancelled,
+                                            Job.lease_token == lease_token)
+                          .values(lease_token=None, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
+                          .returning(Job.tenant_id)).scalar()
+    if tenant_id is None:
+        return False
+    if prompt_tokens or completion_tokens:
+        _counters(s, tenant_id, used=prompt_tokens + completion_tokens)
+        _add_usage(s, tenant_id, prompt_tokens, completion_tokens)
+    return True
 
 
 def expire_overdue(s: Session, now: datetime | None = None, job_id: str | None = None) -> int:

@@ -153,7 +153,7 @@ def test_batch_file_to_output_matches_offline_generate(st, reference):
 
 
 def test_cancel_reaches_the_running_engine(st):
-    _, key = _client(st)
+    tenant_id, key = st.tenant()
     headers = {"Authorization": f"Bearer {key}"}
     job = requests.post(f"{st.url}/v1/jobs", headers=headers, json={
         "prompt": "x", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}).json()
@@ -165,8 +165,11 @@ def test_cancel_reaches_the_running_engine(st):
     # the worker's own counter (published each heartbeat) shows the engine sequence was aborted
     st.wait(lambda: st.heartbeat(WORKER).get("aborted", 0) > aborted, 10, "abort", every=0.05)
     print(f"cancel -> abort seen via heartbeat in {time.monotonic() - t0:.2f}s (heartbeat every 2s)")
-    row = st.jobs(Job.id == job["id"])[0]
-    assert row.status.value == "cancelled" and row.output is None and row.completion_tokens is None
+    row = st.jobs(Job.id == job["id"])[0]      # what it generated until then is billed (tests/workers/test_billing.py)
+    assert row.status.value == "cancelled" and row.output is None and row.completion_tokens > 0
+    with Session(st.engine) as s:
+        usage = s.query(Usage).filter_by(tenant_id=tenant_id).one()
+    assert (usage.prompt_tokens, usage.completion_tokens) == (row.prompt_tokens, row.completion_tokens)
 
 
 def test_client_disconnect_cancels_the_job(st):

@@ -66,6 +66,9 @@ class RequestOutput:
     prompt_logprobs: list[dict | None] | None = None
     # An embedding request: one vector per input, in order (prompt_token_ids: every input's tokens, concatenated)
     embeddings: list[list[float]] | None = None
+    # Prompt tokens processed (computed or found in the prefix cache): all of them once a token was sampled; what
+    # an abort during prefill got through (usage bills an aborted request for what it computed)
+    num_prompt_processed: int = 0
 
 
 class _Choice:
@@ -524,7 +527,9 @@ class LLMEngine:
             finished_time=time.time() if finished else None, index=seq.index,
             outputs=self._outputs(request) if finished else [],
             generated_tokens=sum(c.seq.num_output_tokens for c in request.choices),
-            prompt_logprobs=request.prompt_logprobs)
+            prompt_logprobs=request.prompt_logprobs,
+            num_prompt_processed=seq.num_prompt_tokens if request.first_token_time is not None else
+            min(request.seq.num_computed_tokens, seq.num_prompt_tokens))
         if request.on_token is not None and not request.quiet:
             request.on_token(out)
         return out
@@ -565,7 +570,8 @@ class LLMEngine:
             request_id=request.seq.request_id, prompt_token_ids=[t for s in request.seqs for t in s.token_ids],
             token_ids=[], text="", finished=True, finish_reason=reason, arrival_time=request.arrival_time,
             first_token_time=now, finished_time=now,
-            embeddings=request.vectors if reason != "abort" else None)
+            embeddings=request.vectors if reason != "abort" else None,
+            num_prompt_processed=sum(s.num_tokens for s, v in zip(request.seqs, request.vectors) if v is not None))
         if request.on_token is not None:
             request.on_token(out)
         return out
