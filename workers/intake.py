@@ -181,7 +181,8 @@ class Intake:
         try:
             self._enter(inf, job)
         except ValueError as exc:
-            code = "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_prompt"
+            code = getattr(exc, "code", None) or (
+                "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_prompt")
             self.results.finish_failed(inf, {"code": code, "message": f"This request cannot run: {exc}."})
         except Exception:  # a bug, not the caller's input: the claimed job must not wait for its lease to lapse
             log.exception("worker %s: could not start %s", self.cfg.name, job_id)
@@ -190,6 +191,8 @@ class Intake:
 
     def _enter(self, inf: Inflight, job: jobs.Runnable) -> None:
         """Put an attempt into the engine (and the attempts table); on any error it is in neither."""
+        if job.refused is not None:
+            raise job.refused
         try:
             prompt, params = build_request(self.engine.tokenizer, job.endpoint, job.request)
             inf.echo = echo_text(job.endpoint, job.request, self.engine.tokenizer, prompt)

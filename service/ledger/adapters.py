@@ -166,10 +166,25 @@ def resolve(s: Session, models: Registry, quota, tenant_id: str, requested) -> E
     return models.resolve(quota, requested)
 
 
-def for_job(conn, model: str | None, request: dict) -> tuple[str, str, bool] | None:
-    """(name, source, pinned) of the adapter a job's request names, None when it names its base model."""
+class NotUsable(ValueError):
+    """A job names an adapter its tenant may not use: it must not run with it (nor without it)."""
+    code = "model_not_found"
+
+
+def for_job(conn, tenant_id: str, allowed: list | None, model: str | None,
+            request: dict) -> tuple[str, str, bool] | None:
+    """(name, source, pinned) of the adapter a job's request names, None when it names its base model. The worker's
+    own check of what admission checked (resolve), so a job row that names another tenant's adapter, a shared one
+    outside the tenant's allow-list (`allowed`) or one over another base model never runs: NotUsable."""
     name = request.get("model") if isinstance(request, dict) else None
     if not isinstance(name, str) or name == model:
         return None
-    row = conn.execute(select(Adapter.name, Adapter.source, Adapter.pinned).where(Adapter.name == name)).first()
-    return None if row is None else (row.name, row.source, bool(row.pinned))
+    row = conn.execute(select(Adapter.name, Adapter.source, Adapter.pinned, Adapter.tenant_id, Adapter.base_model)
+                       .where(Adapter.name == name)).first()
+    if row is None:
+        return None
+    if row.tenant_id not in (None, tenant_id) or row.tenant_id is None and allowed and name not in allowed:
+        raise NotUsable(f"the model '{name}' does not exist")
+    if model is not None and row.base_model != model:
+        raise NotUsable(f"the adapter '{name}' is over '{row.base_model}', not '{model}'")
+    return row.name, row.source, bool(row.pinned)

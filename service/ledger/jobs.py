@@ -50,19 +50,26 @@ class Runnable:
     cache_group: str | None
     queue_time: float | None    # seconds between queued and started, once started
     adapter: tuple[str, str, bool] | None = None   # the LoRA adapter the request names: (name, source, pinned)
+    refused: adapters.NotUsable | None = None      # why it must not run (an adapter its tenant may not use)
 
 
 def runnable(conn, job_id: str) -> Runnable | None:
     """The job's request and its tenant's weight and prefix-cache group, in one read (a Session or a Connection)."""
     row = conn.execute(select(Job.status, Job.endpoint, Job.request, Job.sla_class, Job.tenant_id, Job.queued_at,
-                              Job.started_at, Job.model, Tenant.weight, Tenant.prefix_cache_group)
-                       .join(Tenant, Tenant.id == Job.tenant_id).where(Job.id == job_id)).first()
+                              Job.started_at, Job.model, Tenant.weight, Tenant.prefix_cache_group, Quota.allowed_models)
+                       .join(Tenant, Tenant.id == Job.tenant_id).outerjoin(Quota, Quota.tenant_id == Job.tenant_id)
+                       .where(Job.id == job_id)).first()
     if row is None:
         return None
     queue_time = ((row.started_at - row.queued_at).total_seconds()
                   if row.started_at is not None and row.queued_at is not None else None)
-    return Runnable(row.status, row.endpoint, row.request, row.sla_class.value, row.tenant_id, row.weight or 1.0,
-                    row.prefix_cache_group, queue_time, adapters.for_job(conn, row.model, row.request))
+    job = Runnable(row.status, row.endpoint, row.request, row.sla_class.value, row.tenant_id, row.weight or 1.0,
+                   row.prefix_cache_group, queue_time)
+    try:
+        job.adapter = adapters.for_job(conn, row.tenant_id, row.allowed_models, row.model, row.request)
+    except adapters.NotUsable as exc:
+        job.refused = exc
+    return job
 
 
 def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300, token: str | None = None,
