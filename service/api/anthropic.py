@@ -268,8 +268,7 @@ def get_batch(batch_id):
 @tenant_required
 def cancel_batch(batch_id):
     s, batch = session(), _own_batch(batch_id)
-    if batch.status in (BatchStatus.validating, BatchStatus.in_progress):
-        ledger.cancel(s, batch)
+    if batch.status in (BatchStatus.validating, BatchStatus.in_progress) and ledger.cancel(s, batch):
         ledger.finalize(s, ext("storage"), batch, cfg().served_model_name)
         s.commit()
     return _batch_json(batch)

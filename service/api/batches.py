@@ -114,10 +114,9 @@ def list_batches():
 def cancel_batch(batch_id):
     s = session()
     batch = _own_batch(batch_id)
-    if batch.status not in (BatchStatus.validating, BatchStatus.in_progress):
+    if batch.status not in (BatchStatus.validating, BatchStatus.in_progress) or not ledger.cancel(s, batch):
         raise APIError(409, f"Batch '{batch_id}' is {batch.status.value} and cannot be cancelled.",
                        "batch_not_cancellable")
-    ledger.cancel(s, batch)
     ledger.finalize(s, ext("storage"), batch, cfg().served_model_name)
     s.commit()
     return batch_json(batch)

@@ -5,6 +5,7 @@ from datetime import timedelta
 
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session, undefer
+from sqlalchemy.orm.attributes import set_committed_value
 
 from . import adapters, affinity, anthropic_shapes, bodies, choices, embeddings, logprobs, quotas, responses
 from . import fair, openai_shapes
@@ -181,13 +182,31 @@ def usage_and_model(s: Session, batch: Batch, default_model: str | None) -> tupl
             "total_tokens": int(p) + int(c)}, model
 
 
-def cancel(s: Session, batch: Batch) -> None:
-    """in_progress → cancelling: queued and running jobs are cancelled now; a worker running one finds
+def _move(s: Session, batch: Batch, states: tuple, **values) -> bool:
+    """A guarded transition of the batch row (`... WHERE status IN states`), the row locked until commit; the object
+    then carries the new values, or, when the batch had left `states` meanwhile (a concurrent cancel or finaliser
+    committed first), nothing is written, the object is reloaded and the answer is False."""
+    moved = s.execute(update(Batch).where(Batch.id == batch.id, Batch.status.in_(states)).values(**values)).rowcount
+    if moved != 1:
+        s.refresh(batch)
+        return False
+    for key, value in values.items():
+        set_committed_value(batch, key, value)
+    return True
+
+
+def cancel(s: Session, batch: Batch) -> bool:
+    """validating|in_progress → cancelling: queued and running jobs are cancelled now; a worker running one finds
     its lease gone, aborts the sequence and bills what it computed (jobs.settle_cancelled: running jobs keep
-    their lease token for it)."""
+    their lease token for it). False, and nothing changed, when the batch was no longer cancellable (the finaliser
+    closed it meanwhile)."""
     now = utcnow()
-    # The jobs first, the tenant row last: the order a worker's claim and completion lock them in (job, then
-    # tenant). Taking the tenant between the two job updates deadlocked with a claim in flight.
+    # The batch row first, then its jobs, then the tenant row: the order every batch transition takes them in, and
+    # a worker's claim and completion take job before tenant (tenant between the two job updates deadlocked with a
+    # claim in flight).
+    if not _move(s, batch, (BatchStatus.validating, BatchStatus.in_progress), status=BatchStatus.cancelling,
+                 cancelling_at=now):
+        return False
     counts, reserved = {}, 0
     for status, counter in ((JobStatus.queued, Tenant.queued_count), (JobStatus.running, Tenant.running_count)):
         tokens = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == status)
@@ -199,7 +218,7 @@ def cancel(s: Session, batch: Batch) -> None:
     if counts:
         s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values(
             {**counts, Tenant.budget_reserved: Tenant.budget_reserved - reserved}))
-    batch.status, batch.cancelling_at = BatchStatus.cancelling, now
+    return True
 
 
 def result_body(job: Job, model: str | None, endpoint: str) -> dict:
@@ -243,7 +262,10 @@ def finalize(s: Session, storage: Storage, batch: Batch, model: str | None = Non
     if pending:
         return False
     now = utcnow()
-    batch.status, batch.finalizing_at = BatchStatus.finalizing, now
+    # Guarded: of an API cancel and the finaliser that meet here, one writes the files and closes the batch.
+    if not _move(s, batch, (BatchStatus.in_progress, BatchStatus.cancelling), status=BatchStatus.finalizing,
+                 finalizing_at=now):
+        return False
     counts = {"completed": 0, "failed": 0}
 
     def lines(want_ok: bool):
@@ -276,24 +298,25 @@ def finalize(s: Session, storage: Storage, batch: Batch, model: str | None = Non
     return True
 
 
-def expire(s: Session, batch: Batch) -> None:
-    """Past expires_at: queued jobs expire; finalize() then closes the batch as expired output."""
+def expire(s: Session, batch: Batch) -> bool:
+    """Past expires_at: queued jobs expire; finalize() then closes the batch as expired output. False, and nothing
+    changed, when the batch was no longer in progress (cancelled meanwhile) or already expired."""
     now = utcnow()
+    if batch.expired_at is not None or not _move(s, batch, (BatchStatus.in_progress,), expired_at=now):
+        return False
     tokens = s.execute(update(Job).where(Job.batch_id == batch.id, Job.status == JobStatus.queued)
                        .values(status=JobStatus.expired, finished_at=now).returning(Job.estimated_tokens)).scalars().all()
     if tokens:
         s.execute(update(Tenant).where(Tenant.id == batch.tenant_id).values(
             queued_count=Tenant.queued_count - len(tokens), budget_reserved=Tenant.budget_reserved - sum(tokens)))
-    batch.expired_at = now
+    return True
 
 
 def expire_overdue(s: Session) -> int:
     """Expire every in-progress batch past its expires_at (once); returns how many."""
     overdue = s.scalars(select(Batch).where(Batch.status == BatchStatus.in_progress, Batch.expired_at.is_(None),
                                             Batch.expires_at <= utcnow())).all()
-    for batch in overdue:
-        expire(s, batch)
-    return len(overdue)
+    return sum(expire(s, batch) for batch in overdue)
 
 
 def open_ids(s: Session) -> list[str]:

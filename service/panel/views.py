@@ -428,11 +428,10 @@ def batch_page(batch_id):
 @bp.post("/batches/<batch_id>/cancel")
 def cancel_batch(batch_id):
     b = _batch_or_404(batch_id)
-    if b.status not in (BatchStatus.validating, BatchStatus.in_progress):
+    s = db()
+    if b.status not in (BatchStatus.validating, BatchStatus.in_progress) or not ledger.cancel(s, b):
         flash(f"The batch is {b.status.value} and cannot be cancelled.", "error")
         return redirect(url_for("panel.batch_page", batch_id=batch_id))
-    s = db()
-    ledger.cancel(s, b)
     ledger.finalize(s, ext("storage"), b, cfg().served_model_name)
     s.commit()
     log.info("batch cancelled", extra={"event": "batch.cancelled", "batch_id": b.id, "tenant": b.tenant_id,
