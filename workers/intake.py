@@ -7,6 +7,8 @@ import logging
 import secrets
 import time
 from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
 
 from kombu import Connection, Queue
@@ -18,6 +20,7 @@ from service.ledger.wire import job_id as message_job_id, transport_options
 from workers.attempt import Attempts, Inflight, build_request, utc
 from workers.broker import charge, take, unsort
 from workers.engine import LoRARequest, PromptTooLong
+from workers.engine.llm_engine import RequestOutput
 from workers.openai_bodies import echo_text
 from workers.results import Results, requeue
 from workers.streaming import Streaming
@@ -25,9 +28,20 @@ from workers.streaming import Streaming
 log = logging.getLogger("workers.worker")
 
 
+@dataclass
+class Compiling:
+    """A claimed attempt waiting for its grammar (compiled on a thread of its own, engine/structured.py) to enter the
+    engine: a hard schema holds up neither this thread nor the engine's, only its own job, for at most the budget."""
+    inf: Inflight
+    job: jobs.Runnable
+    prompt: list
+    params: object
+    grammar: Future
+
+
 class Intake:
     def __init__(self, cfg, db, engine, affinity, attempts: Attempts, streaming: Streaming, results: Results,
-                 counters: dict, started_at: float):
+                 counters: dict, started_at: float, wake=None):
         self.cfg = cfg
         self.db = db
         self.engine = engine
@@ -40,6 +54,8 @@ class Intake:
         self.conn = self.channel = None
         self.broker_errors: tuple = (OSError,)
         self.queues: dict = {}      # lane -> its kombu Queue, bound to the channel
+        self.compiling: list[Compiling] = []
+        self.wake = wake            # set when a grammar is compiled (the intake loop waits on it)
 
     def connect(self) -> None:
         self.queues, self.attempts.held = {}, []     # held messages belong to the old channel
@@ -92,6 +108,8 @@ class Intake:
         online_only: the online queues alone (between two chunks of result writes, see workers/results.py)."""
         if not self.queues:
             raise ConnectionError("not connected to the broker")
+        if self.compiling:
+            self._enter_compiled()
         got = False
         if self.attempts.held:
             held, self.attempts.held = self.attempts.held, []
@@ -180,17 +198,22 @@ class Intake:
             inf.marks = {"take": taken_at, "claim": claimed_at}
         try:
             self._enter(inf, job)
-        except ValueError as exc:
+        except Exception as exc:
+            self._refuse(inf, exc)
+
+    def _refuse(self, inf: Inflight, exc: Exception) -> None:
+        """A claimed attempt that cannot start fails now with the reason (not after its lease lapsed)."""
+        if isinstance(exc, ValueError):     # the caller's input
             code = getattr(exc, "code", None) or (
                 "context_length_exceeded" if isinstance(exc, PromptTooLong) else "invalid_prompt")
             self.results.finish_failed(inf, {"code": code, "message": f"This request cannot run: {exc}."})
-        except Exception:  # a bug, not the caller's input: the claimed job must not wait for its lease to lapse
-            log.exception("worker %s: could not start %s", self.cfg.name, job_id)
-            self.results.finish_failed(inf, {"code": "internal_error",
-                                             "message": "The worker could not start this request."})
+            return
+        log.error("worker %s: could not start %s", self.cfg.name, inf.job_id, exc_info=exc)   # a bug
+        self.results.finish_failed(inf, {"code": "internal_error", "message": "The worker could not start this request."})
 
     def _enter(self, inf: Inflight, job: jobs.Runnable) -> None:
-        """Put an attempt into the engine (and the attempts table); on any error it is in neither."""
+        """Put an attempt into the engine (and the attempts table); on any error it is in neither. One whose grammar
+        is not compiled yet waits for it in `compiling` (in the attempts table, not yet in the engine)."""
         if job.refused is not None:
             raise job.refused
         try:
@@ -198,15 +221,63 @@ class Intake:
             inf.echo = echo_text(job.endpoint, job.request, self.engine.tokenizer, prompt)
             self.attempts.add(inf)
             inf.entered_at = time.time()
-            self.engine.add_request(inf.request_id, prompt, params, sla_class=job.sla_class, tenant=job.tenant_id,
-                                    weight=job.weight, on_token=partial(self.streaming.on_token, inf),
-                                    cache_namespace=cache_namespace(job.tenant_id, job.cache_group),
-                                    lora=None if job.adapter is None else LoRARequest(*job.adapter))
+            spec = getattr(params, "structured", None)
+            if spec is not None:
+                grammar = self.engine.structured.prepare(spec, on_done=self._compiled)
+                if not grammar.done():
+                    self.compiling.append(Compiling(inf, job, prompt, params, grammar))
+                    return
+                grammar.result()       # a grammar that cannot be compiled: ValueError, the job fails
+            self._add(inf, job, prompt, params)
         except Exception:
             self.attempts.forget(inf)
             raise
+
+    def _add(self, inf: Inflight, job: jobs.Runnable, prompt, params) -> None:
+        self.engine.add_request(inf.request_id, prompt, params, sla_class=job.sla_class, tenant=job.tenant_id,
+                                weight=job.weight, on_token=partial(self.streaming.on_token, inf),
+                                cache_namespace=cache_namespace(job.tenant_id, job.cache_group),
+                                lora=None if job.adapter is None else LoRARequest(*job.adapter))
         if inf.marks:
             inf.marks["add"] = time.time()
+
+    def _compiled(self, _grammar) -> None:
+        if self.wake is not None:
+            self.wake.set()
+
+    def _enter_compiled(self) -> None:
+        """Attempts whose grammar is compiled go into the engine; one whose grammar cannot be compiled, or took
+        longer than cfg.grammar_budget seconds to compile, fails with the reason; one cancelled meanwhile ends as
+        an abort (written by Results like any other)."""
+        waiting, self.compiling = self.compiling, []
+        now = time.monotonic()
+        for c in waiting:
+            inf = c.inf
+            if inf.dropped or not self.attempts.current(inf):     # its claim was refused (an early attempt)
+                self.attempts.forget(inf)
+                continue
+            if inf.aborted:     # its lease is gone: nothing ran, nothing to bill
+                self.attempts.done.put(RequestOutput(inf.request_id, c.prompt, [], "", finished=True,
+                                                     finish_reason="abort"))
+                continue
+            if not c.grammar.done():
+                started = c.grammar.started
+                if started is None or now - started <= self.cfg.grammar_budget:
+                    self.compiling.append(c)
+                    continue
+                kind = c.params.structured.key[0]
+                error = ValueError(f"structured output {kind} took longer than {self.cfg.grammar_budget:g} s to "
+                                   "compile; simplify it (fewer or smaller repetition bounds in its patterns)")
+            elif c.grammar.exception() is not None:
+                error = c.grammar.exception()
+            else:
+                try:
+                    self._add(inf, c.job, c.prompt, c.params)
+                    continue
+                except Exception as exc:
+                    error = exc
+            self.attempts.forget(inf)
+            self._refuse(inf, error)
 
     def _start_early(self, job_id: str, token: str, message, taken_at: float | None) -> Inflight | None:
         """Put a queued job into the engine under the lease token its claim is about to get, unclaimed;

@@ -91,6 +91,7 @@ class WorkerConfig:
     poll_interval: float = 0.1           # idle intake looks at its queues this often even if no doorbell rang
     check_interval: float = 0.5          # cancellations reach the engine within this (plus one step)
     heartbeat_interval: float = 2.0
+    grammar_budget: float = 10.0         # seconds a structured request's grammar may take to compile, else it fails
     engine: dict = field(default_factory=dict)   # EngineConfig overrides
     serves: str | None = None            # registry name of the model when it is not the deployment's default
 
@@ -156,7 +157,7 @@ class Worker:
                                self.preempted, between_chunks=self._pull_between_writes,
                                fair_window=cfg.fair_window if cfg.fair_intake else None)
         self.intake = Intake(cfg, self._db, self.engine, self.affinity, self.attempts, self.streaming, self.results,
-                             self.counters, self.started_at)
+                             self.counters, self.started_at, wake=self._wake)
         self._next_check = self._next_renew = self._next_beat = 0.0
         self.metrics_port: int | None = None     # its own /metrics (process mode), shown in the heartbeat
 

@@ -11,6 +11,12 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
 MAX_SCHEMA_CHARS = 1 << 16
 MAX_SCHEMA_DEPTH = 32
+# A pattern's repetition bounds ({n}, {n,}, {n,m}) are what its grammar's compile time grows with (in the worker:
+# .{0,500} takes 0.2 s, (.{0,20}){0,25} nine minutes), so they are bounded: each, all of a schema's together, and
+# never nested with another repetition. Lengths and item counts (maxLength, maxItems) cost the compiler nothing.
+MAX_PATTERN_REPEAT = 500
+MAX_SCHEMA_REPEAT = 2000
+_BOUND = re.compile(r"\{(\d+)(,(\d*))?\}")
 # JSON Schema keywords the grammar enforces (xgrammar); the rest are annotations it may ignore safely.
 ENFORCED = {"type", "properties", "required", "additionalProperties", "items", "prefixItems", "minItems", "maxItems",
             "enum", "const", "anyOf", "$ref", "$defs", "definitions", "minLength", "maxLength", "pattern", "format",
@@ -28,8 +34,77 @@ TOOL_PROMPT = ("You may call one or more functions to assist with the user query
                "<args-json-object>}}\n</tool_call>")
 
 
-def check_schema(schema, param: str, depth: int = 0) -> None:
-    """A 400 naming the place of any keyword the grammar cannot enforce (it would be silently ignored)."""
+def pattern_bounds(pattern: str) -> list[int]:
+    """The repetition bounds of a regex (the larger number of each {n,m}; n + 1 for {n,}). ValueError when a
+    bound repeats a group that repeats itself, or a group holding a bound repeats (nested repetition)."""
+    bounds: list[int] = []
+    frames = [[False, False]]           # per open group: holds a repetition, holds a bound
+    last = None                         # the atom a quantifier would repeat: None, or a closed group's flags
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i, last = i + 2, (False, False)
+            continue
+        if c == "[":                    # a character class, to its closing bracket
+            j = i + 2 if pattern[i + 1:i + 2] == "]" else i + 1
+            while j < len(pattern) and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i, last = j + 1, (False, False)
+            continue
+        if c == "(":
+            frames.append([False, False])
+            i, last = i + 1, None
+            continue
+        if c == ")" and len(frames) > 1:
+            inner = frames.pop()
+            frames[-1][0] |= inner[0]
+            frames[-1][1] |= inner[1]
+            i, last = i + 1, tuple(inner)
+            continue
+        bound = _BOUND.match(pattern, i) if c == "{" else None
+        if bound is not None or c in "*+?":
+            if last is None:            # a lazy modifier (*?, +?) or nothing to repeat
+                i += 1
+                continue
+            if bound is not None:
+                n, m = int(bound.group(1)), bound.group(3)
+                bounds.append(n + 1 if bound.group(2) and not m else max(n, int(m or n)))
+                if last[0]:
+                    raise ValueError("a repetition bound {n,m} cannot repeat a group that itself repeats")
+                frames[-1][1] = True
+                i = bound.end()
+            else:
+                if last[1]:
+                    raise ValueError("a group holding a repetition bound {n,m} cannot repeat")
+                i += 1
+            frames[-1][0] = True
+            last = None
+            continue
+        i, last = i + 1, (False, False) if c != "|" else None
+    return bounds
+
+
+def _check_pattern(pattern: str, where: str, repeats: list[int]) -> None:
+    why = None
+    try:
+        bounds = pattern_bounds(pattern)
+    except ValueError as exc:
+        why = f"{exc} (write the repetition out, or use * or +)"
+    else:
+        repeats[0] += sum(bounds)
+        if bounds and max(bounds) > MAX_PATTERN_REPEAT:
+            why = f"a repetition bound may be at most {MAX_PATTERN_REPEAT} (use maxLength to bound a string's length)"
+        elif repeats[0] > MAX_SCHEMA_REPEAT:
+            why = f"the repetition bounds of a schema's patterns may add up to at most {MAX_SCHEMA_REPEAT}"
+    if why is not None:
+        raise bad_request(f"'{where}' is too costly to turn into a grammar: {why}.", where, "schema_too_complex")
+
+
+def check_schema(schema, param: str, depth: int = 0, repeats: list[int] | None = None) -> None:
+    """A 400 naming the place of any keyword the grammar cannot enforce (it would be silently ignored), or of a
+    pattern too costly to compile (its repetition bounds; `repeats` adds up those of the whole schema)."""
+    repeats = [0] if repeats is None else repeats
     if depth > MAX_SCHEMA_DEPTH:
         raise bad_request(f"'{param}' nests deeper than {MAX_SCHEMA_DEPTH} levels.", param)
     if isinstance(schema, bool):
@@ -48,14 +123,14 @@ def check_schema(schema, param: str, depth: int = 0) -> None:
             if not isinstance(value, dict):
                 raise bad_request(f"'{where}' must be an object of schemas.", where)
             for name, sub in value.items():
-                check_schema(sub, f"{where}.{name}", depth + 1)
+                check_schema(sub, f"{where}.{name}", depth + 1, repeats)
         elif key in ("items", "additionalProperties"):
-            check_schema(value, where, depth + 1)
+            check_schema(value, where, depth + 1, repeats)
         elif key in ("anyOf", "prefixItems"):
             if not isinstance(value, list) or not value:
                 raise bad_request(f"'{where}' must be a non-empty list of schemas.", where)
             for i, sub in enumerate(value):
-                check_schema(sub, f"{where}[{i}]", depth + 1)
+                check_schema(sub, f"{where}[{i}]", depth + 1, repeats)
         elif key == "required" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise bad_request(f"'{where}' must be a list of property names.", where)
         elif key == "enum" and not (isinstance(value, list) and value):
@@ -65,6 +140,8 @@ def check_schema(schema, param: str, depth: int = 0) -> None:
         elif key == "format" and value not in FORMATS:
             raise bad_request(f"'{where}': the string format '{value}' is not supported for structured output; "
                               f"supported: {sorted(FORMATS)}.", where, "unsupported_schema")
+        elif key == "pattern":
+            _check_pattern(value, where, repeats)
 
 
 def _sized_schema(schema, param: str) -> None:

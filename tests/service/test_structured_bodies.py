@@ -6,6 +6,8 @@ import pytest
 from service.ledger import bodies, structured
 from service.ledger.errors import APIError
 
+from .conftest import Admin
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}}}
 AUTO = {"tools": [WEATHER], "tool_choice": "auto"}
@@ -61,6 +63,54 @@ def test_bad_structured_fields_are_400s(body, param):
     with pytest.raises(APIError) as e:
         _check(**body)
     assert e.value.param == param
+
+
+HOSTILE = [   # each compiles for seconds to minutes in the worker (nested bounds: (.{0,20}){0,25} took 9 minutes)
+    ("(.{0,20}){0,25}", "cannot repeat a group that itself repeats"),
+    ("(.?){0,64}", "cannot repeat a group that itself repeats"),
+    ("(.{0,50})+", "cannot repeat"),
+    ("[a-z]{1,5000}", "at most 500"),
+    ("a{2000,}", "at most 500"),
+]
+
+
+@pytest.mark.parametrize("pattern, why", HOSTILE)
+def test_patterns_too_costly_to_compile_are_400s_naming_where(pattern, why):
+    schema = {"type": "object", "properties": {"a": {"type": "string", "pattern": pattern}}}
+    with pytest.raises(APIError) as e:
+        _check(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert (e.value.status, e.value.code, e.value.param) == \
+        (400, "schema_too_complex", "response_format.json_schema.schema.properties.a.pattern")
+    assert why in e.value.message
+    tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+    with pytest.raises(APIError) as e:
+        _check(tools=[tool], tool_choice="required")
+    assert e.value.param == "tools[0].function.parameters.properties.a.pattern"
+
+
+def test_many_patterns_add_up_to_a_bound():
+    props = {f"p{i}": {"type": "string", "pattern": "[a-z]{1,400}"} for i in range(6)}
+    with pytest.raises(APIError) as e:
+        _check(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": props}}})
+    assert e.value.code == "schema_too_complex" and "add up to at most 2000" in e.value.message
+
+
+@pytest.mark.parametrize("pattern", ["^[A-Z]{3}$", r"^\d{3}-\d{4}$", ".{0,500}", "(ab|cd){1,50}", r"(\w+\s?)+",
+                                     "a*?b+?", r"\{x\}", "[]{}]{3}", "x{a}", "^(?:[a-z]+-)*[a-z]+$"])
+def test_patterns_people_use_pass(pattern):
+    _check(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "string", "pattern": pattern, "maxLength": 10**9}}})
+
+
+def test_a_hostile_schema_is_refused_by_the_api(embedded_app):
+    _, headers = Admin(embedded_app.test_client()).tenant()
+    r = embedded_app.test_client().post("/v1/jobs", headers=headers, json={
+        "messages": [{"role": "user", "content": "hi"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string",
+                                                                          "pattern": "(.{0,20}){0,25}"}}}})
+    assert r.status_code == 400, r.get_json()
+    assert r.get_json()["error"]["code"] == "schema_too_complex"
 
 
 def test_tool_messages_are_accepted():

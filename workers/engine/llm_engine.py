@@ -411,8 +411,8 @@ class LLMEngine:
             for index in range(1, seq.params.num_seqs):
                 child = seq.fork(index)
                 self.block_manager.fork(seq, child)
-                if seq.params.structured is not None:
-                    child.grammar = self.structured.matcher(seq.params.structured)
+                if seq.grammar is not None:     # the parent's grammar, compiled already: no compile on this thread
+                    child.grammar = self.structured.sibling(seq.grammar)
                 self.scheduler.add_forked(child)
                 request.choices.append(_Choice(child, IncrementalDetokenizer(self.tokenizer, prompt,
                                                                              seq.params.skip_special_tokens)))

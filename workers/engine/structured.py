@@ -7,6 +7,7 @@ recompute) never touches it; `matcher(spec, tokens)` rebuilds one from tokens wh
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -60,13 +61,15 @@ def utf8_table(token_bytes: list[bytes]) -> list[list[int]]:
 
 class Grammar:
     """One sequence's place in its grammar, and in UTF-8 (the grammar library admits token bytes that are not
-    valid UTF-8 inside strings, which decode to U+FFFD; utf8 is the automaton state above)."""
-    __slots__ = ("matcher", "json", "utf8", "table")
+    valid UTF-8 inside strings, which decode to U+FFFD; utf8 is the automaton state above). compiled: the grammar
+    it follows, for a sibling's fresh matcher (n > 1) without a compile."""
+    __slots__ = ("matcher", "json", "utf8", "table", "compiled")
 
-    def __init__(self, matcher, json: bool, table: list[list[int]] | None = None):
+    def __init__(self, matcher, json: bool, table: list[list[int]] | None = None, compiled=None):
         self.matcher = matcher
         self.json = json
         self.utf8, self.table = 0, table
+        self.compiled = compiled
 
     def accept_token(self, token: int) -> bool:
         if self.table is not None and token < len(self.table[0]):
@@ -86,7 +89,11 @@ class StructuredDecoding:
         self._xgr = None
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], object] = OrderedDict()
-        self._lock = threading.Lock()          # add_request threads compile while the engine thread steps
+        self._compiling: dict[tuple[str, str], Future] = {}
+        # The cache and the compiles in flight; never held while a grammar compiles (seconds for a hard schema), so
+        # a thread that needs a compiled grammar never waits for another request's compile.
+        self._lock = threading.Lock()
+        self._init_lock = threading.Lock()     # the tokenizer tables, built once
         self._bitmask: torch.Tensor | None = None
         self.mask_s = 0.0                      # time spent filling and applying masks
         self.masked_rows = 0
@@ -115,32 +122,67 @@ class StructuredDecoding:
                          for row in self._utf8]
         self._xgr = xgrammar
 
-    def compile(self, spec: StructuredOutput):
-        """The compiled grammar for spec (cached by its canonical text). Raises ValueError naming the problem."""
+    def prepare(self, spec: StructuredOutput, on_done=None) -> Future:
+        """spec's compiled grammar as a future: done at once when cached, else compiled on a thread of its own (one
+        compile per grammar in flight, shared by whoever asks meanwhile). Its `started` attribute is when the compile
+        itself began (the tokenizer tables built), None until then; a grammar that cannot be compiled fails it with
+        ValueError naming the problem. on_done(future) runs when it is done."""
         key = spec.key
         with self._lock:
-            if self._xgr is None:
-                self._init()
             got = self._cache.get(key)
             if got is not None:
                 self._cache.move_to_end(key)
-                return got
-            kind, text = key
-            try:
-                if kind == "json_schema":
-                    got = self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
-                elif kind == "json_object":
-                    got = self._compiler.compile_json_schema('{"type":"object"}', any_whitespace=False)
-                elif kind == "regex":
-                    got = self._compiler.compile_regex(text)
-                else:
-                    got = self._compiler.compile_regex("|".join(_escape(c) for c in spec.choice))
-            except Exception as exc:        # xgrammar raises RuntimeError/ValueError with the parser's message
-                raise ValueError(f"structured output {kind} cannot be compiled: {_reason(exc)}") from None
+                future = Future()
+                future.started = time.monotonic()
+                future.set_result(got)
+            else:
+                future = self._compiling.get(key)
+                if future is None:
+                    future = self._compiling[key] = Future()
+                    future.started = None
+                    threading.Thread(target=self._compile_into, args=(spec, future), daemon=True,
+                                     name="grammar-compile").start()
+        if on_done is not None:
+            future.add_done_callback(on_done)
+        return future
+
+    def compile(self, spec: StructuredOutput):
+        """The compiled grammar for spec (cached by its canonical text), waiting for it. Raises ValueError naming the
+        problem."""
+        return self.prepare(spec).result()
+
+    def _compile_into(self, spec: StructuredOutput, future: Future) -> None:
+        key = spec.key
+        try:
+            with self._init_lock:
+                if self._xgr is None:
+                    self._init()
+            future.started = time.monotonic()
+            got = self._compile(spec)
+        except BaseException as exc:
+            with self._lock:
+                self._compiling.pop(key, None)
+            future.set_exception(exc)
+            return
+        with self._lock:
+            self._compiling.pop(key, None)
             self._cache[key] = got
             if len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-            return got
+        future.set_result(got)
+
+    def _compile(self, spec: StructuredOutput):
+        kind, text = spec.key
+        try:
+            if kind == "json_schema":
+                return self._compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            if kind == "json_object":
+                return self._compiler.compile_json_schema('{"type":"object"}', any_whitespace=False)
+            if kind == "regex":
+                return self._compiler.compile_regex(text)
+            return self._compiler.compile_regex("|".join(_escape(c) for c in spec.choice))
+        except Exception as exc:        # xgrammar raises RuntimeError/ValueError with the parser's message
+            raise ValueError(f"structured output {kind} cannot be compiled: {_reason(exc)}") from None
 
     def warm(self) -> None:
         """Build the tokenizer tables and compile the JSON-object grammar now (seconds on the CPU), so the first
@@ -151,11 +193,16 @@ class StructuredDecoding:
         """A fresh matcher for spec, advanced over tokens already generated."""
         compiled = self.compile(spec)
         m = Grammar(self._xgr.GrammarMatcher(compiled), json=spec.key[0] in ("json_schema", "json_object"),
-                    table=self._utf8)
+                    table=self._utf8, compiled=compiled)
         for t in tokens:
             if not m.accept_token(t):
                 raise ValueError(f"token {t} does not follow the grammar")
         return m
+
+    def sibling(self, grammar: Grammar) -> Grammar:
+        """A fresh matcher over the grammar another sequence follows (its request's n > 1 siblings): no compile."""
+        return Grammar(self._xgr.GrammarMatcher(grammar.compiled), json=grammar.json, table=grammar.table,
+                       compiled=grammar.compiled)
 
     def bitmask(self, matchers: list) -> tuple[torch.Tensor, list[int]] | None:
         """matchers: one per row of the step (None where unconstrained) ->
