@@ -1,4 +1,4 @@
-"""Load test of the production shape with faults inside the window (issue 44): Locust as a library.
+"""Load test of the production shape with faults inside the window: Locust as a library.
 
     python benchmarks/load.py [--duration 600] [--tenants 50] [--users 16] [--spawn-rate 4]
                               [--wait-min 0.5] [--wait-max 2.5] [--model models/smollm2-135m]
@@ -10,7 +10,8 @@ Creates --tenants tenants through the admin API, then --users Locust users for -
 from a random tenant, mixing (weights --mix): streamed chat completions (`stream: true`, greedy, --stream-tokens),
 whole /v1/completions, native jobs (`POST /v1/jobs`, a third with an Idempotency-Key, half of those sent twice as a
 retrying client does), uploads (`POST /v1/files`) and batches (a --batch-lines JSONL file uploaded, then
-`POST /v1/batches`). Faults inside the window: at 1/3 the worker is killed with SIGKILL and restarted under the same
+`POST /v1/batches`), jobs cancelled once they run, and streams the client leaves after a few pieces of text.
+Faults inside the window: at 1/3 the worker is killed with SIGKILL and restarted under the same
 name after --restart-delay s, as a supervisor would; at 2/3 the redis-server is stopped and, --redis-down s later,
 started again on the same port (no persistence: queues and unacked messages are gone, beat republishes).
 
@@ -21,7 +22,8 @@ must reach a terminal state. Checks, from what the clients saw and from the ledg
   - no job lost: every job id a client was given (and every job in the database) is terminal, a failed or expired
     one with its error; none run twice: usage requests per tenant equal the jobs billed, the text a stream or a
     whole completion delivered equals the job's output, an idempotent retry returns the first job;
-  - every token billed once: per tenant, the prompt and completion tokens of the job rows equal the usage rows,
+  - every token billed once: per tenant, the prompt and completion tokens of the job rows equal the usage rows, a
+    cancelled or left job is billed for at least the text its client was sent,
     and the tenants' queued/running counters and budget reservations are back to zero;
   - admission p99 (time to the 202 of `POST /v1/jobs` and to the 200 of `POST /v1/batches`) <= --admission-p99-ms.
 TTFT (send to the first content chunk of a stream) is reported beside it, of all streams and of those that
@@ -63,7 +65,7 @@ ADMIN = "load-admin-token"
 WORKER = "load-gpu"
 JOB_TERMINAL = {"completed", "failed", "cancelled", "expired"}
 BATCH_TERMINAL = {"completed", "failed", "expired", "cancelled"}
-KINDS = ("stream", "completion", "job", "upload", "batch")
+KINDS = ("stream", "completion", "job", "upload", "batch", "cancel", "hangup")
 STREAM_500 = {"stream_failed", "internal_error"}      # error events that are a server bug, like an HTTP 500
 WORDS = ("tide", "pool", "harbor", "kelp", "reef", "current", "shell", "drift", "swell", "lagoon", "pier", "brine")
 
@@ -77,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--spawn-rate", type=float, default=4.0, help="users started per second")
     ap.add_argument("--wait-min", type=float, default=0.5, help="seconds a user waits between its requests, from")
     ap.add_argument("--wait-max", type=float, default=2.5, help="... to")
-    ap.add_argument("--mix", default="stream=3,completion=2,job=4,upload=1,batch=1",
+    ap.add_argument("--mix", default="stream=3,completion=2,job=4,upload=1,batch=1,cancel=1,hangup=1",
                     help="task weights: " + ", ".join(KINDS))
     ap.add_argument("--stream-tokens", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=8, help="whole completions and jobs")
@@ -166,12 +168,13 @@ def client_checks(records: list[dict], faults: list[dict], grace: float) -> dict
 
 def ledger_checks(jobs: list[dict], usage: list[dict], counters: list[dict], batches: list[dict],
                   accepted: set[str], accepted_batches: dict[str, int], delivered: list[dict],
-                  idempotency_mismatch: int) -> dict:
+                  idempotency_mismatch: int, cut: list[dict] = ()) -> dict:
     """jobs: {id, tenant_id, status, attempts, prompt_tokens, completion_tokens, error, output, batch_id};
     usage: {tenant_id, requests, prompt_tokens, completion_tokens}; counters: {tenant_id, queued_count,
     running_count, budget_reserved}; batches: {id, status, total, completed, failed}; accepted: the job ids clients
     were given; accepted_batches: batch id -> lines sent; delivered: {id, text} of what streams and whole completions
-    gave their clients."""
+    gave their clients; cut: {id, tokens} of running jobs a client cancelled or whose stream it left after `tokens`
+    pieces of text (each must be billed for at least those)."""
     by_id = {j["id"]: j for j in jobs}
     missing = sorted(accepted - set(by_id))
     unfinished = [j["id"] for j in jobs if j["status"] not in JOB_TERMINAL]
@@ -201,6 +204,10 @@ def ledger_checks(jobs: list[dict], usage: list[dict], counters: list[dict], bat
     mismatch = sorted(t for t in tenants if usage_by.get(t, (0, 0, 0))[1:] != billed.get(t, (0, 0, 0))[1:])
     differs = [d["id"] for d in delivered if d["id"] in by_id and by_id[d["id"]]["status"] == "completed"
                and d["text"] != by_id[d["id"]]["output"]]
+    unbilled = [{**c, "billed": by_id[c["id"]].get("completion_tokens"), "status": by_id[c["id"]]["status"]}
+                for c in cut if c["id"] in by_id and by_id[c["id"]]["status"] in ("cancelled", "completed")
+                and (by_id[c["id"]].get("completion_tokens") is None
+                     or by_id[c["id"]]["completion_tokens"] < c["tokens"])]
     leaked = [c["tenant_id"] for c in counters
               if (c["queued_count"], c["running_count"], c["budget_reserved"]) != (0, 0, 0)]
     states = {}
@@ -219,13 +226,21 @@ def ledger_checks(jobs: list[dict], usage: list[dict], counters: list[dict], bat
             "prompt_tokens_generated": sum(p for _, p, _ in billed.values()),
             "prompt_tokens_billed": sum(p for _, p, _ in usage_by.values()),
             "billing_mismatch": len(mismatch), "billing_mismatch_tenants": mismatch[:5],
+            "jobs_cut": len(cut), "cut_unbilled": len(unbilled), "cut_unbilled_samples": unbilled[:5],
             "counters_leaked": len(leaked)}
+
+
+def near_kill(cut: dict, book, before_s: float = 5.0) -> bool:
+    """Whether a job was cancelled or left within before_s of the worker's kill -9 (or while it was down): the
+    worker may have died before it wrote the aborted attempt, whose tokens are then billed by no one."""
+    at = book.t0 + cut["at_s"]
+    return any(f["kind"] == "worker_kill9" and f["start"] - before_s <= at <= f["end"] for f in book.faults)
 
 
 def verdict(r: dict, admission_p99_ms: float) -> list[str]:
     """The checks that failed (empty: pass)."""
     failed = [k for k in ("errors_500", "errors_5xx_other", "unexplained_503", "jobs_lost", "jobs_run_twice",
-                          "billing_mismatch", "counters_leaked", "batches_short") if r.get(k)]
+                          "billing_mismatch", "cut_unbilled", "counters_leaked", "batches_short") if r.get(k)]
     if not r.get("drained", True):
         failed.append("drained")
     if r.get("admission_p99_ms") is None or r["admission_p99_ms"] > admission_p99_ms:
@@ -362,6 +377,7 @@ class Book:
         self.batches: dict[str, int] = {}
         self.delivered: list[dict] = []
         self.idempotency_mismatch = 0
+        self.cut: list[dict] = []
         self.faults: list[dict] = []
         self.t0 = time.time()       # when the users start
         self.counter = 0
@@ -395,6 +411,13 @@ def multipart(content: bytes, purpose: str = "batch") -> tuple[bytes, str]:
             f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n"
             f"Content-Type: application/jsonl\r\n\r\n").encode() + content + f"\r\n--{boundary}--\r\n".encode()
     return body, f"multipart/form-data; boundary={boundary}"
+
+
+class _Answer:
+    """What Book.record reads of a response, for one made with http.client."""
+
+    def __init__(self, status: int, headers: list[tuple[str, str]]):
+        self.status_code, self.headers, self.text = status, dict(headers), ""
 
 
 def user_class(base: str, book: Book, args):
@@ -492,7 +515,58 @@ def user_class(base: str, book: Book, args):
             b = resp.json()
             book.batches[b["id"]] = args.batch_lines
 
-    funcs = {"stream": stream, "completion": completion, "job": job, "upload": upload, "batch": batch}
+    def cancel(user):
+        """A job cancelled once it runs: billed for what it computed."""
+        key = random.choice(book.keys)
+        t0 = time.time()
+        resp = post(user, "/v1/jobs", key, {"prompt": book.prompt(), "max_tokens": 4 * args.max_tokens,
+                                            "ignore_eos": True, "sla_class": "interactive"})
+        book.record("job", t0, resp)
+        if resp.status_code not in (200, 202):
+            return
+        job_id = resp.json()["id"]
+        book.accepted.add(job_id)
+        auth = {"Authorization": f"Bearer {key}"}
+        end = time.time() + 10
+        while time.time() < end:
+            got = user.client.request("GET", f"/v1/jobs/{job_id}", headers=auth)
+            if got.status_code != 200 or got.json()["status"] != "queued":
+                break
+            time.sleep(0.1)
+        if got.status_code == 200 and got.json()["status"] == "running":
+            time.sleep(random.uniform(0.1, 0.5))
+            t0 = time.time()
+            book.record("cancel", t0, user.client.request("POST", f"/v1/jobs/{job_id}/cancel", headers=auth))
+            book.cut.append({"id": job_id, "tokens": 0, "kind": "cancel", "at_s": round(t0 - book.t0, 1)})
+
+    def hangup(user):
+        """A stream whose client goes away after a few pieces of text: billed for at least what it was sent."""
+        import http.client
+        key = random.choice(book.keys)
+        body = {"messages": [{"role": "user", "content": book.prompt()}], "max_tokens": 4 * args.stream_tokens,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        host, port = base.split("//", 1)[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=900)
+        t0, job_id, pieces, want = time.time(), None, 0, random.randint(1, 4)
+        try:
+            conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                         {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            r = conn.getresponse()
+            book.record("hangup", t0, _Answer(r.status, r.getheaders()))
+            while r.status == 200 and pieces < want and (line := r.readline()):
+                if line.startswith(b"data: {"):
+                    ev = json.loads(line[6:])
+                    job_id = job_id or ev.get("id")
+                    pieces += sum(1 for c in ev.get("choices") or [] if (c.get("delta") or {}).get("content"))
+        finally:
+            conn.close()
+        if job_id:
+            book.accepted.add(job_id)
+            if pieces:
+                book.cut.append({"id": job_id, "tokens": pieces, "kind": "hangup", "at_s": round(t0 - book.t0, 1)})
+
+    funcs = {"stream": stream, "completion": completion, "job": job, "upload": upload, "batch": batch,
+             "cancel": cancel, "hangup": hangup}
 
     class Tenants(FastHttpUser):
         host = base
@@ -591,12 +665,14 @@ def main(argv=None) -> int:
             drained = False
         drain_s = time.time() - t_drain
         rows = ledger_rows(stack)
+        cut = [c for c in book.cut if not near_kill(c, book)]
         in_window = sum(1 for r in book.records if r["t0"] < book.t0 + args.duration)
         result = {"duration_s": args.duration, "stop_s": round(ran - args.duration, 1), "tenants": args.tenants,
                   "users": args.users, "requests": len(book.records), "rps": round(in_window / args.duration, 2),
                   **client_checks(book.records, book.faults, args.grace),
                   **ledger_checks(rows["jobs"], rows["usage"], rows["counters"], rows["batches"], book.accepted,
-                                  book.batches, book.delivered, book.idempotency_mismatch),
+                                  book.batches, book.delivered, book.idempotency_mismatch, cut),
+                  "cut_with_killed_worker": len(book.cut) - len(cut),
                   "drained": drained, "drain_s": round(drain_s, 1),
                   "faults": [{"kind": f["kind"], "at_s": round(f["start"] - book.t0, 1),
                               "recovered_s": round(f["end"] - f["start"], 1),

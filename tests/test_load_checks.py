@@ -50,6 +50,9 @@ def test_a_clean_ledger_passes():
     (lambda d: d.__setitem__("idempotency_mismatch", 1), "jobs_run_twice"),
     (lambda d: d["usage"][0].__setitem__("completion_tokens", 8), "billing_mismatch"),   # a job unbilled
     (lambda d: d["jobs"].append(job("job_e", status="cancelled", c=4)), "billing_mismatch"),
+    (lambda d: d.__setitem__("cut", [{"id": "job_e", "tokens": 0}]) or d["jobs"].append(
+        job("job_e", status="cancelled", c=None, p=None)), "cut_unbilled"),     # a cancelled running job unbilled
+    (lambda d: d.__setitem__("cut", [{"id": "job_b", "tokens": 99}]), "cut_unbilled"),   # billed less than sent
     (lambda d: d["counters"][0].__setitem__("budget_reserved", 12), "counters_leaked"),
     (lambda d: d["batches"][0].__setitem__("status", "in_progress"), "batches_short"),
     (lambda d: d["accepted_batches"].__setitem__("batch_1", 3), "batches_short"),
