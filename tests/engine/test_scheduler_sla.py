@@ -74,7 +74,7 @@ def test_offline_work_keeps_its_floor_share_beside_a_steady_realtime_stream():
     its floor of the predicted step time over the run, paid back in the steps between, and finishes."""
     for floor in (0.5, 0.3):
         sim = Sim(max_num_seqs=64, budget=256, targets=LOOSE)
-        sim.sched.offline_floor = floor
+        sim.sched.pace.offline_floor = floor
         offline = [sim.add(20, 30) for _ in range(40)]
         offline_s = total_s = 0.0
         for step in range(600):
@@ -100,7 +100,7 @@ def test_a_stream_ahead_of_its_pace_absorbs_a_longer_step_and_one_behind_gets_on
     ahead = sim.step()
     assert abs(ahead.time_limit_s - 0.030) < 1e-9 and ahead.predicted_s <= 0.030 + 1e-9
     sim.now = 0.5                                   # far behind: 2 tokens delivered in 500 ms at a 50 ms pace
-    sim.sched.offline_owed = 0.0
+    sim.sched.pace.offline_owed = 0.0
     behind = sim.step()
     online_s = COST.fixed + COST.per_token          # the floor: as much offline time as online time (half)
     assert abs(behind.time_limit_s - 2 * online_s) < 1e-9
@@ -134,13 +134,13 @@ def test_while_a_stream_runs_offline_gets_its_floor_and_no_debt_is_kept_or_paid(
     offline = [sim.add(100, 50) for _ in range(30)]
     rt = sim.add(8, 40, "realtime")
     sim.step()                                      # its first token: offline gets nothing
-    assert rt.first_token_s is not None and sim.sched.offline_owed > 0
-    sim.sched.offline_owed = owed = 0.5
+    assert rt.first_token_s is not None and sim.sched.pace.offline_owed > 0
+    sim.sched.pace.offline_owed = owed = 0.5
     sim.now = rt.first_token_s + 0.5                # behind its pace: no pace room, only the floor
     streaming = sim.step()
     online_s = COST.fixed + COST.per_token
     assert abs(streaming.time_limit_s - 2 * online_s) < 1e-9          # the floor share, no payback
-    assert sim.sched.offline_owed == owed
+    assert sim.sched.pace.offline_owed == owed
     assert 10 <= sim.offline_tokens(streaming) <= 11 and not any(s.is_finished for s in offline)
 
 
@@ -154,11 +154,11 @@ def test_a_first_token_step_beside_a_running_stream_carries_no_offline_tokens_ev
     rt = sim.add(8, 40, "realtime")
     sim.step()
     assert rt.first_token_s is not None
-    sim.sched.offline_owed = 1.0                    # OWED_CAP_S
+    sim.sched.pace.offline_owed = 1.0               # OWED_CAP_S
     newcomer = sim.add(40, 4, "realtime")
     batch = sim.step()
     assert newcomer in batch.seqs and rt in batch.seqs and newcomer.num_output_tokens == 1
-    assert sim.offline_tokens(batch) == 0 and sim.sched.offline_owed == 1.0
+    assert sim.offline_tokens(batch) == 0 and sim.sched.pace.offline_owed == 1.0
 
 
 def test_steps_of_offline_work_alone_pay_down_the_debt():
@@ -167,13 +167,13 @@ def test_steps_of_offline_work_alone_pay_down_the_debt():
     sim = Sim(max_num_seqs=64, budget=256, targets=LOOSE)
     for _ in range(30):
         sim.add(20, 200)
-    sim.sched.offline_owed = owed = 1.0
+    sim.sched.pace.offline_owed = owed = 1.0
     before = sim.step()
     assert before.time_limit_s is None and sim.offline_tokens(before) > 0
-    assert abs(sim.sched.offline_owed - (owed - 0.5 * before.predicted_s)) < 1e-9      # (1 - floor) of the step
+    assert abs(sim.sched.pace.offline_owed - (owed - 0.5 * before.predicted_s)) < 1e-9  # (1 - floor) of the step
     for _ in range(100):
         sim.step()
-    assert sim.sched.offline_owed == 0.0
+    assert sim.sched.pace.offline_owed == 0.0
     rt = sim.add(40, 4, "realtime")
     first = sim.step()
     assert rt in first.seqs and sim.offline_tokens(first) == 0
@@ -189,7 +189,7 @@ def test_without_online_work_a_step_leaves_a_new_arrival_its_ttft():
     wave = sim.step()
     assert wave.time_limit_s is None and wave.idle_limit_s == 0.100
     assert wave.predicted_s <= 0.100 + 1e-9 and wave.num_tokens == 90       # (100 - 10) ms at 1 ms a token
-    assert Sim(targets={"realtime": {"ttft_ms": 130.0, "itl_ms": 50.0}}).sched.idle_limit_s == 0.080
+    assert Sim(targets={"realtime": {"ttft_ms": 130.0, "itl_ms": 50.0}}).sched.pace.idle_limit_s == 0.080
     rt = sim.add(30, 2, "realtime")
     batch = sim.step()
     assert rt in batch.seqs and batch.idle_limit_s is None and sim.offline_tokens(batch) == 0

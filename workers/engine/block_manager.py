@@ -60,6 +60,18 @@ class BlockManager:
         total = seq.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(seq.block_table))
 
+    def blocks_to_finish(self, seq: Sequence, max_model_len: int | None = None) -> int:
+        """Blocks seq still needs to reach max_tokens (or max_model_len), beyond those it holds."""
+        total = seq.num_prompt_tokens + seq.params.max_tokens
+        if max_model_len is not None:
+            total = min(total, max_model_len)
+        bs = self.block_size
+        need = max(0, -(-total // bs) - len(seq.block_table))
+        if seq.params.num_seqs > 1 and seq.index == 0 and seq.num_output_tokens == 0:
+            # siblings still to be forked: each writes its own output (and a copy of the shared partial block)
+            need += (seq.params.num_seqs - 1) * (-(-(total - seq.num_prompt_tokens) // bs) + 1)
+        return need
+
     def _take_free(self) -> int:
         block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]

@@ -368,7 +368,7 @@ class LLMEngine:
         if batch.swap_in:
             self.host_pool.copy([], batch.swap_in)
         # (an engine without online targets, LLM and run-batch, has no arrival that could cut: no check per layer)
-        cut = (_StepCut(self, batch, outputs) if self.config.step_cut and self.scheduler.sla_targets and not cut_in
+        cut = (_StepCut(self, batch, outputs) if self.config.step_cut and self.scheduler.pace.sla_targets and not cut_in
                and not self.is_encoder and batch.predicted_s and batch.num_adapters == 0 else None)
         logits = self.runner.run(batch, cut) if cut is not None else self.runner.run(batch)
         for seq, position, entry in self.runner.prompt_logprobs:    # a recomputed prompt writes the same again
