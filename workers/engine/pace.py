@@ -264,20 +264,23 @@ class StepTime:
         """(the time bound seq's tokens fit under (None: none), the time left under it), or None when not even one
         more offline token of seq fits. first: seq would open the step (an empty step changes nothing, so no bound
         stops it). Candidates come by class: the first offline one closes the online part of the step."""
-        pace = self.pace
-        if self.room is not None and self.online_s is None and not seq.is_online:
+        pace, online = self.pace, seq.is_online
+        if not online and self.online_s is None and self.room is not None:
             self.online_s = self.used
             self.limit = self.time_limit_s = pace.offline_limit(self.room, self.online_s, self.first_token_step,
                                                                 self.streaming)
         limit = self.limit
-        if seq.pooling is not None and not seq.is_online and pace.embed_limit_s is not None:
+        if seq.pooling is not None and not online and pace.embed_limit_s is not None:
             limit = pace.embed_limit_s if limit is None else min(limit, pace.embed_limit_s)
-        adapter_s = 0.0 if pace.cost_model is None else pace.adapter_cost(seq, self.adapters)
-        time_left = 0.0 if limit is None else limit - self.used - adapter_s
-        if limit is not None and first:
-            time_left = max(time_left, 1.000001 * pace.step_cost(seq.num_computed_tokens, 1))
-        if limit is not None and not seq.is_online and time_left < pace.step_cost(seq.num_computed_tokens, 1):
-            return None
+        if limit is None:
+            return None, 0.0
+        time_left = limit - self.used - pace.adapter_cost(seq, self.adapters)
+        if first or not online:
+            one = pace.step_cost(seq.num_computed_tokens, 1)
+            if first:
+                time_left = max(time_left, 1.000001 * one)
+            if not online and time_left < one:
+                return None
         return limit, time_left
 
     def over_idle_cap(self, seq: Sequence) -> bool:

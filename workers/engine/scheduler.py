@@ -160,7 +160,7 @@ class Scheduler:
             tenants = by_class_waiting.get(rank, {})
             # equal service (a tenant back from idle is lifted level with the least served): the one holding fewer
             # of the class's seats first, then the earliest
-            holding = Counter(s.tenant for s in running)
+            holding = defaultdict(int, Counter(s.tenant for s in running))
             while tenants:
                 tenant = min(tenants, key=lambda t: (served.get((rank, t), 0.0), holding[t], tenants[t][0].arrival))
                 seq = tenants[tenant].popleft()
@@ -202,7 +202,7 @@ class Scheduler:
                         or not self._admit(seq, scheduled, batch):
                     admitting = False
                     continue
-            n = self.pace.num_new(seq, budget, *bound, first=new and not batch.seqs)
+            n = self.pace.num_new(seq, budget, bound[0], bound[1], new and not batch.seqs)
             if n == 0:
                 if new:
                     self._unadmit(seq)
