@@ -1,19 +1,22 @@
 """Load test of the production shape with faults inside the window: Locust as a library.
 
     python benchmarks/load.py [--duration 600] [--tenants 50] [--users 16] [--spawn-rate 4]
-                              [--wait-min 0.5] [--wait-max 2.5] [--model models/smollm2-135m]
+                              [--wait-min 0.5] [--wait-max 2.5] [--mix KIND=WEIGHT,...] [--lease-seconds S]
+                              [--no-faults] [--pg postgresql+psycopg://postgres@127.0.0.1:5432]
+                              [--model models/smollm2-135m]
 
-Starts, on this machine: a fresh Postgres database on --pg (`tidepool db upgrade` creates and migrates it; dropped
-at the end), a private redis-server on a free port (restarted below, so nothing else may share it), gunicorn as the
-Procfile's `web` line runs it, one `tidepool worker --kind gpu --device cpu` over --model and `tidepool beat`.
-Creates --tenants tenants through the admin API, then --users Locust users for --duration seconds, each request
-from a random tenant, mixing (weights --mix): streamed chat completions (`stream: true`, greedy, --stream-tokens),
-whole /v1/completions, native jobs (`POST /v1/jobs`, a third with an Idempotency-Key, half of those sent twice as a
-retrying client does), uploads (`POST /v1/files`) and batches (a --batch-lines JSONL file uploaded, then
-`POST /v1/batches`), jobs cancelled once they run, and streams the client leaves after a few pieces of text.
-Faults inside the window: at 1/3 the worker is killed with SIGKILL and restarted under the same
-name after --restart-delay s, as a supervisor would; at 2/3 the redis-server is stopped and, --redis-down s later,
-started again on the same port (no persistence: queues and unacked messages are gone, beat republishes).
+Needs a Postgres server (--pg) and `redis-server` on PATH. Starts, on this machine: a fresh Postgres database on
+--pg (`tidepool db upgrade` creates and migrates it; dropped at the end), a private redis-server on a free port
+(restarted below, so nothing else may share it), gunicorn as the Procfile's `web` line runs it, one `tidepool worker
+--kind gpu --device cpu` over --model and `tidepool beat`. Creates --tenants tenants through the admin API, then
+--users Locust users for --duration seconds, each request from a random tenant, mixing (weights --mix): streamed
+chat completions (`stream: true`, greedy, --stream-tokens), whole /v1/completions, native jobs (`POST /v1/jobs`, a
+third with an Idempotency-Key, half of those sent twice as a retrying client does), uploads (`POST /v1/files`) and
+batches (a --batch-lines JSONL file uploaded, then `POST /v1/batches`), jobs cancelled once they run, and streams
+the client leaves after a few pieces of text. Faults inside the window: at 1/3 the worker is killed with SIGKILL and
+restarted under the same name after --restart-delay s, as a supervisor would; at 2/3 the redis-server is stopped
+and, --redis-down s later, started again on the same port (no persistence: queues and unacked messages are gone,
+beat republishes).
 
 After the window the users finish the request they are in, then (at most --drain-timeout s) every job and batch
 must reach a terminal state. Checks, from what the clients saw and from the ledger:
@@ -23,9 +26,10 @@ must reach a terminal state. Checks, from what the clients saw and from the ledg
     one with its error; none run twice: usage requests per tenant equal the jobs billed, the text a stream or a
     whole completion delivered equals the job's output, an idempotent retry returns the first job;
   - every token billed once: per tenant, the prompt and completion tokens of the job rows equal the usage rows, a
-    cancelled or left job is billed for at least the text its client was sent,
-    and the tenants' queued/running counters and budget reservations are back to zero;
-  - admission p99 (time to the 202 of `POST /v1/jobs` and to the 200 of `POST /v1/batches`) <= --admission-p99-ms.
+    cancelled or left job is billed for at least the text its client was sent, and the tenants' queued/running
+    counters and budget reservations are back to zero;
+  - admission p99 (time to the 202 of `POST /v1/jobs` and to the 200 of `POST /v1/batches`) <= --admission-p99-ms
+    (100 ms).
 TTFT (send to the first content chunk of a stream) is reported beside it, of all streams and of those that
 overlapped no fault (a stream whose job the killed worker held waits for its lease to lapse: --lease-seconds).
 Prints one JSON line, writes it to benchmarks/results/load.json, exits 1 when a check fails (the processes' logs
