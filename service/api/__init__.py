@@ -20,7 +20,7 @@ def ts(value: datetime | None) -> int | None:
     return int(value.timestamp()) if value is not None else None
 
 
-MAX_JSON_BYTES = 16 << 20   # a request that carries a prompt (README "Request limits"); files go through /v1/files
+MAX_JSON_BYTES = 16 << 20   # a request that carries a prompt (docs/guides/online-api.md, "Request limits"); files go through /v1/files
 SMALL_JSON_BYTES = 1 << 20  # any other JSON body (admin, batch creation): what parsing it may cost stays small
 
 
