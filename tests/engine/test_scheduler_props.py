@@ -58,11 +58,14 @@ HANDOVER_ABOVE_A_LOWER_CLASS = [(1, 1, "realtime", "a", 3)] + [(1, 1, "interacti
 def test_budget_capacity_and_preemption_order(reqs, num_blocks, max_num_seqs, budget):
     sim = Sim(num_blocks=num_blocks, max_num_seqs=max_num_seqs, budget=budget)
     pending = sorted(reqs, key=lambda r: r[4])
+    empty = 0              # consecutive steps with nothing in them while work waits
     for step in range(600):
         while pending and pending[0][4] <= step:
             plen, out, cls, tenant, _ = pending.pop(0)
             sim.add(min(plen, num_blocks * 4 - 13), out, cls, tenant)
         batch = sim.step()
+        empty = empty + 1 if not batch and sim.sched.has_unfinished() else 0
+        assert empty < 3, f"{empty} empty steps in a row while work waits: a livelock"
         assert batch.num_tokens <= budget
         assert len(sim.sched.running) <= max_num_seqs
         assert all(n >= 1 for n in batch.num_new_tokens)
@@ -206,3 +209,31 @@ def test_a_step_is_never_empty_while_work_can_run(fixed, per_token, per_context,
             if seq.num_output_tokens >= seq.params.max_tokens:
                 sched.remove(seq)
     assert not sched.has_unfinished() and not pending
+
+
+def test_a_suspended_sequence_ranked_below_one_kept_out_for_memory_does_not_hold_its_blocks_forever():
+    """Fair share ranks a's recomputed interactive request s28 ahead of b's suspended s27 (a has less service), but
+    s27 arrived first, so the memory rule alone never displaces it for s28: s28 was kept out for want of blocks
+    and, ranked above it, kept out s27 too, with nothing running, every later step empty (found by the step cut's
+    property test)."""
+    bm = BlockManager(16, 4)
+    sched = Scheduler(bm, 2, 64)
+
+    def add(n, plen, out, cls):
+        sched.add(Sequence(f"s{n}", [5 + n] * plen, SamplingParams(max_tokens=out), sla_class=cls,
+                           tenant="b" if n == 27 else "a"))
+
+    for n in range(1, 27):
+        add(n, 1, 1, "realtime")
+    add(27, 36, 3, "interactive")
+    add(28, 24, 2, "interactive")
+    for step in range(60):
+        if step == 15:
+            add(29, 1, 1, "realtime"), add(30, 1, 1, "realtime")
+        batch = sched.schedule()
+        assert batch.seqs or batch.preempted or not sched.has_unfinished(), f"an empty step ({step}) while work waits"
+        for seq in sched.postprocess(batch):
+            seq.token_ids.append(7)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.remove(seq)
+    assert not sched.has_unfinished() and bm.num_free_blocks == 16

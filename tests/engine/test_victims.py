@@ -47,6 +47,26 @@ def test_memory_comes_from_the_lowest_class_suspended_first_never_from_one_ranke
     assert VictimChooser.for_memory(running_batch, [running_batch], [], set()) is None   # never itself
 
 
+def test_with_nothing_running_a_suspended_sequence_ranked_later_in_the_step_gives_its_memory_though_it_came_first():
+    """Fair share may rank a later arrival ahead of a suspended one of its class; with nothing running, the step is
+    empty unless the suspended one (which nothing ranked below the kept-out one may join) gives up its blocks."""
+    early_b = seq("interactive", tenant="b", status=SUSPENDED)
+    needy = seq("interactive", tenant="a", status=WAITING)
+    passed = {id(needy)}                                  # the step's order: needy, then early_b
+    assert VictimChooser.for_memory(needy, [], [needy, early_b], set()) is None       # no order given: it stays
+    assert VictimChooser.for_memory(needy, [], [needy, early_b], set(), passed) is early_b
+    # ranked before needy in the step (passed over: its adapter is loading, say): it stays
+    assert VictimChooser.for_memory(needy, [], [early_b, needy], set(), passed | {id(early_b)}) is None
+    # with something running, the step is not empty: the usual rule alone
+    assert VictimChooser.for_memory(needy, [seq("realtime")], [needy, early_b], set(), passed) is None
+    # one the usual rule allows goes first, though it runs
+    late = seq("interactive", tenant="c")
+    assert VictimChooser.for_memory(needy, [late], [needy, early_b], set(), passed) is late
+    # never a higher class, whatever the order
+    rt = seq("realtime", tenant="b", status=SUSPENDED)
+    assert VictimChooser.for_memory(needy, [], [rt, needy], set(), {id(rt), id(needy)}) is None
+
+
 def shares(running, waiting, served, max_num_seqs=4, reserve_seats=0, handed=None, moved=0):
     return VictimChooser(max_num_seqs, reserve_seats).for_share(running, waiting, served, handed or defaultdict(int),
                                                                 moved)

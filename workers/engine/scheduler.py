@@ -7,9 +7,8 @@ class's seats may take one from a tenant that holds more (suspended, it keeps it
 the seats first does not keep them. A step holds at most max_num_seqs sequences and max_num_batched_tokens
 tokens; a prompt that doesn't fit is prefilled in chunks.
 
-How long a step may last and how much offline work fills it beside online work (the pace rule), and the step cut
-that runs an online arrival's first-token step inside the step in flight, are workers/engine/pace.py; whom a step
-displaces for a seat or for memory (class, fair share, memory) is workers/engine/victims.py.
+The pace rule (how long a step lasts, how much offline work fills it beside online work) and the step cut (an
+online arrival's first-token step inside the step in flight) are pace.py; whom a step displaces is victims.py.
 
 Seats and blocks of the online reserve are never given to offline work. Under the `no_evict` capacity policy a
 sequence is admitted only if it can run to max_tokens without evicting anyone, and nothing is ever preempted.
@@ -173,7 +172,7 @@ class Scheduler:
         self.block_manager.end_step()
         step = self.pace.step(self.running, self.waiting, self.clock())   # before the rebalance moves anyone
         batch = ScheduledBatch()
-        budget, scheduled = self.max_num_batched_tokens, set()
+        budget, scheduled, passed = self.max_num_batched_tokens, set(), set()   # passed: the candidates so far
         offline_running = sum(not s.is_online for s in self.running)    # kept current: O(1) per admission
         rebalanced = self._rebalance(batch)
         preempted_seen = passed_over = 0     # passed_over: offline embedding inputs that did not fit
@@ -181,6 +180,7 @@ class Scheduler:
         for seq in self._candidates():
             if budget == 0:
                 break
+            passed.add(id(seq))
             if len(batch.preempted) != preempted_seen:     # suspensions or evictions changed the running set
                 offline_running = sum(not s.is_online for s in self.running)
                 preempted_seen = len(batch.preempted)
@@ -199,7 +199,7 @@ class Scheduler:
                 admitting = admitting and not any(p.rank <= seq.rank for p in batch.preempted
                                                   if all(p is not r for r in rebalanced))
                 if not admitting or not self._seat(seq, offline_running, scheduled, batch) \
-                        or not self._admit(seq, scheduled, batch):
+                        or not self._admit(seq, scheduled, batch, passed):
                     admitting = False
                     continue
             n = self.pace.num_new(seq, budget, bound[0], bound[1], new and not batch.seqs)
@@ -213,7 +213,7 @@ class Scheduler:
                     if passed_over >= EMBED_LOOKAHEAD:
                         break
                 continue
-            if not self._make_room(seq, n, scheduled, batch):
+            if not self._make_room(seq, n, scheduled, batch, passed):
                 if new:
                     self._unadmit(seq)
                     admitting = False
@@ -305,7 +305,7 @@ class Scheduler:
         self.waiting.append(seq)
         self._count(seq, "suspend", batch)
 
-    def _admit(self, seq: Sequence, scheduled: set[int], batch: ScheduledBatch) -> bool:
+    def _admit(self, seq: Sequence, scheduled: set[int], batch: ScheduledBatch, passed: set[int]) -> bool:
         """Bring a waiting, suspended or swapped sequence back onto device blocks; False when memory (or the
         capacity policy) keeps it out."""
         bm = self.block_manager
@@ -318,7 +318,7 @@ class Scheduler:
                 return False
         elif seq.status == SWAPPED:
             while not bm.can_swap_in(seq, keep):
-                victim = self.victims.for_memory(seq, self.running, self.waiting, scheduled)
+                victim = self.victims.for_memory(seq, self.running, self.waiting, scheduled, passed)
                 if victim is None or self.capacity_policy == "no_evict":
                     return False
                 self._evict(victim, batch)
@@ -343,14 +343,14 @@ class Scheduler:
         seq.status = RUNNING
 
     # -- memory -------------------------------------------------------------------------------------
-    def _make_room(self, seq: Sequence, num_new: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
+    def _make_room(self, seq: Sequence, n: int, scheduled: set[int], batch: ScheduledBatch, passed: set[int]) -> bool:
         if seq.pooling is not None and not self.kv_cache:
             return True        # an encoder: no KV at all
         keep = 0 if seq.is_online else self.reserve_blocks
-        while not self.block_manager.allocate(seq, num_new, keep):
+        while not self.block_manager.allocate(seq, n, keep):
             if self.capacity_policy == "no_evict":
                 return False
-            victim = self.victims.for_memory(seq, self.running, self.waiting, scheduled)
+            victim = self.victims.for_memory(seq, self.running, self.waiting, scheduled, passed)
             if victim is None:
                 if seq.status == RUNNING:
                     self._evict(seq, batch)

@@ -10,7 +10,9 @@ when there is one with room, else is recomputed).
     latest-arrived sequence of the tenant with the most seats per weight goes, and only if handing its seat over
     leaves that tenant no worse off than the other (no seat flips back).
   - memory (for_memory): the sequence holding device blocks of the lowest class, suspended before running, latest
-    arrival; never one that ranks above the sequence that needs the room.
+    arrival; never one that ranks above the sequence that needs the room. With nothing running, also a suspended
+    sequence that the step's (fair-share) order ranks after it, though it arrived first: nothing ranked below a
+    sequence kept out is admitted, so such a one would hold its blocks idle and every step would be empty.
 """
 from collections import defaultdict
 
@@ -69,18 +71,22 @@ class VictimChooser:
         return None
 
     @staticmethod
-    def for_memory(seq: Sequence, running: list[Sequence], waiting: list[Sequence],
-                   scheduled: set[int]) -> Sequence | None:
+    def for_memory(seq: Sequence, running: list[Sequence], waiting: list[Sequence], scheduled: set[int],
+                   passed: set[int] | None = None) -> Sequence | None:
         """The sequence holding device blocks to displace for seq (running, or suspended among the waiting), not one
         already in this step (`scheduled` ids): lowest class, suspended before running, latest arrival; None if
-        none may go."""
+        none may go. One of seq's class that arrived earlier ranks above seq and stays, except, with nothing
+        running, a suspended one the step's order ranks after seq (not among `passed`, the ids of the candidates
+        so far, seq included; None: no such exception), after all others: the step would otherwise be empty, and so
+        would every one after."""
         best, best_key = None, None
         for s in running + [w for w in waiting if w.status == SequenceStatus.SUSPENDED]:
             if s is seq or id(s) in scheduled or not s.block_table:
                 continue
-            if (s.rank, s.arrival) <= (seq.rank, seq.arrival):
+            below = (s.rank, s.arrival) > (seq.rank, seq.arrival)
+            if not below and (running or passed is None or id(s) in passed):
                 continue
-            key = (s.rank, s.status == SequenceStatus.SUSPENDED, s.arrival)
+            key = (below, s.rank, s.status == SequenceStatus.SUSPENDED, s.arrival)
             if best_key is None or key > best_key:
                 best, best_key = s, key
         return best
