@@ -245,6 +245,9 @@ def update_model(name):
 def grant_model(tenant_id):
     """Let a tenant use a model ({"model": name}); a tenant without an allow-list may use every model already."""
     body = json_body()
+    unknown = sorted(set(body) - {"model"})
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     _tenant(tenant_id)
     name = _entry(body.get("model") if isinstance(body.get("model"), str) else "").name
     s = session()

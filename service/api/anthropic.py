@@ -31,6 +31,7 @@ def _checked(body: dict, fields=shapes.FIELDS):
     """(checked chat body, model entry) of a Messages request, or its 4xx."""
     chat, origin = shapes.to_chat(body, fields)
     model = ext("registry").resolve(g.quota, body.get("model"))
+    ext("registry").check_endpoint(model, shapes.MESSAGES)
     checked = shapes.check(chat, origin, lambda c: bodies.check(
         c, bodies.CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
         context_len=ext("registry").context_len(model), count_tokens=ext("registry").token_counter(model)))
@@ -41,7 +42,7 @@ def _checked(body: dict, fields=shapes.FIELDS):
 @tenant_required
 def create_message():
     body = json_body(MAX_JSON_BYTES)
-    if body.get("stream") not in (None, True, False):
+    if not isinstance(body.get("stream"), (bool, type(None))):
         raise bad_request("stream: must be a boolean.", "stream")
     stream = bool(body.get("stream"))
     checked, model = _checked(body)
@@ -221,7 +222,8 @@ def create_batch():
         e = errors[0]
         where = f"requests.{e['line'] - 1}" if e.get("line") else "requests"
         param = (e.get("param") or "").removeprefix("body.").removeprefix("body")
-        status = 404 if e.get("code") == "model_not_found" else 403 if e.get("code") == "model_not_allowed" else 400
+        status = {"model_not_found": 404, "model_not_supported": 404, "model_disabled": 403,
+                  "model_not_allowed": 403}.get(e.get("code"), 400)
         raise APIError(status, f"{where}.params: {e['message']}", e.get("code"),
                        f"{where}.params" + (f".{param}" if param else ""))
     try:      # the requests are a file the tenant keeps with the batch, counted against its storage (last: the check
@@ -290,8 +292,8 @@ def _result(job: Job, model: str | None) -> dict:
 def batch_results(batch_id):
     batch = _own_batch(batch_id)
     if PROCESSING.get(batch.status) is not None:
-        raise bad_request(f"Message batch '{batch_id}' is still processing; its results are available once it has "
-                          "ended.")
+        raise APIError(409, f"Message batch '{batch_id}' is still processing; its results are available once it "
+                            "has ended.", "batch_not_ended")
     model, sessions = cfg().served_model_name, ext("sessions")
 
     def lines():
@@ -319,8 +321,8 @@ def batch_results(batch_id):
 def delete_batch(batch_id):
     s, batch = session(), _own_batch(batch_id)
     if PROCESSING.get(batch.status) is not None:
-        raise bad_request(f"Message batch '{batch_id}' is still processing; cancel it and wait for it to end before "
-                          "deleting it.")
+        raise APIError(409, f"Message batch '{batch_id}' is still processing; cancel it and wait for it to end "
+                            "before deleting it.", "batch_not_ended")
     files = [f for f in (batch.input_file_id, batch.output_file_id, batch.error_file_id) if f]
     s.execute(delete(Job).where(Job.batch_id == batch.id))
     s.execute(delete(File).where(File.id.in_(files), File.tenant_id == g.tenant.id))

@@ -99,7 +99,7 @@ def create_job():
     ext("registry").check_endpoint(model, endpoint)
     checked = bodies.check(body, endpoint, served_model=None,
                            max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA,
-                           context_len=ext("registry").context_len(model),
+                           context_len=ext("registry").context_len(model), vocab_size=ext("registry").vocab_size(model),
                            embed_model=ext("registry").embed_model(model),
                            count_tokens=ext("registry").token_counter(model))
     sla = tiers.sla_class(body.get("service_tier"), body.get("sla_class"),

@@ -97,15 +97,17 @@ def _serve(endpoint: str):
     marks = {"recv": time.time()}
     body = json_body(MAX_JSON_BYTES)
     stream, options = body.pop("stream", None), body.pop("stream_options", None)
-    if stream not in (None, True, False):
+    if not isinstance(stream, (bool, type(None))):
         raise bad_request("'stream' must be a boolean.", "stream")
-    if options is not None and not isinstance(options, dict):
-        raise bad_request("'stream_options' must be an object.", "stream_options")
+    if options is not None and (not isinstance(options, dict) or set(options) - {"include_usage"}):
+        raise bad_request("'stream_options' must be an object with only 'include_usage'.", "stream_options")
+    if not isinstance((options or {}).get("include_usage"), (bool, type(None))):
+        raise bad_request("'stream_options.include_usage' must be a boolean.", "stream_options.include_usage")
     sla = online_class(body.pop("service_tier", None), body.pop("sla_class", None))
     model = adapters.resolve(session(), ext("registry"), g.quota, g.tenant.id, body.get("model"))  # 404/403
     ext("registry").check_endpoint(model, endpoint)
     checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
-                           context_len=ext("registry").context_len(model),
+                           context_len=ext("registry").context_len(model), vocab_size=ext("registry").vocab_size(model),
                            count_tokens=ext("registry").token_counter(model))
     if stream and (checked.body.get("best_of") or 1) > (checked.body.get("n") or 1):
         raise bad_request("'best_of' above 'n' cannot be streamed (the best are known only at the end).", "best_of")
@@ -228,7 +230,7 @@ class _Waiter:
         while True:
             if self.slot is not None:
                 self.slot.renew()
-            ev = self.sub.get(QUIET)
+            ev = self.sub.get(max(0.0, min(QUIET, self.deadline - time.monotonic())))   # never past the deadline
             if ev is not None:
                 if "ts" in ev and "event" not in self.marks:
                     self.marks.update(ev["ts"], event=time.time())

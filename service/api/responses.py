@@ -38,8 +38,8 @@ def _render(response_id: str, job: Job, params: dict, **kw) -> dict:
 def _history(prev_id: str) -> list[dict]:
     row, job = _own(prev_id, "previous_response_id")
     if job.status != JobStatus.completed:
-        raise bad_request(f"Previous response '{prev_id}' is {shapes.STATUS[job.status.value]}; only a completed "
-                          "response can be continued.", "previous_response_id")
+        raise APIError(409, f"Previous response '{prev_id}' is {shapes.STATUS[job.status.value]}; only a completed "
+                            "response can be continued.", "response_not_completed", "previous_response_id")
     message, _ = structured.message(job.request, job.output or "", job.finish_reason, prev_id)
     return shapes.history(job.request["messages"], bool(row.params.get("instructions")), message)
 
@@ -49,7 +49,8 @@ def _history(prev_id: str) -> list[dict]:
 def create_response():
     body = json_body(MAX_JSON_BYTES)
     parsed = shapes.parse(body, new_id)
-    store, background, stream = body.get("store", True), bool(body.get("background")), bool(body.get("stream"))
+    store = body.get("store") is not False      # null or absent: stored
+    background, stream = bool(body.get("background")), bool(body.get("stream"))
     if background and not store:
         raise bad_request("'background' needs 'store' (a background response is fetched later).", "background")
     if background and stream:
@@ -59,6 +60,7 @@ def create_response():
     prev = body.get("previous_response_id")
     history = _history(prev) if prev else None
     model = ext("registry").resolve(g.quota, body.get("model"))
+    ext("registry").check_endpoint(model, bodies.CHAT)
     checked = shapes.check(parsed, history, lambda chat: bodies.check(
         chat, bodies.CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
         context_len=ext("registry").context_len(model), count_tokens=ext("registry").token_counter(model)))
@@ -177,15 +179,15 @@ def delete_response(response_id):
 def cancel_response(response_id):
     row, job = _own(response_id)
     if not row.background:
-        raise bad_request("Only a response created with 'background': true can be cancelled.", None,
-                          "response_not_cancellable")
+        raise APIError(409, "Only a response created with 'background': true can be cancelled.",
+                       "response_not_cancellable")
     s = session()
     if transitions.cancel(s, job.id, g.tenant.id):
         s.commit()
     s.refresh(job)
     if job.status != JobStatus.cancelled:
-        raise bad_request(f"Response '{response_id}' is already {shapes.STATUS[job.status.value]} and cannot be "
-                          "cancelled.", None, "response_not_cancellable")
+        raise APIError(409, f"Response '{response_id}' is already {shapes.STATUS[job.status.value]} and cannot be "
+                            "cancelled.", "response_not_cancellable")
     return _render(row.id, job, row.params, background=True, previous_response_id=row.previous_response_id)
 
 
@@ -201,7 +203,7 @@ def input_items(response_id):
     if after is not None:
         ids = [it["id"] for it in its]
         if after not in ids:
-            raise bad_request(f"'after' names no input item of response '{response_id}'.", "after")
+            raise APIError(404, f"'after' names no input item of response '{response_id}'.", "not_found", "after")
         its = its[ids.index(after) + 1:]
     limit = limit_arg(20, 100)
     data = its[:limit]

@@ -31,12 +31,18 @@ def _module_dims(raw: dict) -> dict[str, tuple[int, int]]:
 
 
 def inspect_folder(source: str, base_source: str | None, max_lora_rank: int) -> tuple[int, list[str]]:
-    """(rank, target modules) of a PEFT folder; 400 with the reason when it cannot run over the base model."""
+    """(rank, target modules) of a PEFT folder; 404 when there is none at `source`, 400 with the reason when it
+    cannot run over the base model."""
     def refuse(why: str) -> APIError:
         return bad_request(f"The adapter folder does not fit its base model: {why}.", "source")
     folder = Path(source)
     try:
-        raw = json.loads((folder / "adapter_config.json").read_text())
+        config = (folder / "adapter_config.json").read_text()
+    except OSError as e:        # nothing there (or nothing readable): no adapter at this path
+        raise APIError(404, f"No adapter found at {source}: it needs a readable adapter_config.json ({e}).",
+                       "not_found", "source") from None
+    try:
+        raw = json.loads(config)
         with open(folder / "adapter_model.safetensors", "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))
             shapes = {k: v["shape"] for k, v in json.loads(f.read(size)).items() if k != "__metadata__"}

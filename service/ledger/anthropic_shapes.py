@@ -7,6 +7,7 @@ import re
 from . import bodies, structured
 from .endpoints import MESSAGES  # noqa: F401 (anthropic_shapes.MESSAGES for its callers)
 from .errors import APIError, bad_request
+from .sla import ONLINE_CLASSES
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "tools",
           "tool_choice", "metadata", "stream", "service_tier", "sla_class"}
@@ -20,22 +21,31 @@ def message_id(job_id: str) -> str:
     return f"msg_{job_id.split('_', 1)[1]}"
 
 
+# The fields of each content block type (besides `type`); any other field may only be null
+BLOCK_FIELDS = {"text": {"text", "cache_control", "citations"},
+                "tool_use": {"id", "name", "input", "cache_control"},
+                "tool_result": {"tool_use_id", "content", "is_error", "cache_control"}}
+# The block types each place takes: tool results come from the user, tool calls from the assistant
+BLOCK_TYPES = {"user": ("text", "tool_result"), "assistant": ("text", "tool_use"), "system": ("text",),
+               "tool": ("text",)}
+
+
 def _blocks(content, where: str, role: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or len(content) > bodies.MAX_CONTENT_PARTS:
         raise bad_request(f"{where}: must be a string or a list of at most {bodies.MAX_CONTENT_PARTS} content "
                           "blocks.", where)
-    allowed = ("text", "tool_use") if role == "assistant" else ("text", "tool_result")
+    allowed = BLOCK_TYPES[role]
     out = []
     for j, b in enumerate(content):
         w = f"{where}.{j}"
         if not isinstance(b, dict) or b.get("type") not in allowed:
             kind = b.get("type") if isinstance(b, dict) else None
-            raise bad_request(f"{w}.type: {kind!r} is not supported in a {role} message; use {list(allowed)} "
+            place = "system" if role == "system" else "tool_result's content" if role == "tool" else f"{role} message"
+            raise bad_request(f"{w}.type: {kind!r} is not supported in a {place}; use {list(allowed)} "
                               "(no images, documents or thinking).", f"{w}.type", "unsupported_value")
-        extra = sorted(k for k in set(b) - {"type", "text", "id", "name", "input", "tool_use_id", "content",
-                                            "is_error", "cache_control", "citations"} if b[k] is not None)
+        extra = sorted(k for k in set(b) - BLOCK_FIELDS[b["type"]] - {"type"} if b[k] is not None)
         if extra:
             raise bad_request(f"{w}.{extra[0]}: Extra inputs are not permitted", f"{w}.{extra[0]}")
         if b["type"] == "text" and not isinstance(b.get("text"), str):
@@ -46,8 +56,10 @@ def _blocks(content, where: str, role: str) -> list[dict]:
         if b["type"] == "tool_result":
             if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
                 raise bad_request(f"{w}.tool_use_id: Field required", f"{w}.tool_use_id")
-            c = b.get("content", "")
-            if not isinstance(c, str):
+            c = b.get("content")
+            if c is None:
+                c = ""
+            elif not isinstance(c, str):
                 c = "".join(p["text"] for p in _blocks(c, f"{w}.content", "tool"))
             b = {**b, "content": c}
         out.append(b)
@@ -129,6 +141,11 @@ def _tool_choice(choice, has_tools: bool):
     extra = sorted(set(choice) - {"type", "name", "disable_parallel_tool_use"})
     if extra:
         raise bad_request(f"tool_choice.{extra[0]}: Extra inputs are not permitted", f"tool_choice.{extra[0]}")
+    if not isinstance(choice.get("disable_parallel_tool_use"), (bool, type(None))):
+        raise bad_request("tool_choice.disable_parallel_tool_use: must be a boolean.",
+                          "tool_choice.disable_parallel_tool_use")
+    if choice.get("name") is not None and not isinstance(choice["name"], str):
+        raise bad_request("tool_choice.name: must be a string.", "tool_choice.name")
     parallel = None if choice.get("disable_parallel_tool_use") is None else not choice["disable_parallel_tool_use"]
     if choice["type"] == "tool":
         if not isinstance(choice.get("name"), str):
@@ -150,8 +167,12 @@ def to_chat(body, fields=FIELDS) -> tuple[dict, list[str]]:
     for name in ("model", "max_tokens", "messages"):
         if name not in body:
             raise bad_request(f"{name}: Field required", name, "missing_required_parameter")
+    if body["max_tokens"] is None:
+        raise bad_request("max_tokens: must be an integer", "max_tokens")
     if body.get("service_tier") is not None and body["service_tier"] not in ANTHROPIC_TIERS:
         raise bad_request(f"service_tier: must be one of {list(ANTHROPIC_TIERS)}.", "service_tier")
+    if body.get("sla_class") is not None and body["sla_class"] not in ONLINE_CLASSES:
+        raise bad_request(f"sla_class: must be one of {list(ONLINE_CLASSES)}.", "sla_class")
     t = body.get("temperature")
     if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 1):
         raise bad_request(f"temperature: must be a number in [0, 1], got {t!r}.", "temperature")

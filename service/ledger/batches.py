@@ -117,7 +117,8 @@ def _load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, spool, 
                                      max_tokens_cap=quota.max_tokens_per_request,
                                      context_len=None if entry is None else models.context_len(entry),
                                      embed_model=None if entry is None else models.embed_model(entry),
-                                     count_tokens=None if entry is None else models.token_counter(entry))
+                                     count_tokens=None if entry is None else models.token_counter(entry),
+                                     vocab_size=None if entry is None else models.vocab_size(entry))
                 if batch.endpoint == bodies.EMBEDDINGS:
                     inputs += embeddings.count(checked.body)
                     if inputs > embeddings.MAX_BATCH_INPUTS:

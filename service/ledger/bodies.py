@@ -11,8 +11,9 @@ whatever the text (bytes / 4 let text that falls back to bytes through at four t
 import codecs
 import json
 import math
+import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 from . import embeddings, structured
 from .errors import APIError, bad_request
@@ -263,7 +264,7 @@ def _estimate_text(text: str, count=None) -> int:
     return max(1, count(text) if count is not None else len(text.encode()))
 
 
-def _check_prompt(prompt, count=None) -> int:
+def _check_prompt(prompt, count=None, vocab_size: int | None = None, context_len: int | None = None) -> int:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("'prompt' must not be empty.", "prompt")
@@ -275,6 +276,14 @@ def _check_prompt(prompt, count=None) -> int:
         raise bad_request(f"'prompt' has {len(prompt)} token ids; at most {MAX_PROMPT_TOKEN_IDS} are allowed.",
                           "prompt", "array_above_max_length")
     if isinstance(prompt, list) and prompt and all(_is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in prompt):
+        past = next((t for t in prompt if vocab_size is not None and t >= vocab_size), None)
+        if past is not None:
+            raise bad_request(f"'prompt' holds the token id {past}, but this model's vocabulary has {vocab_size} "
+                              f"tokens (ids 0 to {vocab_size - 1}).", "prompt")
+        if context_len is not None and len(prompt) >= context_len:
+            raise bad_request(f"'prompt' has {len(prompt)} token ids, but this model's context is {context_len} "
+                              f"tokens, prompt and output together: send fewer than {context_len}.", "prompt",
+                              "context_length_exceeded")
         return len(prompt)
     raise bad_request("'prompt' must be a non-empty string or a non-empty list of token ids "
                       "(one prompt per request).", "prompt")
@@ -304,8 +313,8 @@ def _check_messages(messages, count=None) -> int:
             if len(content) > MAX_CONTENT_PARTS:
                 raise bad_request(f"'{where}.content' has more than {MAX_CONTENT_PARTS} parts.", f"{where}.content",
                                   "array_above_max_length")
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
+                       and isinstance(p["text"], str) for p in content):
                 raise bad_request(f"'{where}.content' parts must be {{'type': 'text', 'text': str}}.",
                                   f"{where}.content")
             content = "".join(p["text"] for p in content)
@@ -347,30 +356,51 @@ def check_metadata(meta, param="metadata"):
     return meta
 
 
+# RFC 3339 date-time (the document's `format: date-time`), the one text form a deadline takes
+_RFC3339 = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})(\.[0-9]+)?"
+                      r"([Zz]|[+-][0-9]{2}:[0-9]{2})")
+MIN_DEADLINE, MAX_DEADLINE = -62135596800, 253402300799     # Unix seconds of 0001-01-01T00:00:00Z, 9999-12-31T23:59:59Z
+
+
 def parse_deadline(value) -> datetime | None:
+    """A job's deadline: an RFC 3339 date-time or Unix seconds. One already past is accepted: the job expires
+    without running, as one whose deadline passes while it waits (it cannot be told from a deadline that passed
+    on its way here)."""
     if value is None:
         return None
     try:
         if _is_num(value):
-            when = datetime.fromtimestamp(value, timezone.utc)
-        elif isinstance(value, str):
-            when = datetime.fromisoformat(value.replace("Z", "+00:00"))
-            if when.tzinfo is None:
-                when = when.replace(tzinfo=timezone.utc)
-        else:
+            if not MIN_DEADLINE <= value <= MAX_DEADLINE:
+                raise ValueError
+            return datetime.fromtimestamp(value, timezone.utc)
+        m = _RFC3339.fullmatch(value) if isinstance(value, str) else None
+        if m is None:
             raise ValueError
+        year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
+        frac, offset = m.group(7) or "", m.group(8).upper()
+        off_h, off_m = (0, 0) if offset == "Z" else (int(offset[1:3]), int(offset[4:6]))
+        if hour > 23 or minute > 59 or second > 60 or off_h > 23 or off_m > 59:
+            raise ValueError
+        tz = timezone((-1 if offset[0] == "-" else 1) * timedelta(hours=off_h, minutes=off_m))
+        if year == 0:                   # RFC 3339 has a year 0; Python's datetime does not: long past anyway
+            return datetime.min.replace(tzinfo=timezone.utc)
+        when = datetime(year, month, day, hour, minute, min(second, 59),   # a leap second ends its minute
+                        int((frac[1:] + "000000")[:6]) if frac else 0, tzinfo=tz)
+        try:
+            return when.astimezone(timezone.utc)
+        except OverflowError:           # within a day of the ends of time: as close as a datetime gets
+            return (datetime.min if year == 1 else datetime.max).replace(tzinfo=timezone.utc)
     except (ValueError, OverflowError, OSError):
-        raise bad_request("'deadline' must be an ISO 8601 time or a Unix timestamp.", "deadline") from None
-    if when <= datetime.now(timezone.utc):
-        raise bad_request("'deadline' is in the past.", "deadline")
-    return when
+        raise bad_request("'deadline' must be an RFC 3339 date-time (e.g. 2030-01-01T00:00:00Z) or Unix seconds.",
+                          "deadline") from None
 
 
 def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int | None,
           extra_allowed=frozenset(), context_len: int | None = None, embed_model=None,
-          count_tokens=None) -> Checked:
+          count_tokens=None, vocab_size: int | None = None) -> Checked:
     """embed_model: for /v1/embeddings, the model's embeddings.EmbedModel (None: not checked against it);
-    count_tokens: the model's tokenizer as text -> tokens (None: the prompt is estimated from its bytes)."""
+    count_tokens: the model's tokenizer as text -> tokens (None: the prompt is estimated from its bytes);
+    context_len, vocab_size: the model's, where known (a token-id prompt is checked against them)."""
     if not isinstance(body, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_body")
     check_text(body, "")
@@ -388,7 +418,7 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
     if endpoint == COMPLETIONS:
         if "prompt" not in body:
             raise bad_request("'prompt' is required.", "prompt", "missing_required_parameter")
-        prompt_tokens = _check_prompt(body["prompt"], count_tokens)
+        prompt_tokens = _check_prompt(body["prompt"], count_tokens, vocab_size, context_len)
         _number(body, "logprobs", 0, 20, integer=True)
         structured.check(body)
         if not _one_of(body.get("echo"), True, False):
@@ -422,7 +452,7 @@ def check(body, endpoint: str, *, served_model: str | None, max_tokens_cap: int 
     _number(body, "n", 1, MAX_CHOICES, integer=True)
     if not _one_of(body.get("stream"), False):
         raise bad_request("'stream' is not supported for queued jobs.", "stream", "unsupported_value")
-    if "user" in body and (not isinstance(body["user"], str) or len(body["user"]) > MAX_NAME_CHARS):
+    if body.get("user") is not None and (not isinstance(body["user"], str) or len(body["user"]) > MAX_NAME_CHARS):
         raise bad_request(f"'user' must be a string of at most {MAX_NAME_CHARS} characters.", "user")
 
     clean = {k: v for k, v in body.items() if k not in extra_allowed and v is not None}

@@ -15,6 +15,7 @@ MAX_BATCH_INPUTS = 50_000      # inputs across the lines of one batch (OpenAI's 
 MAX_INPUT_CHARS = 1 << 21      # characters of all of a request's inputs together
 MAX_TOKEN_ID = (1 << 31) - 1
 MAX_INPUT_TOKEN_IDS = 1 << 16  # ids in one token-id input
+MAX_DIMENSIONS = (1 << 31) - 1
 ALLOWED = {"model", "input", "encoding_format", "dimensions", "user", "truncate"}
 FORMATS = ("float", "base64")
 
@@ -121,15 +122,15 @@ def check(body: dict, extra_allowed=frozenset(), embed_model: EmbedModel | None 
         raise bad_request(f"'encoding_format' must be one of {list(FORMATS)}.", "encoding_format")
     dims = body.get("dimensions")
     if dims is not None:
-        if not _is_int(dims) or dims < 1:
-            raise bad_request("'dimensions' must be a positive integer.", "dimensions")
+        if not _is_int(dims) or not 1 <= dims <= MAX_DIMENSIONS:
+            raise bad_request(f"'dimensions' must be an integer in [1, {MAX_DIMENSIONS}].", "dimensions")
         if dimensions_allowed is not None and dims not in dimensions_allowed:
             raise bad_request("This model does not support 'dimensions'." if not dimensions_allowed else
                               f"'dimensions' must be one of {sorted(dimensions_allowed)} for this model.",
                               "dimensions", "unsupported_parameter")
-    if body.get("truncate") not in (None, True, False):
+    if not isinstance(body.get("truncate"), (bool, type(None))):
         raise bad_request("'truncate' must be a boolean.", "truncate")
-    if "user" in body and (not isinstance(body["user"], str) or len(body["user"]) > 256):
+    if body.get("user") is not None and (not isinstance(body["user"], str) or len(body["user"]) > 256):
         raise bad_request("'user' must be a string of at most 256 characters.", "user")
     clean = {k: v for k, v in body.items() if k not in extra_allowed and v is not None}
     tokens = estimate(items) if embed_model is None else embed_model.count(items, bool(body.get("truncate")))

@@ -245,6 +245,17 @@ def folder_context_len(folder: str | None, max_model_len: int | None = None) -> 
     return min((v for v in limits if isinstance(v, int) and v > 0), default=None)
 
 
+def folder_vocab_size(folder: str | None) -> int | None:
+    """The model folder's vocabulary size (config.json `vocab_size`): token ids run from 0 to it, exclusive; None
+    when the folder cannot be read here."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text()) if folder else None
+    except (OSError, ValueError):
+        return None
+    value = raw.get("vocab_size") if isinstance(raw, dict) else None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 class Registry:
     """The registered models of one ledger, plus the implicit default model, read at most once per ttl."""
 
@@ -317,17 +328,17 @@ class Registry:
         return self._context[key]
 
     def check_endpoint(self, entry: Entry, endpoint: str) -> None:
-        """A 400 naming `model` when the model cannot serve the endpoint (an embedding model asked to generate,
-        a generation model asked to embed)."""
+        """A 404 naming `model` when the model cannot serve the endpoint (an embedding model asked to generate,
+        a generation model asked to embed): as OpenAI, no such model for this endpoint."""
         from .openai_shapes import EMBEDDINGS
         kind = self.kind(entry)
         if kind is None or (kind == "embed") == (endpoint == EMBEDDINGS):
             return
         if kind == "embed":
-            raise bad_request(f"The model '{entry.name}' is an embedding model: use /v1/embeddings with it.", "model",
-                              "model_not_supported")
-        raise bad_request(f"The model '{entry.name}' does not serve /v1/embeddings: it generates text.", "model",
-                          "model_not_supported")
+            raise APIError(404, f"The model '{entry.name}' is an embedding model: use /v1/embeddings with it.",
+                           "model_not_supported", "model")
+        raise APIError(404, f"The model '{entry.name}' does not serve /v1/embeddings: it generates text.",
+                       "model_not_supported", "model")
 
     def embed_model(self, entry: Entry):
         """The embedding model's embeddings.EmbedModel (dimensions, tokenizer, max_seq_length); None for a model
@@ -356,6 +367,15 @@ class Registry:
                 self._context[key] = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
             except Exception:     # noqa: BLE001 - no tokenizer here
                 self._context[key] = None
+        return self._context[key]
+
+    def vocab_size(self, entry: Entry) -> int | None:
+        """Token ids the model knows (0 to this, exclusive); None when its folder cannot be read here."""
+        if entry.name is None:
+            return None
+        key = ("vocab", entry.name, entry.source)
+        if key not in self._context:
+            self._context[key] = folder_vocab_size(entry.source)
         return self._context[key]
 
     def context_len(self, entry: Entry) -> int | None:

@@ -169,10 +169,10 @@ def _check_response_format(rf) -> None:
     if extra:
         raise bad_request(f"'response_format.json_schema' has unsupported field '{extra[0]}'.",
                           f"response_format.json_schema.{extra[0]}")
-    if not isinstance(js.get("name"), str) or not TOOL_NAME.match(js["name"]):
+    if not isinstance(js.get("name"), str) or not TOOL_NAME.fullmatch(js["name"]):
         raise bad_request("'response_format.json_schema.name' must be 1-64 letters, digits, '_' or '-'.",
                           "response_format.json_schema.name")
-    if js.get("strict") not in (None, True, False):
+    if not isinstance(js.get("strict"), (bool, type(None))):
         raise bad_request("'response_format.json_schema.strict' must be a boolean.", "response_format.json_schema.strict")
     if "description" in js and not isinstance(js["description"], str):
         raise bad_request("'response_format.json_schema.description' must be a string.",
@@ -197,7 +197,7 @@ def _check_tools(tools) -> set[str]:
         extra = sorted(set(fn) - {"name", "description", "parameters", "strict"})
         if extra:
             raise bad_request(f"'{where}.function' has unsupported field '{extra[0]}'.", f"{where}.function.{extra[0]}")
-        if not isinstance(fn.get("name"), str) or not TOOL_NAME.match(fn["name"]):
+        if not isinstance(fn.get("name"), str) or not TOOL_NAME.fullmatch(fn["name"]):
             raise bad_request(f"'{where}.function.name' must be 1-64 letters, digits, '_' or '-'.",
                               f"{where}.function.name")
         if fn["name"] in names:
@@ -205,7 +205,7 @@ def _check_tools(tools) -> set[str]:
         names.add(fn["name"])
         if "description" in fn and not isinstance(fn["description"], str):
             raise bad_request(f"'{where}.function.description' must be a string.", f"{where}.function.description")
-        if fn.get("strict") not in (None, True, False):
+        if not isinstance(fn.get("strict"), (bool, type(None))):
             raise bad_request(f"'{where}.function.strict' must be a boolean.", f"{where}.function.strict")
         if "parameters" in fn:
             if not isinstance(fn["parameters"], dict):
@@ -226,7 +226,7 @@ def check(body: dict, estimate=lambda text: len(text.encode())) -> int:
         if isinstance(choice, dict):
             fn = choice.get("function")
             if choice.get("type") != "function" or not isinstance(fn, dict) or set(fn) != {"name"} \
-                    or set(choice) != {"type", "function"}:
+                    or set(choice) != {"type", "function"} or not isinstance(fn["name"], str):
                 raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or "
                                   "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
             if fn["name"] not in names:
@@ -237,7 +237,7 @@ def check(body: dict, estimate=lambda text: len(text.encode())) -> int:
                               "{'type': 'function', 'function': {'name': ...}}.", "tool_choice")
         elif choice != "none" and not names:
             raise bad_request("'tool_choice' needs 'tools'.", "tool_choice")
-    if body.get("parallel_tool_calls") not in (None, True, False):
+    if not isinstance(body.get("parallel_tool_calls"), (bool, type(None))):
         raise bad_request("'parallel_tool_calls' must be a boolean.", "parallel_tool_calls")
     if forced_tools(body) and (body.get("response_format") or {}).get("type", "text") != "text":
         raise bad_request("'response_format' cannot constrain the output while 'tool_choice' forces a tool call.",
@@ -257,12 +257,9 @@ def check_message(m: dict, where: str) -> None:
             fn = call.get("function") if isinstance(call, dict) else None
             if not isinstance(fn, dict) or call.get("type", "function") != "function" \
                     or not isinstance(call.get("id"), str) or not isinstance(fn.get("name"), str) \
-                    or not isinstance(fn.get("arguments"), str) or set(call) - {"id", "type", "function"}:
+                    or not isinstance(fn.get("arguments"), str) or set(call) - {"id", "type", "function"} \
+                    or set(fn) - {"name", "arguments"}:
                 raise bad_request(f"'{w}' must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}.", w)
-            try:
-                json.loads(fn["arguments"])
-            except ValueError:
-                raise bad_request(f"'{w}.function.arguments' must be a JSON string.", f"{w}.function.arguments") from None
     if m.get("role") == "tool":
         if not isinstance(m.get("tool_call_id"), str):
             raise bad_request(f"'{where}.tool_call_id' is required on a tool message.", f"{where}.tool_call_id")
@@ -305,9 +302,15 @@ def tool_prompt(tools: list[dict]) -> str:
 
 
 def call_text(call: dict) -> str:
-    """An assistant message's tool call as the model writes it."""
+    """An assistant message's tool call as the model writes it. `arguments` is the model's text, JSON or not (a
+    model does not always write valid JSON, and a client sends its calls back as they came): JSON is written as
+    the object it is, anything else as the string."""
     fn = call["function"]
-    return f"{CALL_OPEN}\n{json.dumps({'name': fn['name'], 'arguments': json.loads(fn['arguments'])})}\n{CALL_CLOSE}"
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        args = fn["arguments"]
+    return f"{CALL_OPEN}\n{json.dumps({'name': fn['name'], 'arguments': args})}\n{CALL_CLOSE}"
 
 
 def _call(request_id: str, i: int, obj) -> dict | None:

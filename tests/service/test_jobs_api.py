@@ -60,7 +60,10 @@ BAD_BODIES = [
     json.dumps({"prompt": "x", "top_p": 0}).encode(), json.dumps({"prompt": "x", "stop": [1]}).encode(),
     json.dumps({"prompt": "x", "stop": ["a"] * 17}).encode(), json.dumps({"prompt": "x", "n": 17}).encode(),
     json.dumps({"prompt": "x", "stream": True}).encode(), json.dumps({"prompt": "x", "sla_class": "gold"}).encode(),
-    json.dumps({"prompt": "x", "deadline": "tomorrow"}).encode(), json.dumps({"prompt": "x", "deadline": 1}).encode(),
+    json.dumps({"prompt": "x", "deadline": "tomorrow"}).encode(),
+    json.dumps({"prompt": "x", "deadline": "2030-01-01"}).encode(),              # RFC 3339 date-times only
+    json.dumps({"prompt": "x", "deadline": "2030-01-01T00:00:00"}).encode(),     # with their offset
+    json.dumps({"prompt": "x", "deadline": "2030-01-01T24:00:00Z"}).encode(),
     json.dumps({"prompt": "x", "deadline": 1e300}).encode(), json.dumps({"prompt": "x", "metadata": [1]}).encode(),
     json.dumps({"prompt": "x", "metadata": {"k": 1}}).encode(), json.dumps({"prompt": "x", "seed": 1.5}).encode(),
     json.dumps({"prompt": "x", "logprobs": 99}).encode(), json.dumps({"prompt": "x", "ignore_eos": "yes"}).encode(),

@@ -31,6 +31,22 @@ def test_deadlines_expire_queued_jobs(any_app):
     assert {client.get(f"/v1/jobs/{j}", headers=key).get_json()["status"] for j in (late, fine)} == {"expired"}
 
 
+def test_a_deadline_already_past_is_accepted_and_expires_the_job_unrun(any_app):
+    """The document cannot say 'in the future' (nor can a client tell a deadline that passed on its way): a past
+    deadline is accepted, and the job expires as one whose deadline passed while it waited."""
+    client = any_app.test_client()
+    tenant_id, key = Admin(client).tenant()
+    (by_text,) = _submit(client, key, deadline="2001-02-03T04:05:06.5+01:00")
+    (by_number,) = _submit(client, key, deadline=0)
+    assert client.get(f"/v1/jobs/{by_text}", headers=key).get_json()["deadline"] == 981169506
+    with Session(any_app.extensions["tidepool.db"]) as s:
+        assert jobs.start(s, by_text, "w").reason == "expired"
+        assert jobs.expire_overdue(s) == 1
+        s.commit()
+        assert s.get(Tenant, tenant_id).queued_count == 0
+    assert {client.get(f"/v1/jobs/{j}", headers=key).get_json()["status"] for j in (by_text, by_number)} == {"expired"}
+
+
 def test_lapsed_leases_are_requeued_then_failed(any_app):
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant()

@@ -55,8 +55,12 @@ def test_a_supported_schema_passes_and_becomes_the_grammar():
     (dict(messages=[{"role": "tool", "content": "18"}]), "messages[0].tool_call_id"),
     (dict(messages=[{"role": "user", "content": "x", "tool_calls": []}]), "messages[0].tool_calls"),
     (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{nope"}}]}]),
-     "messages[0].tool_calls[0].function.arguments"),
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}", "strict": True}}]}]),
+     "messages[0].tool_calls[0]"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": {}}}), "tool_choice"),
+    (dict(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "cache": 1}]}]),
+     "messages[0].content"),
+    (dict(tools=[WEATHER], parallel_tool_calls=0), "parallel_tool_calls"),
     (dict(functions=[]), "functions"),
 ])
 def test_bad_structured_fields_are_400s(body, param):
@@ -118,6 +122,18 @@ def test_tool_messages_are_accepted():
     _check(tools=[WEATHER], messages=[{"role": "user", "content": "hi"},
                                       {"role": "assistant", "content": None, "tool_calls": [call]},
                                       {"role": "tool", "tool_call_id": "c1", "content": "18"}])
+
+
+def test_a_tool_call_whose_arguments_are_not_json_is_sent_back_as_written():
+    """A model does not always write valid JSON arguments; a client sends its calls back as they came."""
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}
+    _check(tools=[WEATHER], messages=[{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": None, "tool_calls": [call]},
+                                      {"role": "tool", "tool_call_id": "c1", "content": "18"}])
+    assert json.loads(structured.call_text(call).split("\n")[1]) == {"name": "get_weather",
+                                                                     "arguments": "{city: Paris"}
+    call["function"]["arguments"] = '{"city": "Paris"}'
+    assert json.loads(structured.call_text(call).split("\n")[1])["arguments"] == {"city": "Paris"}
 
 
 def test_forced_call_grammar_and_parse():

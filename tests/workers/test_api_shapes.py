@@ -167,7 +167,7 @@ def test_background_response_is_a_queued_job_then_retrieved_or_cancelled(st, oa)
     assert cancelled.status == "cancelled"
     assert _job(st, _job_of(long.id)).status == JobStatus.cancelled
     foreground = oa.responses.create(model="tiny", input="x", max_output_tokens=1)
-    with pytest.raises(openai.BadRequestError):       # only a background response can be cancelled
+    with pytest.raises(openai.ConflictError):         # only a background response can be cancelled
         oa.responses.cancel(foreground.id)
 
 

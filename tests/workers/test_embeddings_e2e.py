@@ -100,7 +100,6 @@ def test_online_float_base64_and_token_ids(served, engine):
     ({"model": MODEL, "input": "x", "encoding_format": "hex"}, "encoding_format"),
     ({"model": MODEL, "input": "x", "dimensions": 64}, "dimensions"),
     ({"model": MODEL, "input": "x", "temperature": 1}, "temperature"),
-    ({"model": "tiny", "input": "x"}, "model"),
     ({"model": MODEL, "input": "word " * 400}, "input"),
 ])
 def test_bad_embedding_requests_are_400s_naming_the_field(served, body, param):
@@ -110,10 +109,14 @@ def test_bad_embedding_requests_are_400s_naming_the_field(served, body, param):
     assert r.json()["error"]["param"] == param
 
 
-def test_an_embedding_model_does_not_generate(served):
+def test_an_embedding_model_does_not_generate_nor_a_generating_model_embed(served):
+    """As OpenAI: no such model for this endpoint, a 404 naming `model`."""
     _, _, oa = served
-    with pytest.raises(openai.BadRequestError) as err:
+    with pytest.raises(openai.NotFoundError) as err:
         oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert err.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError) as err:
+        oa.embeddings.create(model="tiny", input="x")
     assert err.value.body["param"] == "model"
 
 
