@@ -3,8 +3,10 @@ response validates against its documented schema, request bodies the schema acce
 rejects get a 400; a 405 names the allowed methods."""
 import io
 import json
+import time
 
 import jsonschema
+import jsonschema_rs
 import pytest
 
 from service.openapi import spec
@@ -34,9 +36,11 @@ def check(resp, method: str, path: str):
     return resp
 
 
-def _body_ok(path: str, body: dict) -> bool:
-    schema = _op("post", path)["requestBody"]["content"]["application/json"]["schema"]
-    return _validator(schema).is_valid(body)
+def _body_ok(path: str, body: dict, method: str = "post", spec: dict = SPEC) -> bool:
+    """Whether the document accepts body, formats (date-time) included."""
+    schema = spec["paths"][path][method]["requestBody"]["content"]["application/json"]["schema"]
+    return jsonschema_rs.validator_for({**schema, "components": spec["components"]},
+                                       validate_formats=True).is_valid(body)
 
 
 def test_every_route_answers_as_documented(app):
@@ -113,6 +117,10 @@ ACCEPTED = [
                                {"role": "user", "content": "x", "name": "n"}], "top_logprobs": 2,
                   "max_completion_tokens": 3, "stream": False, "metadata": None}),
     ("/v1/jobs", {"prompt": "x", "temperature": None, "deadline": "2999-01-01T00:00:00Z"}),
+    ("/v1/jobs", {"prompt": "x", "deadline": "2001-01-01T00:00:00+05:00", "user": None}),    # past: it expires
+    ("/v1/jobs", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "function": {"name": "f", "arguments": "not JSON"}}]}]}),
+    ("/v1/jobs", {"prompt": "x", "n": 2, "best_of": 2, "service_tier": "flex", "sla_class": "batch"}),
     ("/v1/jobs", {"prompt": "x", "max_tokens": 8.0, "top_k": 2.0, "stop_token_ids": [3.0]}),   # JSON: 8.0 is 8
 ]
 REJECTED = [
@@ -130,6 +138,45 @@ REJECTED = [
     ("/v1/jobs", {"prompt": "x", "ignore_eos": 0}), ("/v1/jobs", {"prompt": "x", "n": True}),
     ("/v1/jobs", {"messages": [{"role": "user", "content": "x"}], "logprobs": 0}),
     ("/v1/jobs", {"prompt": "x", "user": "a\x00b"}), ("/v1/jobs", {"prompt": "x", "max_tokens": 8.5}),
+    ("/v1/jobs", {"prompt": "x", "n": 3, "best_of": 2}),
+    ("/v1/jobs", {"prompt": "x", "service_tier": "priority", "sla_class": "interactive"}),
+    ("/v1/jobs", {"messages": [{"role": "tool", "content": "18"}]}),              # tool_call_id required
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": None}]}),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "extra": 1}]}]}),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}),   # needs tools
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": 0}),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "oneOf": []}}}]}),          # a keyword the grammar lacks
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": "required", "response_format": {"type": "json_object"}}),
+    ("/v1/jobs", {"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "n", "schema": {}, "strict": 0}}}),
+    ("/v1/jobs", {"prompt": "x", "deadline": "2030-01-01"}), ("/v1/jobs", {"prompt": "x", "deadline": 1e13}),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": "yes"}}),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": 1}}),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"extra": True}}),
+    ("/v1/completions", {"prompt": "x", "stream": True, "n": 1, "best_of": 2}),
+    ("/v1/completions", {"prompt": "x", "sla_class": "batch"}),                  # batch online needs flex
+    ("/v1/responses", {"input": "x", "tool_choice": {"type": "function", "name": {}}}),
+    ("/v1/responses", {"input": "x", "tool_choice": "auto", "tools": []}),
+    ("/v1/responses", {"input": "x", "background": True, "store": False}),
+    ("/v1/responses", {"input": "x", "background": True, "stream": True}),
+    ("/v1/responses", {"input": "x", "store": 1}),
+    ("/v1/messages", {"model": "m", "max_tokens": None, "messages": [{"role": "user", "content": "x"}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                      "system": [{"type": "tool_result", "tool_use_id": "t"}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "tool_result", "tool_use_id": "u"}]}]}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "input": {}}]}]}),                          # a tool_use field on text
+    ("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}],
+                      "tools": [{"name": "f", "input_schema": {}}],
+                      "tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}}),
+    ("/v1/messages/batches", {"requests": [{"custom_id": "a", "params": {
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "sla_class": {}}}]}),
+    ("/v1/messages/batches", {"requests": [{"custom_id": "a", "params": {
+        "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "stream": False}}]}),
 ]
 
 
@@ -147,6 +194,81 @@ def test_bodies_the_schema_rejects_are_400(client, admin, path, body):
     _, key = admin.tenant()
     r = check(client.post(path, json=body, headers=key), "post", path)
     assert r.status_code == 400, r.get_json()
+
+
+ADMIN_REJECTED = [
+    ("post", "/v1/admin/models", {"name": "m", "source": "relative/path"}),
+    ("post", "/v1/admin/tenants", {"name": " \u0085\u3000"}),                  # only whitespace
+    ("post", "/v1/admin/tenants/{tenant_id}/models", {"model": "m", "extra": 1}),
+    ("patch", "/v1/admin/tenants/{tenant_id}", {"weight": True}),
+]
+
+
+@pytest.mark.parametrize("method,path,body", ADMIN_REJECTED)
+def test_admin_bodies_the_schema_rejects_are_400(client, admin, method, path, body):
+    assert not _body_ok(path, body, method)
+    tenant_id, _ = admin.tenant()
+    url = path.replace("{tenant_id}", tenant_id).replace("{name}", "a1")
+    r = check(getattr(client, method)(url, json=body, headers=admin.headers), method, path)
+    assert r.status_code == 400, r.get_json()
+
+
+@pytest.fixture
+def served(pg_url, redis_url, tmp_path):
+    """An app serving one model (a config.json folder: context 64, vocabulary 100) whose online requests answer 504
+    at once without a worker: (its test client, its document)."""
+    from service import create_app
+    folder = tmp_path / "m1"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 100, "max_position_embeddings": 64}))
+    app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
+                      "admin_token": ADMIN, "model": str(folder), "online_timeout": 0.05})
+    yield app.test_client(), app.test_client().get("/openapi.json").get_json()
+    app.extensions["tidepool.db"].dispose()
+
+
+SERVED = [   # (path, body, the status without a worker: 202 queued, 504 accepted and waited for a worker)
+    ("/v1/jobs", {"prompt": [99] * 63, "max_tokens": 63}, 202),
+    ("/v1/jobs", {"prompt": [100]}, 400),                      # past the vocabulary
+    ("/v1/jobs", {"prompt": [1] * 64}, 400),                   # fills the context
+    ("/v1/jobs", {"prompt": "x", "max_tokens": 64}, 400),
+    ("/v1/completions", {"prompt": [99], "stream": True, "stream_options": {"include_usage": True}}, 504),
+    ("/v1/completions", {"prompt": [100]}, 400),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": "yes"}}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "user": None}, 504),
+    ("/v1/responses", {"input": "x", "background": True, "store": None}, 200),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 64}, 400),
+    ("/v1/messages", {"model": "m1", "max_tokens": 63, "messages": [{"role": "user", "content": "x"}]}, 504),
+    ("/v1/messages", {"model": None, "max_tokens": 64, "messages": [{"role": "user", "content": "x"}]}, 400),
+    ("/v1/embeddings", {"input": "x"}, 404),                    # m1 generates: no such model for embeddings
+]
+
+
+@pytest.mark.parametrize("path,body,status", SERVED)
+def test_the_served_model_bounds_the_document_and_the_server_alike(served, path, body, status):
+    client, doc = served
+    assert _body_ok(path, body, spec=doc) == (status != 400)
+    _, key = Admin(client).tenant()
+    r = client.post(path, json=body, headers=key)
+    assert r.status_code == status, r.get_json()
+    assert str(status) in doc["paths"][path]["post"]["responses"]
+
+
+def test_an_online_request_without_a_worker_is_answered_at_its_timeout(served):
+    """The wait for a worker ends at online_timeout, not at the next second's check of the ledger."""
+    client, _ = served
+    _, key = Admin(client).tenant()
+    start = time.monotonic()
+    r = client.post("/v1/completions", json={"prompt": "x"}, headers=key)
+    assert r.status_code == 504 and time.monotonic() - start < 0.5
+
+
+def test_routes_that_stream_declare_their_event_stream(served):
+    _, doc = served
+    streaming = {path for path, ops in doc["paths"].items() for op in ops.values()
+                 if "text/event-stream" in op["responses"].get("200", {}).get("content", {})}
+    assert streaming == {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
+    assert "application/jsonl" in doc["paths"]["/v1/files/{file_id}/content"]["get"]["responses"]["200"]["content"]
 
 
 def test_405_names_the_allowed_methods(client):
@@ -180,3 +302,31 @@ def test_the_document_names_the_served_model(tmp_path, sqlite_url):
     doc = app.test_client().get("/openapi.json").get_json()
     model = doc["components"]["schemas"]["CompletionCreate"]["properties"]["model"]
     assert {"const": "m1"} in model["anyOf"]
+
+
+def test_refusals_for_state_or_missing_things_are_404_or_409_as_documented(served):
+    """What no schema can say (an item that must exist, a resource in the wrong state) is a 404 or a 409."""
+    client, doc = served
+    _, key = Admin(client).tenant()
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+
+    def answer(method, path, url, status, **kw):
+        r = getattr(client, method)(url, headers=kw.pop("headers", key), **kw)
+        assert r.status_code == status, r.get_json()
+        assert str(status) in doc["paths"][path][method]["responses"]
+        return r.get_json()
+
+    queued = answer("post", "/v1/responses", "/v1/responses", 200, json={"input": "x", "background": True})
+    answer("get", "/v1/responses/{response_id}/input_items", f"/v1/responses/{queued['id']}/input_items?after=nope",
+           404)
+    answer("post", "/v1/responses", "/v1/responses", 409, json={"input": "y", "previous_response_id": queued["id"]})
+    answer("post", "/v1/responses", "/v1/responses", 504, json={"input": "x"})   # stored, not in the background
+    foreground = client.get("/v1/jobs?limit=1", headers=key).get_json()["data"][0]["id"].replace("job_", "resp_")
+    answer("post", "/v1/responses/{response_id}/cancel", f"/v1/responses/{foreground}/cancel", 409)
+    params = {"model": "m1", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}
+    batch = answer("post", "/v1/messages/batches", "/v1/messages/batches", 200,
+                   json={"requests": [{"custom_id": "a", "params": params}]})
+    answer("get", "/v1/messages/batches/{batch_id}/results", f"/v1/messages/batches/{batch['id']}/results", 409)
+    answer("delete", "/v1/messages/batches/{batch_id}", f"/v1/messages/batches/{batch['id']}", 409)
+    answer("post", "/v1/admin/adapters", "/v1/admin/adapters", 404, headers=admin,
+           json={"name": "a1", "base_model": "m1", "source": "/nowhere/at/all"})
