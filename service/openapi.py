@@ -546,7 +546,7 @@ SCHEMAS = {
     "ModelCreate": _obj({"name": {**_MODEL_NAME, "description": "unique (409)"}, "source": _SOURCE, "tier": _TIER,
                          "enabled": _BOOL}, ["name", "source"]),
     "ModelUpdate": _obj({"tier": _TIER, "enabled": _BOOL, "source": _SOURCE}),
-    "ModelGrant": _obj({"model": {**_MODEL_NAME, "description": "a registered model (404)"}}, ["model"]),
+    "ModelGrant": _obj({"model": {**_MODEL_NAME, "description": "registered or to be registered"}}, ["model"]),
     "RegisteredModel": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "source": _NULL_STR,
         "tier": _TIER, "enabled": _BOOL, "registered": _BOOL,

@@ -243,15 +243,15 @@ def update_model(name):
 @bp.post("/tenants/<tenant_id>/models")
 @admin_required
 def grant_model(tenant_id):
-    """Let a tenant use a model ({"model": name}); a tenant without an allow-list may use every model already."""
+    """Let a tenant use a model ({"model": name}), registered or to be registered, as a quota's allowed_models
+    names them; a tenant without an allow-list may use every model already."""
     body = json_body()
     unknown = sorted(set(body) - {"model"})
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     _tenant(tenant_id)
-    name = _entry(body.get("model") if isinstance(body.get("model"), str) else "").name
     s = session()
-    quota = registry.grant(s, tenant_id, name)
+    quota = registry.grant(s, tenant_id, body.get("model"))
     s.commit()
     return tenants.quota_json(quota)
 

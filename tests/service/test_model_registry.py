@@ -78,14 +78,17 @@ def test_admin_registers_retiers_disables_and_grants_with_audit(two):
     _error(client.delete(f"/v1/admin/tenants/{tenant_id}/models/beta", headers=h), 409, "last_model")
     r = client.post(f"/v1/admin/tenants/{tenant_id}/models", json={"model": "alpha"}, headers=h)
     assert r.status_code == 200 and r.get_json()["allowed_models"] == ["alpha", "beta"]
-    assert client.post(f"/v1/admin/tenants/{tenant_id}/models", json={"model": "nope"}, headers=h).status_code == 404
+    # a model to be registered may be granted, as a quota's allowed_models may name it; a bad name is a 400
+    r = client.post(f"/v1/admin/tenants/{tenant_id}/models", json={"model": "later"}, headers=h)
+    assert r.status_code == 200 and r.get_json()["allowed_models"] == ["alpha", "beta", "later"]
+    _error(client.post(f"/v1/admin/tenants/{tenant_id}/models", json={"model": "a b"}, headers=h), 400, "invalid_value")
 
     with Session(app.extensions["tidepool.db"]) as s:
         actions = [(a.action, a.target) for a in s.scalars(select(AuditLog).order_by(AuditLog.id))]
     assert [a for a in actions if a[0].startswith("model.")] == [
         ("model.register", "beta"), ("model.retier", "beta"), ("model.disable", "beta"),
         ("model.register", "alpha"), ("model.retier", "alpha"),
-        ("model.revoke", tenant_id), ("model.grant", tenant_id)]
+        ("model.revoke", tenant_id), ("model.grant", tenant_id), ("model.grant", tenant_id)]
 
 
 def test_v1_models_lists_exactly_what_the_tenant_may_use(two):
