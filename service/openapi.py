@@ -491,7 +491,11 @@ SCHEMAS = {
     "JobList": {"type": "object", "required": ["object", "data"],
                 "properties": {**_LIST_FIELDS, "data": {"type": "array", "items": {"$ref": "#/components/schemas/Job"}},
                                "next_cursor": _NULL_STR}},
-    "FileUpload": {"type": "object", "required": ["file", "purpose"], "description": "other fields are ignored",
+    "FileUpload": {"type": "object", "required": ["file", "purpose"], "description": "other fields are ignored; "
+                   "expires_after[anchor] and expires_after[seconds] come together or not at all",
+                   "anyOf": [{"required": ["expires_after[anchor]", "expires_after[seconds]"]},
+                             {"not": {"anyOf": [{"required": ["expires_after[anchor]"]},
+                                                {"required": ["expires_after[seconds]"]}]}}],
                    "properties": {"file": {"type": "string", "contentMediaType": "application/octet-stream",
                                            "description": "the file's bytes (JSONL for a batch)"},
                                   "purpose": {"enum": ["batch"]},
