@@ -103,8 +103,18 @@ _EXTRA_CODES = {"/v1/files": {"415": "Not multipart/form-data"},
                 "/readyz": {},
                 "/v1/completions": _ONLINE_CODES, "/v1/chat/completions": _ONLINE_CODES,
                 "/v1/responses": _ONLINE_CODES, "/v1/messages": _ONLINE_CODES, "/v1/embeddings": _ONLINE_CODES}
-# Routes answering `stream: true` with server-sent events (200, text/event-stream)
-STREAMING = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+# Routes answering `stream: true` with server-sent events (200, text/event-stream): the schema of one event as
+# {event, data, id?, retry?} (Open API before 3.2 has a sequential media type's `schema` describe one item)
+_JSON_DATA = {"type": "string", "contentMediaType": "application/json",
+              "contentSchema": {"type": "object", "required": ["type"]}}
+STREAMING = {
+    "/v1/completions": {"event": {"const": "message"}, "data": {
+        "type": "string", "description": "a JSON chunk (or {\"error\": ...} if the job fails), then [DONE]"}},
+    "/v1/responses": {"event": {"type": "string", "pattern": "^response\\."}, "data": _JSON_DATA},
+    "/v1/messages": {"event": {"enum": ["message_start", "content_block_start", "content_block_delta",
+                                        "content_block_stop", "message_delta", "message_stop", "ping", "error"]},
+                     "data": _JSON_DATA}}
+STREAMING["/v1/chat/completions"] = STREAMING["/v1/completions"]
 # Routes answering file bytes: their media type
 FILE_CONTENT = {"/v1/files/{file_id}/content": "application/jsonl",
                 "/v1/messages/batches/{batch_id}/results": "application/x-jsonl"}
@@ -657,8 +667,9 @@ def _operation(method, path, summary, security, req, status, resp) -> dict:
     if resp:
         content["application/json"] = {"schema": {"$ref": f"#/components/schemas/{resp}"}}
     if path in STREAMING:
-        content["text/event-stream"] = {"schema": {"type": "string", "description": "server-sent events, with "
-                                                                                   "stream: true"}}
+        content["text/event-stream"] = {"schema": {
+            "type": "object", "required": ["event", "data"], "description": "one server-sent event (stream: true)",
+            "properties": {**STREAMING[path], "id": _STR, "retry": _INT}}}
     if path in FILE_CONTENT:
         content[FILE_CONTENT[path]] = {"schema": {"type": "string", "description": "JSON lines"}}
     ok = {str(status): {"description": "OK", **({"content": content} if content else {})}}

@@ -446,3 +446,55 @@ def test_run_batch_mixes_responses_chat_and_completions_lines(tiny_model, tmp_pa
     assert out["t"]["response"]["body"]["object"] == "text_completion"
     assert out["bad"]["error"]["code"] == "unsupported_value" and "input[0].type" in out["bad"]["error"]["message"]
     assert out["prev"]["error"]["code"] == "unknown_parameter"
+
+
+# ---- the OpenAPI document ----------------------------------------------------------------------------------
+
+def _sse(text: str) -> list[dict]:
+    """Server-sent events as {event, data, id?}: 'event' defaults to message; comments (keep-alives) are no events."""
+    events = []
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        event, data = {}, []
+        for line in block.split("\n"):
+            if not line or line.startswith(":"):
+                continue
+            name, _, value = line.partition(":")
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                data.append(value)
+            elif name in ("event", "id"):
+                event[name] = value
+        if data:
+            events.append({"event": event.pop("event", "message"), "data": "\n".join(data), **event})
+    return events
+
+
+def test_streams_and_answers_are_what_the_document_declares(st, keyed):
+    """Each streaming route's events match its text/event-stream schema (JSON data where it says so), and the same
+    request unstreamed matches its application/json schema."""
+    import jsonschema_rs
+    doc = requests.get(f"{st.url}/openapi.json").json()
+    headers = {"Authorization": f"Bearer {keyed[1]}"}
+    user = [{"role": "user", "content": QUESTION}]
+    requests_ = {"/v1/completions": {"model": "tiny", "prompt": QUESTION, "max_tokens": 4,
+                                     "stream_options": {"include_usage": True}},
+                 "/v1/chat/completions": {"model": "tiny", "messages": user, "max_tokens": 4},
+                 "/v1/responses": {"model": "tiny", "input": QUESTION, "max_output_tokens": 4},
+                 "/v1/messages": {"model": "tiny", "max_tokens": 4, "messages": user}}
+    for path, body in requests_.items():
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        events = jsonschema_rs.validator_for({**content["text/event-stream"]["schema"], "components": doc["components"]})
+        answer = jsonschema_rs.validator_for({**content["application/json"]["schema"], "components": doc["components"]})
+        r = requests.post(f"{st.url}{path}", json={**body, "stream": True}, headers=headers, timeout=120)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+        got = _sse(r.text)
+        assert got, path
+        for ev in got:
+            events.validate(ev)
+            if "contentMediaType" in content["text/event-stream"]["schema"]["properties"]["data"]:
+                assert json.loads(ev["data"])["type"] == ev["event"], (path, ev)
+        assert path in ("/v1/responses", "/v1/messages") or got[-1]["data"] == "[DONE]"
+        body.pop("stream_options", None)
+        r = requests.post(f"{st.url}{path}", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        answer.validate(r.json())
