@@ -180,8 +180,10 @@ _NAME = {"type": "string", "maxLength": bodies.MAX_NAME_CHARS}
 _MODEL = {**_NAME, "description": "a served model (the default model when absent or null), or a LoRA adapter "
                                   "this tenant may use; 404 for any other name, or a model that does not serve "
                                   "this endpoint"}
-_MAX_TOKENS = {**_int(1, bodies.MAX_OUTPUT_TOKENS), "description": "below the model's context (prompt and output "
-                                                                   "share it)"}
+_MAX_TOKENS = {**_int(1, bodies.MAX_OUTPUT_TOKENS), "description": "below the model's context; a prompt that leaves "
+                                                                   "no room in it, counted in the model's tokens (no "
+                                                                   "schema can count them), is a 400 "
+                                                                   "context_length_exceeded"}
 _TOOL_NAME = {"type": "string", "pattern": structured.TOOL_NAME.pattern}
 _METADATA = _nullable({"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
                        "additionalProperties": {"type": "string", "maxLength": 512}})
