@@ -254,6 +254,27 @@ def test_the_served_model_bounds_the_document_and_the_server_alike(served, path,
     assert str(status) in doc["paths"][path]["post"]["responses"]
 
 
+def test_models_with_other_limits_are_bounded_each_by_name(served, tmp_path):
+    """Two served models with different vocabularies and contexts: the document bounds each by its name (and the
+    default's when model is absent), as the server does."""
+    client, _ = served
+    folder = tmp_path / "m2"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 200, "max_position_embeddings": 32}))
+    r = client.post("/v1/admin/models", json={"name": "m2", "source": str(folder)},
+                    headers={"Authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 201, r.get_json()
+    doc = client.get("/openapi.json").get_json()
+    _, key = Admin(client).tenant()
+    for body, status in [({"model": "m2", "prompt": [150]}, 202), ({"model": "m1", "prompt": [150]}, 400),
+                         ({"prompt": [150]}, 400), ({"prompt": [99] * 40}, 202),
+                         ({"model": "m2", "prompt": [99] * 40}, 400),
+                         ({"model": "m2", "prompt": "x", "max_tokens": 31}, 202),
+                         ({"model": "m2", "prompt": "x", "max_tokens": 32}, 400)]:
+        assert _body_ok("/v1/jobs", body, spec=doc) == (status == 202), body
+        assert client.post("/v1/jobs", json=body, headers=key).status_code == status, body
+
+
 def test_an_online_request_without_a_worker_is_answered_at_its_timeout(served):
     """The wait for a worker ends at online_timeout, not at the next second's check of the ledger."""
     client, _ = served
