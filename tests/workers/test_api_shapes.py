@@ -483,8 +483,8 @@ def test_streams_and_answers_are_what_the_document_declares(st, keyed):
                  "/v1/messages": {"model": "tiny", "max_tokens": 4, "messages": user}}
     for path, body in requests_.items():
         content = doc["paths"][path]["post"]["responses"]["200"]["content"]
-        events = jsonschema_rs.validator_for({**content["text/event-stream"]["schema"], "components": doc["components"]})
-        answer = jsonschema_rs.validator_for({**content["application/json"]["schema"], "components": doc["components"]})
+        events, answer = (jsonschema_rs.validator_for({**content[kind]["schema"], "components": doc["components"]})
+                          for kind in ("text/event-stream", "application/json"))
         r = requests.post(f"{st.url}{path}", json={**body, "stream": True}, headers=headers, timeout=120)
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
         got = _sse(r.text)
