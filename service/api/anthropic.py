@@ -162,7 +162,7 @@ def _request(i: int, r, seen: set) -> dict:
         raise bad_request(f"{where}: must be {{custom_id, params}}.", where)
     bodies.check_text(r, f"requests[{i}]")
     cid = r.get("custom_id")
-    if not isinstance(cid, str) or not CUSTOM_ID.match(cid):
+    if not isinstance(cid, str) or not CUSTOM_ID.fullmatch(cid):
         raise bad_request(f"{where}.custom_id: must be 1-64 letters, digits, '_' or '-'.", f"{where}.custom_id")
     if cid in seen:
         raise bad_request(f"{where}.custom_id: '{cid}' appears more than once.", f"{where}.custom_id")
