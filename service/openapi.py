@@ -699,8 +699,11 @@ def _no_nul(schema):
         out = {k: (v if k in ("const", "enum", "default") else _no_nul(v)) for k, v in schema.items()}
         types = schema.get("type")
         types = types if isinstance(types, list) else [types]
-        if "string" in types and "pattern" not in schema and "format" not in schema:
-            out["pattern"] = _NO_NUL
+        if "string" in types and "format" not in schema:
+            if "pattern" not in schema:
+                out["pattern"] = _NO_NUL
+            else:    # a pattern of its own (e.g. a tenant name's "not only spaces") and no NUL
+                out["allOf"] = [*out.get("allOf", []), {"pattern": _NO_NUL}]
         if "object" in types and schema.get("additionalProperties") is not False:
             out["propertyNames"] = {**schema.get("propertyNames", {}), "pattern": _NO_NUL}
         return out

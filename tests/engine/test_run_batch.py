@@ -37,7 +37,7 @@ def test_run_batch_end_to_end(tiny_model_dir, tmp_path, capsys):
     errors = [o for o in out if o["error"]]
     codes = sorted(o["error"]["code"] for o in errors)
     assert codes == sorted(["invalid_json", "missing_custom_id", "model_not_supported", "invalid_value",
-                            "duplicate_custom_id", "invalid_request"])
+                            "duplicate_custom_id", "context_length_exceeded"])
     assert all(o["response"] is None and "line " in o["error"]["message"] for o in errors)
 
     results = {o["custom_id"]: o["response"] for o in out if not o["error"]}
@@ -92,7 +92,7 @@ def test_run_batch_keeps_input_order_and_custom_ids(tiny_model_dir, tmp_path, ca
     assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(5)] + [None] + [f"r{i}" for i in range(5, 12)]
     errors = {o["custom_id"]: o["error"]["code"] for o in out if o["error"]}
     assert errors == {"r4": "invalid_value", None: "missing_custom_id", "r7": "invalid_method",
-                      "r9": "invalid_request"}
+                      "r9": "context_length_exceeded"}
 
 
 def test_run_batch_runs_the_shipped_examples(tiny_model_dir, tmp_path, capsys):
