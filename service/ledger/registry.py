@@ -322,10 +322,7 @@ class Registry:
         """"generate" or "embed" (registry.folder_kind); None when there is no model to ask (UNCHECKED)."""
         if entry.name is None:
             return None
-        key = ("kind", entry.name, entry.source)
-        if key not in self._context:
-            self._context[key] = folder_kind(entry.source)
-        return self._context[key]
+        return self._per_model("kind", entry, folder_kind)
 
     def check_endpoint(self, entry: Entry, endpoint: str) -> None:
         """A 404 naming `model` when the model cannot serve the endpoint (an embedding model asked to generate,
@@ -345,37 +342,36 @@ class Registry:
         that does not embed or whose folder cannot be read here (then the worker checks the inputs)."""
         if entry.name is None or self.kind(entry) != "embed":
             return None
-        key = ("embed", entry.name, entry.source)
-        if key not in self._context:
-            from .embeddings import EmbedModel
-            try:
-                self._context[key] = EmbedModel(entry.source)
-            except Exception:     # noqa: BLE001 - no tokenizer here: the worker refuses what it cannot run
-                self._context[key] = None
-        return self._context[key]
+        from .embeddings import EmbedModel
+        return self._per_model("embed", entry, EmbedModel, or_none=True)   # unreadable: the worker refuses it
 
     def token_counter(self, entry: Entry):
         """text -> tokens with a generation model's tokenizer (tokenizer.json, read here once); None when this
         process cannot read it (then the API estimates from UTF-8 bytes, service/ledger/bodies.py)."""
         if entry.name is None or self.kind(entry) != "generate":
             return None
-        key = ("tokens", entry.name, entry.source)
-        if key not in self._context:
-            try:
-                from tokenizers import Tokenizer
-                tokenizer = Tokenizer.from_file(str(Path(entry.source) / "tokenizer.json"))
-                self._context[key] = lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
-            except Exception:     # noqa: BLE001 - no tokenizer here
-                self._context[key] = None
-        return self._context[key]
+        def counter(source: str):
+            from tokenizers import Tokenizer
+            tokenizer = Tokenizer.from_file(str(Path(source) / "tokenizer.json"))
+            return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
+        return self._per_model("tokens", entry, counter, or_none=True)
 
     def vocab_size(self, entry: Entry) -> int | None:
         """Token ids the model knows (0 to this, exclusive); None when its folder cannot be read here."""
         if entry.name is None:
             return None
-        key = ("vocab", entry.name, entry.source)
+        return self._per_model("vocab", entry, folder_vocab_size)
+
+    def _per_model(self, what: str, entry: Entry, read, or_none: bool = False):
+        """read(entry.source), once per model folder; with or_none, None where the folder cannot be read here."""
+        key = (what, entry.name, entry.source)
         if key not in self._context:
-            self._context[key] = folder_vocab_size(entry.source)
+            try:
+                self._context[key] = read(entry.source)
+            except Exception:     # noqa: BLE001 - what this process cannot read, the worker checks
+                if not or_none:
+                    raise
+                self._context[key] = None
         return self._context[key]
 
     def context_len(self, entry: Entry) -> int | None:
