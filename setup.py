@@ -1,18 +1,22 @@
 """The wheel's layout; everything else about the project is in pyproject.toml.
 
-The checkout keeps web/ (templates, static files, Grafana JSON) and migrations/ at its top level; a wheel installs
-them inside the service package, as service/web and service/migrations, where service/ledger/resources.py finds them.
-tests/service/test_packaging.py builds the wheel, installs it outside the checkout and renders the panel from it.
+One import package, `tidepool`. The checkout keeps its parts in top-level folders, mapped into it here: service/,
+workers/ and kernels/ become tidepool.service, tidepool.workers and tidepool.kernels; web/ (templates, static files,
+Grafana JSON) and migrations/ go inside the service package, as tidepool/service/web and tidepool/service/migrations,
+where service/ledger/resources.py finds them. tests/service/test_packaging.py builds the wheel, installs it outside
+the checkout and renders the panel from it.
 """
 from setuptools import find_namespace_packages, setup
 
-MAPPED = {"service.web": "web", "service.migrations": "migrations"}     # package -> folder in the checkout
+MAPPED = {"tidepool.service": "service", "tidepool.workers": "workers", "tidepool.kernels": "kernels",
+          "tidepool.service.web": "web", "tidepool.service.migrations": "migrations"}   # package -> checkout folder
 
-packages = find_namespace_packages(include=["service*", "workers*", "kernels*"])
+packages = ["tidepool"]
 for name, folder in MAPPED.items():
-    packages += [name] + [f"{name}.{sub}" for sub in find_namespace_packages(folder)]
+    packages += [name] + [f"{name}.{sub}" for sub in find_namespace_packages(folder, exclude=["*__pycache__*"])
+                          if f"{name}.{sub}" not in MAPPED]
 
-setup(packages=packages, package_dir=MAPPED,
-      package_data={"workers.tools": ["data/*.txt"], "kernels": ["csrc/*.cpp", "csrc/*.h"],
-                    "service.migrations": ["*.mako"],
-                    "service.web": ["templates/*.html", "static/*", "grafana/*.json"]})
+setup(packages=packages, package_dir={"tidepool": "tidepool", **MAPPED},
+      package_data={"tidepool.workers.tools": ["data/*.txt"], "tidepool.kernels": ["csrc/*.cpp", "csrc/*.h"],
+                    "tidepool.service.migrations": ["*.mako"],
+                    "tidepool.service.web": ["templates/*.html", "static/*", "grafana/*.json"]})

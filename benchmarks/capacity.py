@@ -191,7 +191,7 @@ def main():
         rurl = f"redis://127.0.0.1:{rport}/0"
         rc = redis.Redis.from_url(rurl)
         wait(lambda: _ping(rc), 10, "redis")
-        from workers.tools.tiny_model import make_tiny_model
+        from tidepool.workers.tools.tiny_model import make_tiny_model
         model = str(make_tiny_model(str(tmp / "tiny"), seed=1))
         env = {**os.environ, "TIDEPOOL_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/tidepool",
                "TIDEPOOL_REDIS_URL": rurl, "TIDEPOOL_ADMIN_TOKEN": ADMIN, "TIDEPOOL_MODEL": model,
@@ -203,11 +203,11 @@ def main():
         port = free_port()
         log = open(tmp / "processes.log", "w")
         web = subprocess.Popen([str(bindir / "gunicorn"), "-w", "2", "-k", "gthread", "--threads", "16", "-b",
-                                f"127.0.0.1:{port}", "service.wsgi:app"], env=env, stdout=log,
+                                f"127.0.0.1:{port}", "tidepool.service.wsgi:app"], env=env, stdout=log,
                                stderr=subprocess.STDOUT, cwd=ROOT)
         procs.append(web)
         for cmd in (["worker", "--kind", "gpu", "--device", "cpu"], ["beat"]):
-            procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", *cmd], env=env, stdout=log,
+            procs.append(subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", *cmd], env=env, stdout=log,
                                           stderr=subprocess.STDOUT, cwd=tmp))
         wait(lambda: _ready(port), 120, "web ready with a worker engine up")
         key = http(port, "POST", "/v1/admin/tenants", {"name": "capacity"}, ADMIN)["api_key"]

@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workers.engine import LLMEngine, SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
-from workers.engine.scheduler import ScheduledBatch  # noqa: E402
-from workers.engine.sequence import Sequence  # noqa: E402
+from tidepool.workers.engine import LLMEngine, SamplingParams  # noqa: E402
+from tidepool.workers.engine.config import EngineConfig  # noqa: E402
+from tidepool.workers.engine.scheduler import ScheduledBatch  # noqa: E402
+from tidepool.workers.engine.sequence import Sequence  # noqa: E402
 from results import record  # noqa: E402
 
 

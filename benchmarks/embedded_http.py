@@ -72,15 +72,15 @@ def main() -> None:
     if args.client:
         return client_main(*args.client, args.rate, args.phase_seconds, args.max_tokens)
 
-    from service.ledger.logging import configure
+    from tidepool.service.ledger.logging import configure
     configure("WARNING")
     from kombu.transport.memory import Channel
     from sqlalchemy.orm import Session
 
-    from service import create_app, migrate
-    from service.ledger import tenants
-    from workers.embedded import http_server
-    from workers.worker import Worker, WorkerConfig
+    from tidepool.service import create_app, migrate
+    from tidepool.service.ledger import tenants
+    from tidepool.workers.embedded import http_server
+    from tidepool.workers.worker import Worker, WorkerConfig
 
     Channel.queues.clear()
     tmp = Path(tempfile.mkdtemp(prefix="embedded-http-"))

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workers.engine import LLM  # noqa: E402
-from workers.engine.pooling import PoolingParams  # noqa: E402
+from tidepool.workers.engine import LLM  # noqa: E402
+from tidepool.workers.engine.pooling import PoolingParams  # noqa: E402
 from results import record  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent.parent / "workers" / "tools" / "data" / "corpus.txt"
@@ -113,7 +113,7 @@ def run_engine(args, texts, dtype: str = "float32"):
 
 
 def run_batch_file(args, texts, llm):
-    from workers.batch_runner import run_batch
+    from tidepool.workers.batch_runner import run_batch
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl"
         src.write_text("".join(json.dumps({"custom_id": f"s{i}", "method": "POST", "url": "/v1/embeddings",
@@ -167,7 +167,7 @@ def realtime_beside_batch(args, texts) -> dict:
     from hybrid_sla import _pct
     from multi_model import Stepping
 
-    from workers.engine import EngineConfig, LLMEngine, SamplingParams
+    from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
     gen = LLMEngine(EngineConfig(model=args.gen_model, device="cpu"))
     emb = LLMEngine(EngineConfig(model=args.model, device="cpu"))
     stepping = Stepping({"gen": gen, "emb": emb}, "shared")
@@ -291,7 +291,7 @@ def main() -> int:
 
 
 def _tokenizer(model: str):
-    from workers.engine.tokenizer import Tokenizer
+    from tidepool.workers.engine.tokenizer import Tokenizer
     return Tokenizer(model)
 
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from workers.engine import LLMEngine, SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
+from tidepool.workers.engine import LLMEngine, SamplingParams  # noqa: E402
+from tidepool.workers.engine.config import EngineConfig  # noqa: E402
 from results import record  # noqa: E402
 
 
@@ -90,7 +90,7 @@ class StepBreakdown:
                 part = "lm_head"
             module.register_forward_pre_hook(lambda *_: self._enter())
             module.register_forward_hook(lambda *_, part=part: self._leave(part))
-        from workers.engine.models import llama
+        from tidepool.workers.engine.models import llama
         llama.RotaryEmbedding.apply = staticmethod(self._wrap(llama.RotaryEmbedding.apply, "norms/rotary/activation"))
         for name in ("store_kv", "paged_attention"):
             setattr(llama, name, self._wrap(getattr(llama, name), "attention"))
@@ -164,7 +164,7 @@ def run_hf_static(model_dir: str, requests, batch_size: int, dtype, device) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from service.ledger.config import Config
+    from tidepool.service.ledger.config import Config
     ap.add_argument("--model", default=Config.setting("model") or "models/smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)

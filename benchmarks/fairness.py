@@ -70,7 +70,7 @@ class Stack:
         self.redis = redis.Redis.from_url(self.redis_url)
         wait(lambda: _ping(self.redis), 10, "redis")
         if args.tiny:
-            from workers.tools.tiny_model import make_tiny_model
+            from tidepool.workers.tools.tiny_model import make_tiny_model
             model = str(make_tiny_model(str(tmp / "tiny"), seed=1))
         else:
             model = str(Path(args.model).resolve())
@@ -88,18 +88,18 @@ class Stack:
         self.port = free_port()
         self.log = open(tmp / "processes.log", "w")
         self.procs.append(subprocess.Popen([str(bindir / "gunicorn"), "-w", "2", "-k", "gthread", "--threads", "32",
-                                            "-b", f"127.0.0.1:{self.port}", "service.wsgi:app"], env=self.env,
+                                            "-b", f"127.0.0.1:{self.port}", "tidepool.service.wsgi:app"], env=self.env,
                                            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT))
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "workers.cli", "beat"], env=self.env, stdout=self.log,
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "beat"], env=self.env, stdout=self.log,
                                            stderr=subprocess.STDOUT, cwd=tmp))
         self.base = f"http://127.0.0.1:{self.port}"
         wait(lambda: _healthy(self.port), 120, "web up")
 
     def start_worker(self, fair: bool) -> None:
-        from service.ledger.snapshots import HEARTBEAT_KEY
+        from tidepool.service.ledger.snapshots import HEARTBEAT_KEY
         self.stop_worker()
         name = "gpu-fair" if fair else "gpu-fifo"
-        self.worker = subprocess.Popen([sys.executable, "-m", "workers.cli", "worker", "--kind", "gpu", "--device", "cpu"],
+        self.worker = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "worker", "--kind", "gpu", "--device", "cpu"],
                                        env={**self.env, "TIDEPOOL_FAIR_INTAKE": "1" if fair else "0",
                                             "TIDEPOOL_WORKER_NAME": name},
                                        stdout=self.log, stderr=subprocess.STDOUT, cwd=self.tmp)
@@ -259,9 +259,9 @@ def weighted(st: Stack, args, rng: random.Random) -> dict:
 def take_latency(st: Stack, n_tenants: int = 100, per: int = 10, takes: int = 1000) -> dict:
     from kombu import Connection, Queue
 
-    from service.ledger import fair
-    from service.ledger.wire import task_message, transport_options
-    from workers import broker
+    from tidepool.service.ledger import fair
+    from tidepool.service.ledger.wire import task_message, transport_options
+    from tidepool.workers import broker
     q = "fairness-bench-take"       # no worker consumes it
     conn = Connection(st.redis_url, transport_options=transport_options(3600))
     ch = conn.channel()

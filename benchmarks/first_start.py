@@ -2,7 +2,7 @@
 
     python benchmarks/first_start.py [--model models/smollm2-135m] [--pull] [--requests 30]
 
-Each start runs `python -m workers.cli serve` in a fresh folder (its own SQLite ledger, var/ and models dir), the
+Each start runs `python -m tidepool.workers.cli serve` in a fresh folder (its own SQLite ledger, var/ and models dir), the
 model given by TIDEPOOL_MODEL, the kernel cache TIDEPOOL_KERNEL_CACHE: an empty folder for the cold start, the
 same folder again for the warm one. Measured from the process's start: `ready_s`, when the banner with the
 URLs is printed (the server listens right after); `first_answer_s`, when a first chat completion (8 tokens)
@@ -91,7 +91,7 @@ def start(model: str, kernel_cache: Path, requests: int, timeout: float = 900) -
         env = env_for(TIDEPOOL_MODEL=model, TIDEPOOL_KERNEL_CACHE=str(kernel_cache),
                       TIDEPOOL_MODELS_DIR=str(Path(work) / "models"))
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "serve", "--port", str(port)], cwd=work,
+        proc = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "serve", "--port", str(port)], cwd=work,
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = Lines(proc, t0)
         try:
@@ -138,7 +138,7 @@ def pull() -> dict:
     """`tidepool models pull smollm2-135m` into an empty folder."""
     with tempfile.TemporaryDirectory(prefix="tp-pull-") as work:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "models", "pull", "smollm2-135m"], cwd=work,
+        proc = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "models", "pull", "smollm2-135m"], cwd=work,
                                 env=env_for(TIDEPOOL_MODELS_DIR=str(Path(work) / "models")),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = Lines(proc, t0)

@@ -51,7 +51,7 @@ fi
 model="$(mktemp -d)/smollm2-shaped"
 python3 - "$model" <<'EOF' 2>&1 | tee -a "$out/device.txt" || status=1
 import sys
-from workers.tools.tiny_model import make_tiny_model
+from tidepool.workers.tools.tiny_model import make_tiny_model
 make_tiny_model(sys.argv[1], hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                 num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, vocab_size=49152)
 print("model", sys.argv[1])

@@ -263,7 +263,7 @@ def start_serve(args, tmp: Path):
     for item in args.env:
         k, _, v = item.partition("=")
         env[k] = v
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "serve", "--port", str(args.port)], cwd=tmp, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "serve", "--port", str(args.port)], cwd=tmp, env=env,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT)
     _wait(lambda: "API key:" in log.read_text(), 180, "tidepool serve", proc, log)
     key = re.search(r"API key:\s+(\S+)", log.read_text()).group(1)

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import select  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
-from service import create_app, migrate
-from service.ledger import tenants  # noqa: E402
-from service.ledger.models import Job, JobStatus  # noqa: E402
+from tidepool.service import create_app, migrate
+from tidepool.service.ledger import tenants  # noqa: E402
+from tidepool.service.ledger.models import Job, JobStatus  # noqa: E402
 from results import record  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def _pct(xs, q):
 def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -> dict:
     from kombu.transport.memory import Channel
 
-    from workers.worker import Worker, WorkerConfig
+    from tidepool.workers.worker import Worker, WorkerConfig
     Channel.queues.clear()
     tmp = Path(tempfile.mkdtemp(prefix="hybrid-"))
     url = f"sqlite:///{tmp / 'ledger.db'}"
@@ -60,7 +60,7 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
         engine_kw["speculative"] = args.speculative
     targets = {k: v for k, v in (("ttft_ms", args.rt_ttft_ms), ("itl_ms", args.rt_itl_ms)) if v is not None}
     if targets:
-        from workers.engine.config import sla_targets_for
+        from tidepool.workers.engine.config import sla_targets_for
         engine_kw["sla_targets"] = sla_targets_for(args.device, {"realtime": targets})
     cfg = WorkerConfig(model=args.model, database_url=url, device=args.device, name=f"bench-{name}",
                        low_water=args.low_water, engine=engine_kw)
@@ -195,7 +195,7 @@ def _step_summary(steps) -> dict:
 
 def scheduler_share(args, num_seqs: int, steps: int = 12) -> dict:
     """The scheduler's share of step time with num_seqs sequences decoding (plus realtime arrivals), engine only."""
-    from workers.engine import EngineConfig, LLMEngine, SamplingParams
+    from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
     # Seats for num_seqs offline sequences beside the online reserve (10% of max_num_seqs).
     engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
                                     max_num_seqs=num_seqs + num_seqs // 9 + 1))
@@ -275,10 +275,10 @@ def main():
         if (default / "config.json").is_file():
             args.model = str(default)
         else:
-            from workers.tools.tiny_model import make_tiny_model
+            from tidepool.workers.tools.tiny_model import make_tiny_model
             args.model = str(make_tiny_model(tempfile.mkdtemp(prefix="tiny-") + "/tiny", seed=1))
     if args.device is None:
-        from workers.worker import default_device
+        from tidepool.workers.worker import default_device
         args.device = default_device()
     print(f"model {args.model} on {args.device}; offline {args.offline} x {args.offline_tokens} tokens; "
           f"realtime {args.rt_rate}/s x {args.rt_tokens} tokens", flush=True)

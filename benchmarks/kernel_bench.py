@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from kernels.triton_paged_attention import _num_splits, paged_attention_triton
+from tidepool.kernels.triton_paged_attention import _num_splits, paged_attention_triton
 from results import record  # noqa: E402
 
 PEAK_GBPS = [  # (substring of torch.cuda.get_device_name, HBM GB/s); first match wins

@@ -296,7 +296,7 @@ class Stack:
             self.port = free_port()
             self.base = f"http://127.0.0.1:{self.port}"
             self._spawn("web", procfile_web(self.port), cwd=ROOT)
-            self._spawn("beat", [sys.executable, "-m", "workers.cli", "beat"])
+            self._spawn("beat", [sys.executable, "-m", "tidepool.workers.cli", "beat"])
             self.start_worker()
             wait(lambda: _ready(self.port), 600, "web ready with the worker's engine up")
         except BaseException:
@@ -311,7 +311,7 @@ class Stack:
         return proc
 
     def start_worker(self) -> None:
-        self._spawn("worker", [sys.executable, "-m", "workers.cli", "worker", "--kind", "gpu", "--device", "cpu"],
+        self._spawn("worker", [sys.executable, "-m", "tidepool.workers.cli", "worker", "--kind", "gpu", "--device", "cpu"],
                     TIDEPOOL_WORKER_NAME=WORKER)
 
     def kill_worker(self) -> None:
@@ -321,7 +321,7 @@ class Stack:
 
     def worker_up(self, since: float) -> bool:
         import redis
-        from service.ledger.snapshots import Heartbeats
+        from tidepool.service.ledger.snapshots import Heartbeats
         try:
             beat = Heartbeats(redis.Redis.from_url(self.redis_url, socket_timeout=2)).get(WORKER)
         except redis.RedisError:

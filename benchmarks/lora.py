@@ -65,8 +65,8 @@ def write_adapter_files(folder: Path, cfg, rank: int, seed: int) -> None:
 
 
 def run(model: str, requests, loras: list | None, args) -> dict:
-    from workers.engine import LLMEngine, SamplingParams
-    from workers.engine.config import EngineConfig
+    from tidepool.workers.engine import LLMEngine, SamplingParams
+    from tidepool.workers.engine.config import EngineConfig
     engine = LLMEngine(EngineConfig(model=model, device=args.device, max_num_seqs=args.max_num_seqs,
                                     online_reserve=0.0, sla_targets={},
                                     max_loras=args.max_loras if loras else 0, max_lora_rank=args.rank))
@@ -98,8 +98,8 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=8)
     ap.add_argument("--many-adapters", type=int, default=32)
     args = ap.parse_args()
-    from workers.engine import LoRARequest
-    from workers.engine.config import EngineConfig
+    from tidepool.workers.engine import LoRARequest
+    from tidepool.workers.engine.config import EngineConfig
     cfg = EngineConfig(model=args.model).model_config
     requests = workload(args.num_requests, cfg.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:

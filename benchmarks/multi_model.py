@@ -42,7 +42,7 @@ class Stepping:
     DeviceStepper taking every step one at a time (overlap_offline=False)."""
 
     def __init__(self, engines: dict, mode: str):
-        from workers.device_stepper import DeviceStepper
+        from tidepool.workers.device_stepper import DeviceStepper
         self.stop, self.stepper = threading.Event(), DeviceStepper(overlap_offline=mode != "turns")
         target = self._own if mode == "threads" else self._shared
         self.threads = [threading.Thread(target=target, args=(name, e), daemon=True) for name, e in engines.items()]
@@ -66,7 +66,7 @@ class Stepping:
 
 def _batch(engine, tag: str, n: int, tokens: int, prompt_len: int, rng) -> threading.Event:
     """Queue n offline requests; the event is set when all have finished, its `at` the perf_counter() then."""
-    from workers.engine import SamplingParams
+    from tidepool.workers.engine import SamplingParams
     done, left = threading.Event(), [n]
     lock = threading.Lock()
     vocab = min(engine.config.model_config.vocab_size, 1000)
@@ -102,7 +102,7 @@ def _offline(engines: dict, args, rng, mode: str = "shared") -> dict:
 
 def _ttft(engine, args, rng, busy=None, mode: str = "shared") -> list[float]:
     """Realtime probes on engine, one every --rt-interval seconds; busy (another engine) runs its batch meanwhile."""
-    from workers.engine import SamplingParams
+    from tidepool.workers.engine import SamplingParams
     stepping = Stepping({"a": engine} | ({"b": busy} if busy is not None else {}), mode)
     if busy is not None:
         _batch(busy, f"bg-{time.time_ns()}", args.requests * 4, args.tokens, args.prompt_len, rng)
@@ -152,10 +152,10 @@ def main() -> int:
     if not modes or set(modes) - {"threads", "turns", "shared"}:
         ap.error("--stepping: threads, turns and/or shared")
 
-    from workers.engine import EngineConfig, LLMEngine
+    from tidepool.workers.engine import EngineConfig, LLMEngine
     model_b = args.model_b
     if model_b is None:
-        from workers.tools.tiny_model import make_tiny_model
+        from tidepool.workers.tools.tiny_model import make_tiny_model
         model_b = str(make_tiny_model(str(Path(tempfile.mkdtemp(prefix="mm-")) / "qwen-b"), arch="qwen2", seed=3,
                                       hidden_size=384, num_hidden_layers=8, num_attention_heads=6,
                                       num_key_value_heads=2))

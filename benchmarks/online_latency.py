@@ -62,8 +62,8 @@ def native_kernels_ready() -> str:
     a worker builds them on a thread beside its steps (kernels/cpu_ops.py; on a cold cache the build takes a core for
     tens of seconds, and a phase measured meanwhile runs slower than the later ones). The workers and servers
     the benchmarks start use the same cache (TIDEPOOL_KERNEL_CACHE, else the default folder)."""
-    from kernels import cpu_ops
-    from service.ledger.config import Config
+    from tidepool.kernels import cpu_ops
+    from tidepool.service.ledger.config import Config
     cpu_ops.configure(cache_dir=Config.setting("kernel_cache"))      # None: the default folder, as the workers'
     started = time.perf_counter()
     state = cpu_ops.prepare()
@@ -87,7 +87,7 @@ def make_prompts(n, vocab, seed, lo=32, hi=128):
 
 # -- the engine's own TTFT -------------------------------------------------------------------------------
 def engine_ttft(model, prompts, steady, rate, max_tokens, kv_blocks, gap):
-    from workers.engine import EngineConfig, LLMEngine, SamplingParams
+    from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
     engine = LLMEngine(EngineConfig(model=model, device="cpu", num_kv_blocks=kv_blocks))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     first: dict[str, float] = {}
@@ -266,7 +266,7 @@ class Embedded:
         self.base = f"http://127.0.0.1:{args.port}"
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "serve", "--port", str(self.args.port)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "serve", "--port", str(self.args.port)],
                                      cwd=self.tmp, env=_env(self.args), stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT)
         _wait(lambda: "API key:" in self.log.read_text(), 120, "tidepool serve", self.proc, self.log)
@@ -301,7 +301,7 @@ class Production:
                         TIDEPOOL_METRICS_PORT=str(a.metrics_port), TIDEPOOL_WORKER_NAME="bench-online",
                         PROMETHEUS_MULTIPROC_DIR=str(self.tmp / "prom"))
         (self.tmp / "prom").mkdir()
-        cli = [sys.executable, "-m", "workers.cli"]
+        cli = [sys.executable, "-m", "tidepool.workers.cli"]
         subprocess.run(cli + ["db", "upgrade"], env=self.env, check=True, capture_output=True, cwd=self.tmp)
         out = subprocess.run(cli + ["tenants", "create", "bench"], env=self.env, check=True, capture_output=True,
                              cwd=self.tmp, text=True).stdout
@@ -311,11 +311,11 @@ class Production:
                                            env=self.env, stdout=open(self.worker_log, "w"), stderr=subprocess.STDOUT))
         gunicorn = str(Path(sys.executable).with_name("gunicorn"))
         self.procs.append(subprocess.Popen(
-            [gunicorn, "-c", "python:service.gunicorn_conf", "--worker-class", "gthread", "--workers", "2", "--threads",
-             "32", "--timeout", "120", "--bind", f"127.0.0.1:{a.port}", "service.wsgi:app"],
+            [gunicorn, "-c", "python:tidepool.service.gunicorn_conf", "--worker-class", "gthread", "--workers", "2", "--threads",
+             "32", "--timeout", "120", "--bind", f"127.0.0.1:{a.port}", "tidepool.service.wsgi:app"],
             cwd=self.tmp, env=self.env, stdout=open(self.web_log, "w"), stderr=subprocess.STDOUT))
         client = redis.Redis.from_url(a.redis_url)
-        from service.ledger.snapshots import HEARTBEAT_KEY
+        from tidepool.service.ledger.snapshots import HEARTBEAT_KEY
         _wait(lambda: client.exists(HEARTBEAT_KEY.format("bench-online")), 120, "worker heartbeat", self.procs[0],
               self.worker_log)
         _wait(lambda: _get(self.base, "/healthz")[0] == 200, 60, "gunicorn", self.procs[1], self.web_log)

@@ -110,7 +110,7 @@ class Run:
         for name in names:
             log = open(self.tmp / f"{name}.log", "w")
             self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "workers.cli", "worker", "--kind", "gpu", "--device", "cpu"], cwd=self.tmp,
+                [sys.executable, "-m", "tidepool.workers.cli", "worker", "--kind", "gpu", "--device", "cpu"], cwd=self.tmp,
                 env=self.env(TIDEPOOL_WORKER_NAME=name, TIDEPOOL_KV_BLOCKS=kv_blocks), stdout=log,
                 stderr=subprocess.STDOUT))
         wait(lambda: all(self.beat(n).get("engine") for n in names) or any(p.poll() is not None for p in self.procs),
@@ -140,7 +140,7 @@ def scenario(name: str, run: Run, app, key: str, lines: bytes, n: int, workers: 
     from sqlalchemy import func, select
     from sqlalchemy.orm import Session
 
-    from service.ledger.models import Job, JobStatus
+    from tidepool.service.ledger.models import Job, JobStatus
     run.workers(workers, kv_blocks)
     app.extensions["tidepool.dispatcher"].affinity = affinity
     router = app.extensions["tidepool.dispatcher"].router
@@ -215,16 +215,16 @@ def main():
 
     import psycopg
 
-    from service import create_app, migrate
-    from service.ledger import tenants
-    from workers.engine.tokenizer import Tokenizer
+    from tidepool.service import create_app, migrate
+    from tidepool.service.ledger import tenants
+    from tidepool.workers.engine.tokenizer import Tokenizer
 
     # SIGTERM (a timeout, a kill) unwinds like Ctrl-C: workers stopped, redis-server killed, database dropped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tmp = Path(tempfile.mkdtemp(prefix="tidepool-affinity-"))
     model = args.model
     if model == "tiny":
-        from workers.tools.tiny_model import make_tiny_model
+        from tidepool.workers.tools.tiny_model import make_tiny_model
         model = str(make_tiny_model(str(tmp / "tiny"), seed=1))
     else:      # the workers run in the temp folder
         model = str(Path(model).resolve())

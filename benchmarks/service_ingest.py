@@ -116,7 +116,7 @@ def main():
     server_log = open(log_path, "w")
     server = subprocess.Popen([os.path.join(bindir, "gunicorn"), "-w", str(args.workers), "-k", "gthread",
                                "--threads", str(args.threads), "--timeout", "120", "-b", f"127.0.0.1:{args.port}",
-                               "service.wsgi:app"], env=env, stdout=server_log, stderr=subprocess.STDOUT)
+                               "tidepool.service.wsgi:app"], env=env, stdout=server_log, stderr=subprocess.STDOUT)
     print(f"gunicorn: {args.workers} workers x {args.threads} threads, {args.clients} clients; "
           f"server log {log_path}")
     try:

@@ -77,7 +77,7 @@ def _pct(xs, q):
 def stream_alone(engine, prompts, max_tokens: int, trace=None) -> dict:
     """One realtime request at a time; per request its ITL, its stream-event gaps, its tokens. trace: a list that
     gets every step as (seconds, predicted seconds, tokens computed, verifying sequences, drafted, accepted)."""
-    from workers.engine import SamplingParams
+    from tidepool.workers.engine import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     before = engine.stats().get("spec_decode", {})
     itl, gaps, outputs = [], [], []
@@ -113,7 +113,7 @@ def stream_alone(engine, prompts, max_tokens: int, trace=None) -> dict:
 
 
 def part_one(args) -> dict:
-    from workers.engine import EngineConfig, LLMEngine
+    from tidepool.workers.engine import EngineConfig, LLMEngine
     results = {}
     for mode in ("off", args.speculative):
         engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
@@ -191,7 +191,7 @@ def main():
         if (default / "config.json").is_file():
             args.model = str(default)
         else:
-            from workers.tools.tiny_model import make_tiny_model
+            from tidepool.workers.tools.tiny_model import make_tiny_model
             args.model = str(make_tiny_model(tempfile.mkdtemp(prefix="tiny-") + "/tiny", seed=1))
     print(f"model {args.model} on {args.device}; speculative {args.speculative} vs none", flush=True)
     result = {"model": args.model, "device": args.device, "speculative": args.speculative}

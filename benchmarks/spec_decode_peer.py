@@ -31,7 +31,7 @@ def _median(xs):
 
 
 def run_tidepool(args, speculative, prompts):
-    from workers.engine import LLM, SamplingParams
+    from tidepool.workers.engine import LLM, SamplingParams
     llm = LLM(args.model, speculative=speculative, max_num_seqs=8)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.generate([prompts["chat"][0]], SamplingParams(max_tokens=4, temperature=0.0))

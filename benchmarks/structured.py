@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-import workers.engine.sampler as sampler_module  # noqa: E402
-from workers.engine import LLMEngine, SamplingParams  # noqa: E402
-from workers.engine.config import EngineConfig  # noqa: E402
+import tidepool.workers.engine.sampler as sampler_module  # noqa: E402
+from tidepool.workers.engine import LLMEngine, SamplingParams  # noqa: E402
+from tidepool.workers.engine.config import EngineConfig  # noqa: E402
 from results import record  # noqa: E402
 
 SCHEMA = {

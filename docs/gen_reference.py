@@ -33,7 +33,7 @@ def _header(source: str) -> str:
 
 # -- configuration ----------------------------------------------------------------------------------------------
 def configuration() -> str:
-    from service.ledger.config import OTHER_VARIABLES, variables
+    from tidepool.service.ledger.config import OTHER_VARIABLES, variables
 
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     rows += [f"| `{env}` | {shown} | {meaning} |" for env, shown, meaning in variables() + OTHER_VARIABLES]
@@ -73,7 +73,7 @@ def _cell(text) -> str:
 def cli() -> str:
     import argparse as ap
 
-    from workers.cli import build_parser
+    from tidepool.workers.cli import build_parser
 
     parser = build_parser()
     out = [_header("the argument parsers (workers/cli.py, workers/commands.py, service/commands.py)"),
@@ -115,7 +115,7 @@ def cli() -> str:
 def openapi_document() -> dict:
     """spec() without the parts that depend on the clock (a deadline's minimum is "now + 60 s" when served):
     built at two clock readings, any value that differs is left out."""
-    from service.openapi import spec
+    from tidepool.service.openapi import spec
 
     with mock.patch("time.time", return_value=1_000_000_000.0):
         first = spec()
@@ -294,11 +294,11 @@ def _families(collectors) -> list[tuple[str, str, tuple, str]]:
 def metrics() -> str:
     from prometheus_client import CollectorRegistry
 
-    from service import create_app, migrate
-    from service.ledger.metrics import REGISTRY
-    from service.metrics_http import LedgerCollector
-    from workers.metrics import DEFAULT_PORTS, EngineMetrics
-    from workers.model_workers import ModelHost
+    from tidepool.service import create_app, migrate
+    from tidepool.service.ledger.metrics import REGISTRY
+    from tidepool.service.metrics_http import LedgerCollector
+    from tidepool.workers.metrics import DEFAULT_PORTS, EngineMetrics
+    from tidepool.workers.model_workers import ModelHost
 
     with tempfile.TemporaryDirectory() as tmp:
         url = f"sqlite:///{tmp}/ledger.db"

@@ -7,7 +7,7 @@ against (tests/kernels)."""
 
 import torch
 
-from kernels.paged_attention import paged_attention_ref, paged_decode_ref, store_kv_ref
+from tidepool.kernels.paged_attention import paged_attention_ref, paged_decode_ref, store_kv_ref
 
 BACKENDS = ("torch", "triton")
 
@@ -25,10 +25,10 @@ def resolve_backend(device: torch.device | str, requested: str | None = None) ->
 
 def store_kv(backend: str, key, value, k_cache, v_cache, slot_mapping) -> None:
     if backend == "triton":
-        from kernels.triton_kv_store import store_kv_triton
+        from tidepool.kernels.triton_kv_store import store_kv_triton
         return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     if key.device.type == "cpu" and slot_mapping.dtype == torch.int64 and k_cache.is_contiguous():
-        from kernels.cpu_ops import native_op
+        from tidepool.kernels.cpu_ops import native_op
         op = native_op("store_kv")
         if op is not None and key.stride(-1) == 1 and value.stride(-1) == 1 and key.dtype == k_cache.dtype:
             return op(key, value, k_cache, v_cache, slot_mapping)
@@ -42,7 +42,7 @@ def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if (q.device.type != "cpu" or k_cache.device.type != "cpu" or head_dim % 8 or head_dim > 256
             or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
         return None
-    from kernels.cpu_ops import paged_decode_op
+    from tidepool.kernels.cpu_ops import paged_decode_op
     op = paged_decode_op(wait=False)      # None while its first build runs in the background
     if op is None:
         return None
@@ -66,7 +66,7 @@ def paged_attention(backend: str, q, k_cache, v_cache, block_tables, context_len
     """key, value: the step's new K/V rows (already stored), which the torch path reads instead of the cache
     for sequences that are all new."""
     if backend == "triton":
-        from kernels.triton_paged_attention import paged_attention_triton
+        from tidepool.kernels.triton_paged_attention import paged_attention_triton
         return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale)
     if max_seqlen_q == 1:       # a pure decode step: rows are sequences, nothing to plan per sequence
         return cpu_decode(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -5,7 +5,7 @@ Defaults follow the engine benchmark's worst decode step with SmolLM2-135M: 256 
 [16, 768], 9 query heads, 3 KV heads, head_dim 64, block 16, fp32, blocks shuffled over an 8192-block pool.
 --pools N cycles N separate pools so that every call reads from DRAM, as the engine's 30 layers do.
 
-    python -m kernels.bench_decode [--threads 1] [--pools 8] [--repeat 7] [--dtype bfloat16] [--native-only] [--huge-pages]
+    python -m tidepool.kernels.bench_decode [--threads 1] [--pools 8] [--repeat 7] [--dtype bfloat16] [--native-only] [--huge-pages]
 """
 import argparse
 import random
@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from kernels.cpu_ops import paged_decode_op
-from kernels.cpu_pages import empty_on_huge_pages, huge_page_bytes
-from kernels.paged_attention import paged_decode_ref
+from tidepool.kernels.cpu_ops import paged_decode_op
+from tidepool.kernels.cpu_pages import empty_on_huge_pages, huge_page_bytes
+from tidepool.kernels.paged_attention import paged_decode_ref
 
 
 def make_batch(seed=0, batch=256, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, pool=8192,

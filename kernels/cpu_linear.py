@@ -12,7 +12,7 @@ import logging
 import torch
 from torch import nn
 
-from kernels.cpu_ops import enabled
+from tidepool.kernels.cpu_ops import enabled
 
 log = logging.getLogger(__name__)
 

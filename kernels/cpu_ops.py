@@ -194,7 +194,7 @@ def _stop_compilers() -> None:
 
 def _self_check(op) -> None:
     """The built op against the torch path on a small paged batch: GQA, context 1, block edges, -1 padding."""
-    from kernels.paged_attention import paged_decode_ref
+    from tidepool.kernels.paged_attention import paged_decode_ref
     gen = torch.Generator().manual_seed(0)
     block_size, num_kv_heads, group = 4, 2, 3
     contexts = [1, 3, 4, 5, 9]

@@ -9,8 +9,8 @@ argmax_rows agrees with torch.argmax(dim=-1) exactly (first index among equal ma
 
 import torch
 
-from kernels.cpu_ops import CheckedOnce, native_op
-from kernels.paged_attention import store_kv_ref
+from tidepool.kernels.cpu_ops import CheckedOnce, native_op
+from tidepool.kernels.paged_attention import store_kv_ref
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.cpu_ops import CheckedOnce, native_op
+from tidepool.kernels.cpu_ops import CheckedOnce, native_op
 
 
 
@@ -139,7 +139,7 @@ def sgmv(y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, pla
     zero blocks. The result is the same either way."""
     _check(y, x, a, b, plan, blocks)
     if y.device.type == "cuda":
-        from kernels.triton_lora import sgmv_triton
+        from tidepool.kernels.triton_lora import sgmv_triton
         return sgmv_triton(y, x, a, b, plan.rows, plan.seg_starts, plan.seg_slots, plan.max_len)
     for slot, r0, r1 in plan.runs:                      # prefill chunks: GEMMs on slices, no gather, no copy
         _expand(y[r0:r1], x[r0:r1] @ a[slot], b[slot], blocks)

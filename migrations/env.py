@@ -1,8 +1,8 @@
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from service.ledger.config import Config
-from service.ledger.models import Base
+from tidepool.service.ledger.config import Config
+from tidepool.service.ledger.models import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -38,7 +38,7 @@ def register(sub) -> None:
     p = adapters.add_parser("list", help="print the registered adapters as a JSON array")
     p.set_defaults(func=_adapters_list)
 
-    p = sub.add_parser("web", help="run the API alone (werkzeug; use gunicorn 'service.wsgi:app' in production)")
+    p = sub.add_parser("web", help="run the API alone (werkzeug; use gunicorn 'tidepool.service.wsgi:app' in production)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.set_defaults(func=_web)
@@ -68,8 +68,8 @@ def register_models(models_sub) -> None:
 def _models_register(args) -> int:
     from pathlib import Path
 
-    from service.ledger import registry
-    from service.ledger.errors import APIError
+    from tidepool.service.ledger import registry
+    from tidepool.service.ledger.errors import APIError
     folder = Path(args.dir).expanduser()
     if not (folder / "config.json").is_file():
         return _fail(LookupError(f"{folder} is not a model folder (no config.json)"))
@@ -84,7 +84,7 @@ def _models_register(args) -> int:
 
 
 def _models_registry(args) -> int:
-    from service.ledger import registry
+    from tidepool.service.ledger import registry
     cfg = _config()
     with _session() as s:
         entries = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).entries().values()
@@ -97,8 +97,8 @@ def _models_warm(args) -> int:
 
     import redis
 
-    from service.ledger import registry
-    from service.ledger.audit import audit
+    from tidepool.service.ledger import registry
+    from tidepool.service.ledger.audit import audit
     cfg = _config()
     if not cfg.redis_url:
         return _fail(LookupError("tidepool models warm needs TIDEPOOL_REDIS_URL (the workers' broker)"))
@@ -115,8 +115,8 @@ def _models_warm(args) -> int:
 
 
 def _models_set(args) -> int:
-    from service.ledger import registry
-    from service.ledger.errors import APIError
+    from tidepool.service.ledger import registry
+    from tidepool.service.ledger.errors import APIError
     values = {k: v for k, v in (("tier", args.tier), ("enabled", args.enabled)) if v is not None}
     cfg = _config()
     with _session() as s:
@@ -131,14 +131,14 @@ def _models_set(args) -> int:
 
 
 def _config():
-    from service.ledger.config import Config
+    from tidepool.service.ledger.config import Config
     return Config.from_env()
 
 
 def _db_upgrade(args) -> int:
     import sys
 
-    from service import migrate
+    from tidepool.service import migrate
     url = _config().database_url
     try:
         created = migrate.ensure_database(url)
@@ -151,7 +151,7 @@ def _db_upgrade(args) -> int:
 
 
 def _db_downgrade(args) -> int:
-    from service import migrate
+    from tidepool.service import migrate
     migrate.downgrade(_config().database_url, args.revision)
     print(json.dumps({"downgraded": args.revision}))
     return 0
@@ -160,8 +160,8 @@ def _db_downgrade(args) -> int:
 def _adapters_register(args) -> int:
     from pathlib import Path
 
-    from service.ledger import adapters, registry
-    from service.ledger.errors import APIError
+    from tidepool.service.ledger import adapters, registry
+    from tidepool.service.ledger.errors import APIError
     cfg = _config()
     with _session() as s:
         base = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).get(args.base)
@@ -177,7 +177,7 @@ def _adapters_register(args) -> int:
 
 
 def _adapters_list(args) -> int:
-    from service.ledger import adapters
+    from tidepool.service.ledger import adapters
     with _session() as s:
         print(json.dumps([adapters.adapter_json(a) for a in adapters.listing(s)]))
     return 0
@@ -186,7 +186,7 @@ def _adapters_list(args) -> int:
 def _session():
     from sqlalchemy.orm import Session
 
-    from service.ledger.db import make_engine
+    from tidepool.service.ledger.db import make_engine
     return Session(make_engine(_config().database_url))
 
 
@@ -198,8 +198,8 @@ def _fail(exc) -> int:
 
 
 def _tenants_create(args) -> int:
-    from service.ledger import tenants
-    from service.ledger.errors import APIError
+    from tidepool.service.ledger import tenants
+    from tidepool.service.ledger.errors import APIError
     with _session() as s:
         try:
             tenant, key = tenants.create_tenant(s, args.name, args.weight, actor="cli")
@@ -213,7 +213,7 @@ def _tenants_create(args) -> int:
 def _tenants_list(args) -> int:
     from sqlalchemy import select
 
-    from service.ledger.models import ApiKey, Tenant
+    from tidepool.service.ledger.models import ApiKey, Tenant
     with _session() as s:
         keys: dict[str, list[str]] = {}
         for tenant_id, prefix in s.execute(select(ApiKey.tenant_id, ApiKey.prefix)
@@ -227,8 +227,8 @@ def _tenants_list(args) -> int:
 
 
 def _keys_create(args) -> int:
-    from service.ledger import tenants
-    from service.ledger.models import Tenant
+    from tidepool.service.ledger import tenants
+    from tidepool.service.ledger.models import Tenant
     with _session() as s:
         if s.get(Tenant, args.tenant_id) is None:
             return _fail(LookupError(f"no tenant {args.tenant_id}"))
@@ -239,7 +239,7 @@ def _keys_create(args) -> int:
 
 
 def _keys_revoke(args) -> int:
-    from service.ledger import tenants
+    from tidepool.service.ledger import tenants
     with _session() as s:
         if not tenants.revoke_key(s, args.prefix, actor="cli"):
             return _fail(LookupError(f"no active key with prefix {args.prefix}"))
@@ -249,6 +249,6 @@ def _keys_revoke(args) -> int:
 
 
 def _web(args) -> int:
-    from service import create_app
+    from tidepool.service import create_app
     create_app().run(host=args.host, port=args.port, threaded=True)
     return 0

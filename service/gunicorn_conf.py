@@ -1,11 +1,11 @@
-"""gunicorn settings for the Procfile's `web` (`gunicorn -c python:service.gunicorn_conf 'service.wsgi:app'`):
+"""gunicorn settings for the Procfile's `web` (`gunicorn -c python:tidepool.service.gunicorn_conf 'tidepool.service.wsgi:app'`):
 gunicorn's own lines go through Tidepool's log format, and, with PROMETHEUS_MULTIPROC_DIR, a dead worker's
 metrics files are marked dead."""
 import os
 
 from gunicorn.glogging import Logger
 
-from service.ledger.logging import configure
+from tidepool.service.ledger.logging import configure
 
 
 class JsonLogger(Logger):
@@ -22,4 +22,4 @@ class JsonLogger(Logger):
 logger_class = JsonLogger
 
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    from service.ledger.metrics import child_exit  # noqa: F401  (gunicorn hook)
+    from tidepool.service.ledger.metrics import child_exit  # noqa: F401  (gunicorn hook)

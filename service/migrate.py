@@ -5,13 +5,13 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config as AlembicConfig
 
-from service.ledger.resources import MIGRATIONS
+from tidepool.service.ledger.resources import MIGRATIONS
 
 
 def alembic_config(url: str) -> AlembicConfig:
     cfg = AlembicConfig()
     cfg.set_main_option("script_location", str(MIGRATIONS))
-    from service.ledger.db import split_url
+    from tidepool.service.ledger.db import split_url
     url = split_url(url)[0].render_as_string(hide_password=False)     # migrations run unprepared anyway
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
@@ -30,7 +30,7 @@ def ensure_database(url: str) -> bool:
     here with its folder). True when it was created. Raises RuntimeError with a one-line reason otherwise."""
     from sqlalchemy import create_engine, exc, text
 
-    from service.ledger.db import split_url
+    from tidepool.service.ledger.db import split_url
 
     u = split_url(url)[0]
     if u.get_backend_name() == "sqlite":

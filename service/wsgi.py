@@ -1,6 +1,6 @@
-"""gunicorn entry point: `gunicorn 'service.wsgi:app'`."""
-from service import create_app
-from service.ledger.logging import configure
+"""gunicorn entry point: `gunicorn 'tidepool.service.wsgi:app'`."""
+from tidepool.service import create_app
+from tidepool.service.ledger.logging import configure
 
 configure()
 app = create_app()

@@ -51,7 +51,7 @@ class PgDatabases:
             self.template = f"tidepool_test_tmpl_{os.getpid()}"
             self.execute(f"DROP DATABASE IF EXISTS {self.template} WITH (FORCE)")
             self.execute(f"CREATE DATABASE {self.template}")
-            from service import migrate
+            from tidepool.service import migrate
             migrate.upgrade(f"{PG}/{self.template}")
         return self.template
 
@@ -97,7 +97,7 @@ def pg_url(pg_databases):
 def minilm_dir(tmp_path_factory):
     """all-MiniLM-L6-v2 as `tidepool models pull all-minilm-l6-v2` writes it (from the installed wheel of the dev
     extra: no download)."""
-    from workers.tools.model_pull import pull_model
+    from tidepool.workers.tools.model_pull import pull_model
     return str(pull_model("all-minilm-l6-v2", tmp_path_factory.mktemp("models"), log=lambda *_: None))
 
 

@@ -88,7 +88,7 @@ def test_verdict_and_arguments():
     assert load.parse_args([]).duration == 600 and load.parse_args([]).tenants == 50
     with pytest.raises(Exception):
         load.parse_args(["--mix", "fuzz=3"])
-    assert load.procfile_web(8123)[-3:] == ["--bind", "0.0.0.0:8123", "service.wsgi:app"]
+    assert load.procfile_web(8123)[-3:] == ["--bind", "0.0.0.0:8123", "tidepool.service.wsgi:app"]
 
 
 def test_figures_outside_faults_leave_out_what_overlapped_one():

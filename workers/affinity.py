@@ -4,7 +4,7 @@ and, when it stops, its private queues handed back to the shared ones. The worke
 keys here; the engine knows nothing of it."""
 import logging
 
-from service.ledger import affinity, fair
+from tidepool.service.ledger import affinity, fair
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from service.ledger.openai_shapes import CHAT, EMBEDDINGS
-from workers.openai_bodies import embedding_request, prompt_ids, sampling_params
+from tidepool.service.ledger.openai_shapes import CHAT, EMBEDDINGS
+from tidepool.workers.openai_bodies import embedding_request, prompt_ids, sampling_params
 
 @dataclass
 class Inflight:

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from types import SimpleNamespace
 
-from service.ledger import responses
-from service.ledger.batches import ENDPOINTS, check_line
-from service.ledger.bodies import EMBEDDINGS
-from service.ledger.errors import APIError
-from service.ledger.registry import folder_kind
-from workers.engine import LLMEngine, RequestOutput
-from workers.attempt import build_request
-from workers.openai_bodies import CHAT, ledger_result, response_body
+from tidepool.service.ledger import responses
+from tidepool.service.ledger.batches import ENDPOINTS, check_line
+from tidepool.service.ledger.bodies import EMBEDDINGS
+from tidepool.service.ledger.errors import APIError
+from tidepool.service.ledger.registry import folder_kind
+from tidepool.workers.engine import LLMEngine, RequestOutput
+from tidepool.workers.attempt import build_request
+from tidepool.workers.openai_bodies import CHAT, ledger_result, response_body
 
 
 def _error_line(custom_id, code: str, message: str, line: int) -> dict:

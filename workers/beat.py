@@ -9,7 +9,7 @@ from datetime import timedelta
 from kombu import Connection
 from sqlalchemy.orm import Session
 
-from service.ledger import batches, files, jobs
+from tidepool.service.ledger import batches, files, jobs
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"
@@ -46,7 +46,7 @@ def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_
 
 
 def _restore_visible(app, visibility_timeout: float) -> None:
-    from service.ledger.wire import transport_options
+    from tidepool.service.ledger.wire import transport_options
     url = app.config["TIDEPOOL"].broker_url
     if not url.startswith("redis"):
         return
@@ -59,9 +59,9 @@ def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
     to a later start of a worker of that name, go back to the front of their queues now: a worker killed
     between taking a message and claiming its job would otherwise strand the job until the visibility
     timeout (6 h). A message of a live worker restored by mistake costs a duplicate, dropped at claim."""
-    from workers.broker import OWNERS_KEY
-    from service.ledger.snapshots import Heartbeats
-    from service.ledger.wire import transport_options
+    from tidepool.workers.broker import OWNERS_KEY
+    from tidepool.service.ledger.snapshots import Heartbeats
+    from tidepool.service.ledger.wire import transport_options
     client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
     if client is None or not url.startswith("redis"):
         return 0
@@ -99,7 +99,7 @@ def drain_private_queues(app) -> int:
     """Messages waiting in the private queue of a worker whose heartbeat is gone (prefix affinity,
     service/ledger/affinity.py) go to the shared queue, where any worker takes them. Runs after restore_orphans, which
     returns a dead worker's unacked messages to the queue they came from, its private one among them."""
-    from service.ledger import affinity
+    from tidepool.service.ledger import affinity
     client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
     if client is None or not url.startswith("redis"):
         return 0

@@ -15,7 +15,7 @@ not the oldest message of the list.
 import json
 import time
 
-from service.ledger import fair as fair_queues
+from tidepool.service.ledger import fair as fair_queues
 
 from kombu.serialization import prepare_accept_content
 from kombu.transport import virtual

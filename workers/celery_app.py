@@ -8,7 +8,7 @@ when their engine has room, which a prefetching Celery consumer cannot express."
 from celery import Celery
 from kombu import Queue
 
-from service.ledger.config import Config
+from tidepool.service.ledger.config import Config
 
 _flask_app = None
 
@@ -16,13 +16,13 @@ _flask_app = None
 def _app():
     global _flask_app
     if _flask_app is None:
-        from service import create_app
+        from tidepool.service import create_app
         _flask_app = create_app()
     return _flask_app
 
 
 def make_celery(cfg: Config | None = None) -> Celery:
-    from service.ledger.wire import make_celery as celery_app, transport_options
+    from tidepool.service.ledger.wire import make_celery as celery_app, transport_options
     cfg = cfg or Config.from_env()
     every = cfg.sweep_interval
     app = celery_app(cfg.broker_url, name="tidepool", publisher=False)
@@ -40,13 +40,13 @@ def make_celery(cfg: Config | None = None) -> Celery:
 
     @app.task(name="tidepool.sweep")
     def sweep_task():
-        from workers import beat
+        from tidepool.workers import beat
         return beat.sweep(_app(), republish_after=cfg.republish_after, max_attempts=cfg.max_attempts,
                           visibility_timeout=cfg.visibility_timeout)
 
     @app.task(name="tidepool.finalize_batches")
     def finalize_task():
-        from workers import beat
+        from tidepool.workers import beat
         return beat.finalize_batches(_app())
 
     return app

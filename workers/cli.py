@@ -4,8 +4,8 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from service import commands as service_commands
-    from workers import commands as worker_commands
+    from tidepool.service import commands as service_commands
+    from tidepool.workers import commands as worker_commands
 
     parser = argparse.ArgumentParser(prog="tidepool", description="Tidepool: multi-tenant LLM job service")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -15,8 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from service.ledger.config import Config, SettingsError
-    from service.ledger.logging import configure
+    from tidepool.service.ledger.config import Config, SettingsError
+    from tidepool.service.ledger.logging import configure
 
     args = build_parser().parse_args(argv)
     try:

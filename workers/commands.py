@@ -2,7 +2,7 @@
 import json
 import sys
 
-from service.ledger.config import engine_flags
+from tidepool.service.ledger.config import engine_flags
 
 
 def register(sub) -> None:
@@ -31,7 +31,7 @@ def register(sub) -> None:
     p.set_defaults(func=models_pull)
     p = models_sub.add_parser("list", help="list the model folders present")
     p.set_defaults(func=models_list)
-    from service import commands as service_commands
+    from tidepool.service import commands as service_commands
     service_commands.register_models(models_sub)
 
     register_processes(sub)
@@ -53,16 +53,16 @@ def register_processes(sub) -> None:
                         "recently busy first to make room (default: the device's memory: a GPU's total, on the CPU "
                         "what is available at start)")
     add_engine_flags(p)
-    p.set_defaults(func=lambda args: _run("workers.model_workers", "main", args))
+    p.set_defaults(func=lambda args: _run("tidepool.workers.model_workers", "main", args))
     p = sub.add_parser("beat", help="Celery beat + upkeep: sweeper and batch finaliser (needs Redis)")
-    p.set_defaults(func=lambda args: _run("workers.celery_app", "main_beat", args))
+    p.set_defaults(func=lambda args: _run("tidepool.workers.celery_app", "main_beat", args))
     p = sub.add_parser("serve", help="all in one process: web, workers, upkeep (SQLite + in-process queue)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--threads", type=int, default=32, help="HTTP request threads (each open stream holds one)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
     add_engine_flags(p)
-    p.set_defaults(func=lambda args: _run("workers.embedded", "main", args))
+    p.set_defaults(func=lambda args: _run("tidepool.workers.embedded", "main", args))
 
 
 # Engine knobs shared by worker, serve and run-batch: flag, else its setting (variable), else the engine's default.
@@ -88,7 +88,7 @@ def _run(module: str, func: str, args) -> int:
 
 
 def make_tiny_model(args) -> int:
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.tools.tiny_model import make_tiny_model
 
     out = make_tiny_model(args.dir, arch=args.arch, seed=args.seed)
     print(out)
@@ -98,7 +98,7 @@ def make_tiny_model(args) -> int:
 def models_pull(args) -> int:
     """Pull a known model; an embedding model is also registered under its name (kind embed, from its folder),
     when the ledger is reachable and it is not registered yet."""
-    from workers.tools.model_pull import FOLDER_ZIPS, MODELS, pull_model
+    from tidepool.workers.tools.model_pull import FOLDER_ZIPS, MODELS, pull_model
 
     if args.name not in MODELS:
         print(f"unknown model {args.name!r}; known: {', '.join(sorted(MODELS))}", file=sys.stderr)
@@ -107,9 +107,9 @@ def models_pull(args) -> int:
     if args.name in FOLDER_ZIPS:
         from sqlalchemy.orm import Session
 
-        from service.ledger import registry
-        from service.ledger.config import Config
-        from service.ledger.db import make_engine
+        from tidepool.service.ledger import registry
+        from tidepool.service.ledger.config import Config
+        from tidepool.service.ledger.db import make_engine
         try:
             with Session(make_engine(Config.from_env().database_url)) as s:
                 if s.get(registry.Model, args.name) is None:
@@ -124,7 +124,7 @@ def models_pull(args) -> int:
 
 
 def models_list(args) -> int:
-    from workers.tools.model_pull import list_models
+    from tidepool.workers.tools.model_pull import list_models
 
     root = _models_dir()
     for name in list_models(root):
@@ -135,7 +135,7 @@ def models_list(args) -> int:
 def _models_dir():
     from pathlib import Path
 
-    from service.ledger.config import Config
+    from tidepool.service.ledger.config import Config
     return Path(Config.setting("models_dir"))
 
 
@@ -148,10 +148,10 @@ def run_batch(args) -> int:
     log.info("run-batch: starting (torch, the model, the KV pool and the native kernel load first)")
     import torch
 
-    from service.ledger.config import Config
-    from workers.batch_runner import run_batch
-    from workers.engine import EngineConfig, LLMEngine, LoRARequest
-    from workers.settings import engine_fields
+    from tidepool.service.ledger.config import Config
+    from tidepool.workers.batch_runner import run_batch
+    from tidepool.workers.engine import EngineConfig, LLMEngine, LoRARequest
+    from tidepool.workers.settings import engine_fields
 
     settings = Config.from_env()
     model = args.model or settings.model

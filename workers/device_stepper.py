@@ -30,8 +30,8 @@ import threading
 import time
 from collections import deque
 
-from workers.engine.openmp import release_team
-from workers.engine.sequence import CLASS_RANK, SLA_CLASSES
+from tidepool.workers.engine.openmp import release_team
+from tidepool.workers.engine.sequence import CLASS_RANK, SLA_CLASSES
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ DEFAULT_MODEL = "smollm2-135m"
 def _ensure_model(settings) -> str:
     if settings.model:
         return settings.model
-    from workers.tools.model_pull import pull_model
+    from tidepool.workers.tools.model_pull import pull_model
     path = Path(settings.models_dir) / DEFAULT_MODEL
     if not (path / "config.json").is_file():
         print(f"No TIDEPOOL_MODEL set: fetching {DEFAULT_MODEL} once into {settings.models_dir}/ ...", flush=True)
@@ -40,7 +40,7 @@ def _default_key(app, var: Path) -> str:
     """The `default` tenant and an API key for it, created on first run and kept in var/."""
     from sqlalchemy.orm import Session
 
-    from service.ledger import tenants
+    from tidepool.service.ledger import tenants
     key_file = var / "default_api_key"
     with Session(app.extensions["tidepool.db"]) as s:
         tenant_id = tenants.id_by_name(s, "default")
@@ -65,10 +65,10 @@ def http_server(app, host: str, port: int, threads: int):
 
 
 def main(args) -> int:
-    from service import create_app, migrate
-    from service.ledger.config import Config
-    from workers import beat
-    from workers.worker import Worker, WorkerConfig, default_device, host_workers, role
+    from tidepool.service import create_app, migrate
+    from tidepool.service.ledger.config import Config
+    from tidepool.workers import beat
+    from tidepool.workers.worker import Worker, WorkerConfig, default_device, host_workers, role
 
     var = Path("var")
     var.mkdir(exist_ok=True)
@@ -92,7 +92,7 @@ def main(args) -> int:
         cfgs.append(wcfg)
     # the model registry: filled at the first start (the default model and TIDEPOOL_MODELS_DIR's folders); every
     # other enabled hot or warm model whose weights fit the device gets a worker of its own
-    from workers.model_workers import other_model_configs, register_first_start
+    from tidepool.workers.model_workers import other_model_configs, register_first_start
     register_first_start(app.extensions["tidepool.db"], cfg)
     cfgs += other_model_configs(app.extensions["tidepool.db"], cfg, device, args.engine,
                                 base_name=f"embedded-{role('gpu', device)}")
@@ -105,7 +105,7 @@ def main(args) -> int:
         workers.append(Worker(wcfg))
     on_device = [w for w in workers if w.cfg.kind == "gpu"]
     if len(on_device) > 1:       # several models share the device as a --models worker's do (device_stepper.py)
-        from workers.device_stepper import DeviceStepper
+        from tidepool.workers.device_stepper import DeviceStepper
         stepper = DeviceStepper()
         for w in on_device:
             w.stepper = stepper

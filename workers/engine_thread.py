@@ -4,9 +4,9 @@ import logging
 import threading
 import time
 
-from workers.attempt import Attempts
+from tidepool.workers.attempt import Attempts
 
-log = logging.getLogger("workers.worker")
+log = logging.getLogger("tidepool.workers.worker")
 
 
 class EngineThread:

@@ -14,18 +14,18 @@ from functools import partial
 from kombu import Connection, Queue
 from sqlalchemy.orm import Session
 
-from service.ledger import jobs
-from service.ledger.models import ONLINE_CLASSES, cache_namespace
-from service.ledger.wire import job_id as message_job_id, transport_options
-from workers.attempt import Attempts, Inflight, build_request, utc
-from workers.broker import charge, take, unsort
-from workers.engine import LoRARequest, PromptTooLong
-from workers.engine.llm_engine import RequestOutput
-from workers.openai_bodies import echo_text
-from workers.results import Results, requeue
-from workers.streaming import Streaming
+from tidepool.service.ledger import jobs
+from tidepool.service.ledger.models import ONLINE_CLASSES, cache_namespace
+from tidepool.service.ledger.wire import job_id as message_job_id, transport_options
+from tidepool.workers.attempt import Attempts, Inflight, build_request, utc
+from tidepool.workers.broker import charge, take, unsort
+from tidepool.workers.engine import LoRARequest, PromptTooLong
+from tidepool.workers.engine.llm_engine import RequestOutput
+from tidepool.workers.openai_bodies import echo_text
+from tidepool.workers.results import Results, requeue
+from tidepool.workers.streaming import Streaming
 
-log = logging.getLogger("workers.worker")
+log = logging.getLogger("tidepool.workers.worker")
 
 
 @dataclass

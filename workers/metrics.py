@@ -20,8 +20,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from service.ledger.models import SLA_CLASSES
-from service.ledger.snapshots import SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore  # noqa: F401 (the workers' import point)
+from tidepool.service.ledger.models import SLA_CLASSES
+from tidepool.service.ledger.snapshots import SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore  # noqa: F401 (the workers' import point)
 
 PUBLISH_INTERVAL = 1.0
 MAX_TENANT_LABELS = 100  # beyond this many distinct tenants, the rest share the label "other"

@@ -16,8 +16,8 @@ import signal
 import threading
 import time
 
-from service.ledger import fair
-from service.ledger.registry import WARM_KEY   # set by `tidepool models warm NAME`
+from tidepool.service.ledger import fair
+from tidepool.service.ledger.registry import WARM_KEY   # set by `tidepool models warm NAME`
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,8 @@ MB = 1 << 20
 
 def registry_entries(settings) -> dict:
     """Every registered model by name (service/ledger/registry.py Registry.entries), read once."""
-    from service.ledger.db import make_engine
-    from service.ledger.registry import Registry
+    from tidepool.service.ledger.db import make_engine
+    from tidepool.service.ledger.registry import Registry
 
     db = make_engine(settings.database_url)
     try:
@@ -42,7 +42,7 @@ def device_memory(device: str) -> int:
     if device.startswith("cuda"):
         import torch
         return torch.cuda.get_device_properties(torch.device(device)).total_memory
-    from workers.engine.model_runner import available_memory
+    from tidepool.workers.engine.model_runner import available_memory
     return available_memory()
 
 
@@ -88,7 +88,7 @@ def model_configs(names: list[str], settings, kind: str, device: str, engine_ove
                   base_name: str | None = None, entries: dict | None = None) -> list:
     """One WorkerConfig per registered model name; a name the registry does not know, or has disabled, fails
     here (SystemExit with the reason)."""
-    from workers.worker import WorkerConfig
+    from tidepool.workers.worker import WorkerConfig
 
     entries = registry_entries(settings) if entries is None else entries
     out = []
@@ -115,9 +115,9 @@ def main(args) -> int:
     is the plain one-model worker (workers/worker.py main): same name, queues and metrics ports as ever."""
     import redis as redis_lib
 
-    from service.ledger.config import Config
-    from workers import worker as one_model
-    from workers.metrics import DEFAULT_PORTS, bind_metrics_server
+    from tidepool.service.ledger.config import Config
+    from tidepool.workers import worker as one_model
+    from tidepool.workers.metrics import DEFAULT_PORTS, bind_metrics_server
 
     settings = Config.from_env()
     device = args.device or one_model.default_device()
@@ -187,7 +187,7 @@ def main(args) -> int:
             host.advertise(host_name)
     host.stop()
     if client is not None:
-        from service.ledger.registry import HOSTS_KEY
+        from tidepool.service.ledger.registry import HOSTS_KEY
         client.hdel(HOSTS_KEY, host_name)
     return 0
 
@@ -200,7 +200,7 @@ def register_first_start(engine, settings, actor: str = "serve") -> list[str]:
 
     from sqlalchemy.orm import Session
 
-    from service.ledger import registry
+    from tidepool.service.ledger import registry
     with Session(engine) as s:
         if not registry.is_empty(s):
             return []
@@ -224,7 +224,7 @@ def other_model_configs(engine, settings, device: str, engine_overrides: dict | 
     (which the embedded gpu worker serves) whose weights fit the device's memory, as a worker's default
     (fitting_models; every one of them is loaded, so all count together), named `<base_name>.<model>`; cold
     models wait for an operator."""
-    from service.ledger.registry import Registry
+    from tidepool.service.ledger.registry import Registry
     entries = Registry(engine, settings.served_model_name, settings.model).entries()
     if not any(e.enabled and e.tier != "cold" and e.name != settings.served_model_name for e in entries.values()):
         return []
@@ -249,7 +249,7 @@ def folder_bytes(folder: str) -> int:
 
 def engine_config(folder: str, device: str, engine_overrides: dict | None = None):
     """The EngineConfig an engine of this model would run with (reads config.json only, loads no weights)."""
-    from workers.engine import EngineConfig
+    from tidepool.workers.engine import EngineConfig
     return EngineConfig(model=folder, device=device, **(engine_overrides or {}))
 
 
@@ -297,12 +297,12 @@ class ModelHost:
         self.metrics_port: int | None = None
         # The loaded models' engines share the device through one gate (workers/device_stepper.py): offline steps
         # overlap; online work of any model steps first, one step at a time, turns shared by step time.
-        from workers.device_stepper import DeviceStepper
+        from tidepool.workers.device_stepper import DeviceStepper
         self.stepper = DeviceStepper()
 
     @staticmethod
     def _make_worker(cfg):
-        from workers.worker import Worker
+        from tidepool.workers.worker import Worker
         return Worker(cfg)
 
     def _depth(self, name: str) -> int:
@@ -346,7 +346,7 @@ class ModelHost:
         counted, clamped between its floor (one sequence of its full context: what a loaded model needs to run at
         all) and its ceiling (the pool its engine would size for itself: model_runner.default_kv_blocks). A
         num_kv_blocks the operator set is used as is; without a budget the engine sizes its own pool (None)."""
-        from workers.engine.model_runner import default_kv_blocks
+        from tidepool.workers.engine.model_runner import default_kv_blocks
         m = self.models[name]
         if m["engine"].num_kv_blocks:
             return m["engine"].num_kv_blocks
@@ -405,7 +405,7 @@ class ModelHost:
         cold model's while it may be warmed)."""
         if self.redis is None:
             return
-        from service.ledger.registry import HOSTS_KEY
+        from tidepool.service.ledger.registry import HOSTS_KEY
         queues = [q for n, m in self.models.items() if n in self.loaded or m["tier"] != "cold"
                   or self.redis.exists(WARM_KEY.format(n)) for q in m["cfg"].queues]
         try:

@@ -1,15 +1,15 @@
 """OpenAI request bodies -> engine requests, and engine outputs -> OpenAI response bodies.
 
-Bodies arrive already validated and normalised by `service.ledger.bodies.check`.
+Bodies arrive already validated and normalised by `tidepool.service.ledger.bodies.check`.
 """
 import time
 from types import SimpleNamespace
 
-from service.ledger import choices, embeddings, logprobs, structured
-from service.ledger import openai_shapes
-from service.ledger.openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS  # noqa: F401 (the workers' import point)
-from workers.engine import RequestOutput, SamplingParams
-from workers.engine.pooling import PoolingParams
+from tidepool.service.ledger import choices, embeddings, logprobs, structured
+from tidepool.service.ledger import openai_shapes
+from tidepool.service.ledger.openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS  # noqa: F401 (the workers' import point)
+from tidepool.workers.engine import RequestOutput, SamplingParams
+from tidepool.workers.engine.pooling import PoolingParams
 
 _SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "n", "best_of",

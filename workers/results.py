@@ -11,13 +11,13 @@ import time
 
 from sqlalchemy.orm import Session
 
-from service.ledger import affinity, jobs
-from workers.attempt import Attempts, Inflight, ledger_text, utc
-from workers.broker import charge
-from workers.openai_bodies import ledger_result
-from workers.streaming import Streaming
+from tidepool.service.ledger import affinity, jobs
+from tidepool.workers.attempt import Attempts, Inflight, ledger_text, utc
+from tidepool.workers.broker import charge
+from tidepool.workers.openai_bodies import ledger_result
+from tidepool.workers.streaming import Streaming
 
-log = logging.getLogger("workers.worker")
+log = logging.getLogger("tidepool.workers.worker")
 WRITE_RETRY_FIRST, WRITE_RETRY_MAX, WRITE_PATIENCE = 0.25, 4.0, 300.0
 RESULT_CHUNK = 8      # finished attempts written per ledger transaction (the online queues are pulled between two)
 

@@ -8,7 +8,7 @@ def engine_fields(settings, device: str) -> dict:
     out = settings.engine_fields()
     overrides = settings.sla_overrides()
     if overrides:
-        from workers.engine.config import sla_targets_for
+        from tidepool.workers.engine.config import sla_targets_for
         out["sla_targets"] = sla_targets_for(device, overrides)
     return out
 

@@ -5,8 +5,8 @@ online attempt's end ("end" event). A waiter that misses an event falls back to 
 import threading
 import time
 
-from workers.attempt import Attempts, Inflight, ledger_text
-from workers.openai_bodies import logprob_entries, prompt_entries
+from tidepool.workers.attempt import Attempts, Inflight, ledger_text
+from tidepool.workers.openai_bodies import logprob_entries, prompt_entries
 
 
 class Streaming:

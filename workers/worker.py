@@ -31,19 +31,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from service.ledger import doorbell, token_stream
-from service.ledger.config import Config
-from service.ledger.db import make_engine
-from service.ledger.dispatch import queue_name
-from service.ledger.models import ONLINE_CLASSES, SLA_CLASSES, SlaClass
-from service.ledger.snapshots import Heartbeats
-from workers.affinity import WorkerAffinity
-from workers.attempt import Attempts, Inflight
-from workers.engine_thread import EngineThread
-from workers.intake import Intake
-from workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
-from workers.results import Results
-from workers.streaming import Streaming
+from tidepool.service.ledger import doorbell, token_stream
+from tidepool.service.ledger.config import Config
+from tidepool.service.ledger.db import make_engine
+from tidepool.service.ledger.dispatch import queue_name
+from tidepool.service.ledger.models import ONLINE_CLASSES, SLA_CLASSES, SlaClass
+from tidepool.service.ledger.snapshots import Heartbeats
+from tidepool.workers.affinity import WorkerAffinity
+from tidepool.workers.attempt import Attempts, Inflight
+from tidepool.workers.engine_thread import EngineThread
+from tidepool.workers.intake import Intake
+from tidepool.workers.metrics import DEFAULT_PORTS, EngineMetrics, SnapshotStore, bind_metrics_server
+from tidepool.workers.results import Results
+from tidepool.workers.streaming import Streaming
 
 log = logging.getLogger(__name__)
 QUEUES = {"gpu": SLA_CLASSES, "cpu": (SlaClass.deferrable.value,)}   # the SLA classes each kind of worker serves
@@ -121,7 +121,7 @@ class WorkerConfig:
     def from_env(cls, kind: str = "gpu", device: str | None = None, settings: Config | None = None,
                  **overrides) -> "WorkerConfig":
         """From the settings (service/ledger/config.py; read from the environment when not given)."""
-        from workers.settings import worker_fields
+        from tidepool.workers.settings import worker_fields
         values = dict(worker_fields(settings or Config.from_env(), device or default_device()), kind=kind)
         values.update(overrides)
         return cls(**values)
@@ -129,7 +129,7 @@ class WorkerConfig:
 
 class Worker:
     def __init__(self, cfg: WorkerConfig, engine=None, redis_client=None):
-        from workers.engine import EngineConfig, LLMEngine
+        from tidepool.workers.engine import EngineConfig, LLMEngine
         self.cfg = cfg
         self.engine = engine or LLMEngine(EngineConfig(model=cfg.model, device=cfg.device, **cfg.engine))
         self._db = make_engine(cfg.database_url)

@@ -9,7 +9,7 @@ from flask import Blueprint, Response, g
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import undefer
 
-from service.ledger import token_stream
+from tidepool.service.ledger import token_stream
 
 from ..ledger import (adapters, affinity, bodies, choices, embeddings, jobs as transitions, logprobs, quotas,
                       registry, structured, tiers)

@@ -5,7 +5,7 @@ from datetime import timedelta
 from flask import current_app, render_template, request
 from sqlalchemy import func, select
 
-from service.ledger.snapshots import SNAPSHOT_TTL, Heartbeats, SnapshotStore
+from tidepool.service.ledger.snapshots import SNAPSHOT_TTL, Heartbeats, SnapshotStore
 
 from ..api import ext
 from ..db import session as db

@@ -13,7 +13,7 @@ import pytest
 import redis
 from werkzeug.serving import make_server
 
-from service import create_app
+from tidepool.service import create_app
 
 ADMIN = "test-admin-token-0123456789"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "admin"

@@ -8,9 +8,9 @@ import redis
 from playwright.sync_api import expect
 from sqlalchemy import select
 
-from service.ledger import jobs as transitions
-from service.ledger.models import ApiKey, Job, Quota
-from workers.metrics import EngineMetrics, SnapshotStore
+from tidepool.service.ledger import jobs as transitions
+from tidepool.service.ledger.models import ApiKey, Job, Quota
+from tidepool.workers.metrics import EngineMetrics, SnapshotStore
 
 from .conftest import ADMIN, shot
 

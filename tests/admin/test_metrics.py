@@ -6,9 +6,9 @@ import urllib.request
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.ledger import jobs as transitions
-from service.ledger.logging import JsonFormatter, configure, log_job, scrub
-from workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
+from tidepool.service.ledger import jobs as transitions
+from tidepool.service.ledger.logging import JsonFormatter, configure, log_job, scrub
+from tidepool.workers.metrics import EngineMetrics, SnapshotStore, start_metrics_server
 
 from .conftest import ADMIN, make_app
 
@@ -39,7 +39,7 @@ def scrape(client) -> dict:
 
 
 def test_service_metrics_move_when_jobs_run(client, app, monkeypatch):
-    from service import metrics_http
+    from tidepool.service import metrics_http
     monkeypatch.setattr(metrics_http, "CACHE_SECONDS", 0.0)     # every scrape reads the ledger
     r = client.post("/v1/admin/tenants", json={"name": "m", "quota": {"max_queued": 1}}, headers=BEARER)
     key = r.get_json()["api_key"]
@@ -84,8 +84,8 @@ def test_multiprocess_mode_sums_counters_across_processes(client, tmp_path, monk
 
 
 def test_engine_metrics_from_a_real_tiny_engine(tmp_path):
-    from workers.engine import EngineConfig, LLMEngine, SamplingParams
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
+    from tidepool.workers.tools.tiny_model import make_tiny_model
 
     # Targets no step can miss, however slow this machine's calibration was.
     loose = {cls: {"ttft_ms": 1e9, "itl_ms": 1e9} for cls in ("realtime", "interactive")}
@@ -164,7 +164,7 @@ def test_engine_counters_survive_an_engine_restart():
 def test_tenant_label_cardinality_is_bounded():
     from types import SimpleNamespace
 
-    from workers import metrics as wm
+    from tidepool.workers import metrics as wm
     registry = CollectorRegistry()
     m = EngineMetrics(registry=registry)
     out = SimpleNamespace(prompt_token_ids=[1], token_ids=[2], generated_tokens=1, finish_reason="stop",
@@ -275,7 +275,7 @@ def test_worker_metrics_port_moves_to_the_next_free_one():
     import socket
     import urllib.request
 
-    from workers.metrics import bind_metrics_server
+    from tidepool.workers.metrics import bind_metrics_server
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
@@ -359,7 +359,7 @@ def _tenant_with_ids(client) -> tuple[str, str]:
 
 
 def test_no_tenant_or_batch_ids_as_labels_unless_opted_in(client, pg_url, tmp_path, admin_redis, monkeypatch):
-    from service.ledger import metrics as counters
+    from tidepool.service.ledger import metrics as counters
     monkeypatch.setattr(counters, "TENANT_LABELS", False, raising=False)    # restored after the opted-in app
     tenant_id, batch_id = _tenant_with_ids(client)
     text = client.get("/metrics", headers=BEARER).text

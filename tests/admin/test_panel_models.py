@@ -3,7 +3,7 @@ retier, disable, grant and revoke, a model's waiting jobs shown as served by no 
 with the panel as actor; a form without the CSRF token is refused."""
 from sqlalchemy import select
 
-from service.ledger.models import AuditLog, Quota
+from tidepool.service.ledger.models import AuditLog, Quota
 
 from .conftest import ADMIN, csrf_from, shot, sign_in
 

@@ -2,8 +2,8 @@
 the key shown once, with a copy button), a finished batch without an error file, words broken mid-word."""
 from pathlib import Path
 
-from service.ledger import tenants
-from service.ledger.models import Batch, BatchStatus, SlaClass
+from tidepool.service.ledger import tenants
+from tidepool.service.ledger.models import Batch, BatchStatus, SlaClass
 
 from .conftest import sign_in
 
@@ -52,7 +52,7 @@ def test_words_do_not_break_mid_word():
 def test_dashboard_charts_are_seeded_from_the_ledger(client, app):
     from datetime import timedelta
 
-    from service.ledger.models import Job, JobStatus, utcnow
+    from tidepool.service.ledger.models import Job, JobStatus, utcnow
     sign_in(client)
     now = utcnow()
     with app.extensions["tidepool.sessions"]() as s:
@@ -78,7 +78,7 @@ def test_dashboard_script_gets_the_classes_from_the_server(client):
     import json
     import re
 
-    from service.ledger.models import SLA_CLASSES
+    from tidepool.service.ledger.models import SLA_CLASSES
     sign_in(client)
     page = client.get("/admin/", base_url=HTTPS).text
     raw = re.search(r'data-classes="([^"]*)"', page).group(1).replace("&#34;", '"')

@@ -1,7 +1,7 @@
 """Sign-in, session cookie flags, CSRF on every form, and the JSON admin API refusing the panel's cookie."""
 from sqlalchemy import func, select
 
-from service.ledger.models import Tenant
+from tidepool.service.ledger.models import Tenant
 
 from .conftest import ADMIN, csrf_from, make_app, sign_in
 
@@ -90,7 +90,7 @@ def test_dashboard_reads_worker_heartbeats(client, app):
     """Workers that only write their heartbeat (workers/worker.py) still show on the dashboard."""
     import time
 
-    from service.ledger.snapshots import Heartbeats
+    from tidepool.service.ledger.snapshots import Heartbeats
     sign_in(client)
     r = app.extensions["tidepool.redis"]
     beat = {"name": "gpu-7", "device": "cuda", "at": time.time() - 1,

@@ -4,7 +4,7 @@ import re
 
 from sqlalchemy import select
 
-from service.ledger.models import AuditLog, Tenant
+from tidepool.service.ledger.models import AuditLog, Tenant
 
 from .conftest import csrf_from, sign_in
 

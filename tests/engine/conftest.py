@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from workers.tools.tiny_model import make_tiny_model
+from tidepool.workers.tools.tiny_model import make_tiny_model
 
 # Parity scenarios cover the architectures the engine claims: GQA Llama, tied embeddings, Qwen2 biases,
 # llama3 rope scaling, Mistral, and the older config spelling.

@@ -7,9 +7,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from workers.engine.block_manager import BlockManager, chain_hash
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import Sequence
+from tidepool.workers.engine.block_manager import BlockManager, chain_hash
+from tidepool.workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.sequence import Sequence
 
 BLOCK = 4
 NUM_BLOCKS = 24

@@ -1,8 +1,8 @@
 """Prefix caching is per namespace: a request never reuses cached blocks of another namespace (which would
 tell its sender, by timing, that someone else sent that prefix), while requests of one namespace still do."""
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.sequence import Sequence
+from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
+from tidepool.workers.engine.block_manager import BlockManager
+from tidepool.workers.engine.sequence import Sequence
 
 PROMPT = list(range(1, 70))          # 4 full blocks of 16 plus a tail
 

@@ -2,7 +2,7 @@
 computed and share its KV blocks (copy-on-write for the partly filled last one)."""
 import pytest
 
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
+from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
 
 BLOCK = 16
 

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from workers.engine.cost_model import DRIFT_WINDOW, STALL_CLIP, CostModel, attended
+from tidepool.workers.engine.cost_model import DRIFT_WINDOW, STALL_CLIP, CostModel, attended
 
 TRUE = (0.020, 0.0008, 0.000002)     # fixed, per new token, per attended context token (seconds)
 

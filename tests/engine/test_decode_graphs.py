@@ -6,9 +6,9 @@ real captured graphs.
 import pytest
 import torch
 
-from workers.engine import LLMEngine, SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.cuda_graphs import graph_batch_sizes
+from tidepool.workers.engine import LLMEngine, SamplingParams
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.cuda_graphs import graph_batch_sizes
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
-from workers.engine import LLM, LLMEngine, EngineConfig, PromptTooLong, SamplingParams
-from workers.engine.pooling import PoolingParams, PoolingSpec
+from tidepool.workers.engine import LLM, LLMEngine, EngineConfig, PromptTooLong, SamplingParams
+from tidepool.workers.engine.pooling import PoolingParams, PoolingSpec
 
 WORDS = ["tide", "pool", "ocean", "the", "a", "of", "embedding", "vector", "quick", "brown", "fox", "Straße", "café",
          "naïve", "日本語", "中文", "Ελληνικά", "русский", "🚀", "🔥", "👍🏽", "🇫🇷", "⌘", "x", "-", "123", "e=mc²"]

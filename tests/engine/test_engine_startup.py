@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from kernels import cpu_ops
-from workers.cli import main
-from workers.engine import (
+from tidepool.kernels import cpu_ops
+from tidepool.workers.cli import main
+from tidepool.workers.engine import (
     LLM,
     EngineConfig,
     LLMEngine,
@@ -74,7 +74,7 @@ def unbuilt_kernel(monkeypatch):
 
 
 def _runner_lines(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name in ("workers.engine.model_runner", "kernels.cpu_ops")]
+    return [r.getMessage() for r in caplog.records if r.name in ("tidepool.workers.engine.model_runner", "tidepool.kernels.cpu_ops")]
 
 
 def test_a_first_build_runs_in_the_background_while_the_torch_path_serves(tiny_model_dir, caplog, unbuilt_kernel):
@@ -132,8 +132,8 @@ def test_run_batch_takes_the_engine_flags(tiny_model_dir, tmp_path, caplog, caps
 
 
 def test_serve_and_worker_take_the_engine_flags():
-    from workers.cli import build_parser
+    from tidepool.workers.cli import build_parser
     for argv in (["serve"], ["worker", "--kind", "cpu"]):
         args = build_parser().parse_args(argv + ["--kv-blocks", "5", "--max-num-seqs", "2"])
-        from workers.commands import engine_overrides
+        from tidepool.workers.commands import engine_overrides
         assert engine_overrides(args) == {"num_kv_blocks": 5, "max_num_seqs": 2}

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from workers.engine import EngineConfig, LLMEngine, host_pools, model_runner
+from tidepool.workers.engine import EngineConfig, LLMEngine, host_pools, model_runner
 
 MIB = 2**20
 

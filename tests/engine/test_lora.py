@@ -11,9 +11,9 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from workers.engine import LLMEngine, LoRAError, LoRARequest, SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.lora import check_adapter
+from tidepool.workers.engine import LLMEngine, LoRAError, LoRARequest, SamplingParams
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.lora import check_adapter
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)

@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from workers.cli import main
-from workers.tools.tiny_model import CHAT_TEMPLATE, make_tiny_model
+from tidepool.workers.cli import main
+from tidepool.workers.tools.tiny_model import CHAT_TEMPLATE, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

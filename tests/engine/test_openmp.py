@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = """
 import json, os, sys, threading
 import torch
-from workers.engine.openmp import release_team
+from tidepool.workers.engine.openmp import release_team
 
 def threads():
     return len(os.listdir("/proc/self/task"))
@@ -24,7 +24,7 @@ out["after_region"] = threads()
 out["released"] = release_team()
 out["after_release"] = threads()
 if sys.argv[1:]:
-    from workers.engine import EngineConfig, LLMEngine, SamplingParams
+    from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
     torch.randn(400_000).exp_()
     engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", num_kv_blocks=64))
     out["after_engine"] = threads()

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from workers.engine.pace import IDLE_GAPS, OWED_CAP_S, PACE_CREDIT, Pace
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import Sequence
+from tidepool.workers.engine.pace import IDLE_GAPS, OWED_CAP_S, PACE_CREDIT, Pace
+from tidepool.workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.sequence import Sequence
 
 # 10 ms a step, 1 ms a new token, no context cost
 COST = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0)

@@ -3,10 +3,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from workers.engine import LLM, LLMEngine, SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.scheduler import ScheduledBatch
-from workers.engine.sequence import Sequence
+from tidepool.workers.engine import LLM, LLMEngine, SamplingParams
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.scheduler import ScheduledBatch
+from tidepool.workers.engine.sequence import Sequence
 
 MAX_TOKENS = 12
 _reference_cache: dict = {}

@@ -2,8 +2,8 @@
 import pytest
 
 from tests.engine.test_parity import GREEDY, hf_greedy
-from workers.engine import LLMEngine
-from workers.engine.config import EngineConfig
+from tidepool.workers.engine import LLMEngine
+from tidepool.workers.engine.config import EngineConfig
 
 # name: (engine overrides, preemption kind that must have happened, kinds that must not)
 SCENARIOS = {

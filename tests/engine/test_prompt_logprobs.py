@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
+from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 def _run(engine, prompt, params, request_id):

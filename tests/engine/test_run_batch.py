@@ -1,8 +1,8 @@
 """`tidepool run-batch` end to end on a tiny model, malformed lines included."""
 import json
 
-from workers.cli import main
-from workers.engine import LLM, SamplingParams
+from tidepool.workers.cli import main
+from tidepool.workers.engine import LLM, SamplingParams
 
 
 def test_run_batch_end_to_end(tiny_model_dir, tmp_path, capsys):
@@ -69,7 +69,7 @@ def test_run_batch_end_to_end(tiny_model_dir, tmp_path, capsys):
 def test_run_batch_keeps_input_order_and_custom_ids(tiny_model_dir, tmp_path, capsys):
     """Long and short requests mixed: the output comes back in input order; an error line carries the custom_id
     whenever the line had a readable one; the progress bar knows the total up front."""
-    from workers.batch_runner import count_lines
+    from tidepool.workers.batch_runner import count_lines
     model_dir = tiny_model_dir("llama-gqa")
     lines = []
     for i in range(12):

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from workers.engine import LLM, LLMEngine, SamplingParams
-from workers.engine.config import EngineConfig
+from tidepool.workers.engine import LLM, LLMEngine, SamplingParams
+from tidepool.workers.engine.config import EngineConfig
 
 
 @pytest.fixture(scope="module")

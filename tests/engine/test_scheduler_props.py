@@ -5,10 +5,10 @@ from collections import Counter
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from workers.engine.block_manager import BlockManager
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
+from tidepool.workers.engine.block_manager import BlockManager
+from tidepool.workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.scheduler import Scheduler
+from tidepool.workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
 
 
 class Sim:

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.engine.block_manager import BlockManager
-from workers.engine.cost_model import attended
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
+from tidepool.workers.engine.block_manager import BlockManager
+from tidepool.workers.engine.cost_model import attended
+from tidepool.workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.scheduler import Scheduler
+from tidepool.workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
 
 # 10 ms a step, 1 ms a new token, no context cost: 50 ms of room hold 40 tokens.
 COST = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0)

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.engine import LLM, SamplingParams
+from tidepool.workers.engine import LLM, SamplingParams
 
 MODEL = Path(os.environ.get("TIDEPOOL_MODELS_DIR", "models")) / "smollm2-135m"
 pytestmark = [pytest.mark.slow,

@@ -6,15 +6,15 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from tests.engine.test_parity import hf_greedy
-from workers.engine import LLM, LLMEngine, SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.config import EngineConfig
-from workers.engine.cost_model import CostModel
-from workers.engine.drafters import NgramDrafter
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence, SequenceStatus
-from workers.engine.config import SpeculativeConfig
-from workers.engine.spec_decode import RETRY_EVERY, Speculator, match_bucket
+from tidepool.workers.engine import LLM, LLMEngine, SamplingParams
+from tidepool.workers.engine.block_manager import BlockManager
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.cost_model import CostModel
+from tidepool.workers.engine.drafters import NgramDrafter
+from tidepool.workers.engine.scheduler import Scheduler
+from tidepool.workers.engine.sequence import Sequence, SequenceStatus
+from tidepool.workers.engine.config import SpeculativeConfig
+from tidepool.workers.engine.spec_decode import RETRY_EVERY, Speculator, match_bucket
 
 FORCED = {"method": "ngram", "num_tokens": 4, "adaptive": False}     # every eligible decode drafts
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -304,7 +304,7 @@ def test_online_drafts_run_whole_and_are_trimmed_to_the_token_budget():
 def test_draft_model_drafter_keeps_greedy_outputs(tiny_model_dir, tmp_path, draft):
     """A draft model of the same tokenizer: the target itself (drafts almost always accepted) or a smaller random
     one (mostly rejected); a pool of 12 blocks makes shadows get dropped and catch up again."""
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.tools.tiny_model import make_tiny_model
     model_dir = tiny_model_dir("llama-gqa")
     draft_dir = model_dir if draft == "itself" else str(make_tiny_model(tmp_path / "draft", seed=5, init_std=0.08,
                                                                         hidden_size=32, num_hidden_layers=1))
@@ -326,7 +326,7 @@ def test_draft_model_drafter_keeps_greedy_outputs(tiny_model_dir, tmp_path, draf
 
 
 def test_draft_model_must_share_the_tokenizer(tiny_model_dir, tmp_path):
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.tools.tiny_model import make_tiny_model
     other = make_tiny_model(tmp_path / "other", seed=1, vocab_size=600)
     with pytest.raises(ValueError, match="tokenizer"):
         LLMEngine(EngineConfig(model=tiny_model_dir("llama-gqa"),

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
-from workers.engine.block_manager import BlockManager
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import SLA_CLASSES, Sequence
+from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
+from tidepool.workers.engine.block_manager import BlockManager
+from tidepool.workers.engine.scheduler import Scheduler
+from tidepool.workers.engine.sequence import SLA_CLASSES, Sequence
 
 COST = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0)
 TARGETS = {"realtime": {"ttft_ms": 1000.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 2000.0, "itl_ms": 100.0}}

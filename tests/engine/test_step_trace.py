@@ -1,7 +1,7 @@
 """EngineConfig.step_trace: one JSON line per step, its rows and tokens adding up to what the engine computed."""
 import json
 
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
+from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 

@@ -6,9 +6,9 @@ import re
 import jsonschema
 import pytest
 
-from workers.engine import LLM, LLMEngine, SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.sampling_params import StructuredOutput
+from tidepool.workers.engine import LLM, LLMEngine, SamplingParams
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.sampling_params import StructuredOutput
 
 PERSON = {
     "type": "object",
@@ -180,7 +180,7 @@ def test_unconstrained_rows_beside_constrained_ones_are_untouched(llm):
 def test_warm_up_builds_the_compiler_before_any_request(tiny_model_dir):
     import torch
 
-    from workers.engine.structured import StructuredDecoding
+    from tidepool.workers.engine.structured import StructuredDecoding
     config = EngineConfig(model=tiny_model_dir("llama-gqa"))
     sd = StructuredDecoding(config.model, config.model_config.vocab_size, config.model_config.eos_token_ids,
                             torch.device("cpu"))
@@ -210,7 +210,7 @@ def test_the_mask_admits_only_token_bytes_that_stay_valid_utf8(tiny_model_dir):
 
     import torch
 
-    from workers.engine.structured import StructuredDecoding
+    from tidepool.workers.engine.structured import StructuredDecoding
     config = EngineConfig(model=tiny_model_dir("llama-gqa"))
     size = config.model_config.vocab_size
     sd = StructuredDecoding(config.model, size, config.model_config.eos_token_ids, torch.device("cpu"))

@@ -1,9 +1,9 @@
 """The choice of whom to displace (workers/engine/victims.py), on plain sequences: no scheduler, no blocks."""
 from collections import defaultdict
 
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import Sequence, SequenceStatus
-from workers.engine.victims import ODD_SEAT_LEAD, VictimChooser
+from tidepool.workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.sequence import Sequence, SequenceStatus
+from tidepool.workers.engine.victims import ODD_SEAT_LEAD, VictimChooser
 
 RUNNING, SUSPENDED, WAITING = SequenceStatus.RUNNING, SequenceStatus.SUSPENDED, SequenceStatus.WAITING
 

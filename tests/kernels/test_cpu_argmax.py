@@ -3,11 +3,11 @@ torch.argmax(dim=-1): equal to the index, ties, NaN, infinities, row counts and 
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.layer_ops import _argmax_cases, argmax_rows, argmax_rows_ref
-from workers.engine.sampler import Sampler
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.sequence import Sequence
+from tidepool.kernels import cpu_ops
+from tidepool.kernels.layer_ops import _argmax_cases, argmax_rows, argmax_rows_ref
+from tidepool.workers.engine.sampler import Sampler
+from tidepool.workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.sequence import Sequence
 
 pytestmark = pytest.mark.skipif(cpu_ops.compiler() is None, reason="no C++ compiler")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

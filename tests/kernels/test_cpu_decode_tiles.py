@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_ops
-from kernels.paged_attention import paged_decode_ref
+from tidepool.kernels import cpu_ops
+from tidepool.kernels.paged_attention import paged_decode_ref
 
 pytestmark = pytest.mark.skipif(cpu_ops.compiler() is None, reason="no C++ compiler")
 

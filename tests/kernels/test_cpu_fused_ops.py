@@ -5,15 +5,15 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import cpu_ops
-from kernels.attention import store_kv
-from kernels.cpu_linear import PackedLinear, prepack_linears
-from kernels.layer_ops import rms_norm, rms_norm_ref, rotary, rotary_ref, silu_and_mul, silu_and_mul_ref
-from kernels.paged_attention import store_kv_ref
-from workers.engine import LLMEngine, SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.models.llama import AttentionContext
-from workers.tools.tiny_model import make_tiny_model
+from tidepool.kernels import cpu_ops
+from tidepool.kernels.attention import store_kv
+from tidepool.kernels.cpu_linear import PackedLinear, prepack_linears
+from tidepool.kernels.layer_ops import rms_norm, rms_norm_ref, rotary, rotary_ref, silu_and_mul, silu_and_mul_ref
+from tidepool.kernels.paged_attention import store_kv_ref
+from tidepool.workers.engine import LLMEngine, SamplingParams
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.models.llama import AttentionContext
+from tidepool.workers.tools.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.skipif(cpu_ops.compiler() is None, reason="no C++ compiler")
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}     # relative to the largest value: fp32 rounding; one bf16 ulp
@@ -188,7 +188,7 @@ def test_prefill_reads_the_steps_own_kv_like_the_cache(group):
     q = torch.randn(sum(q_lens), kv_heads * group, dim, generator=gen)
     cu = torch.tensor([0] + q_lens).cumsum(0).int()
     lens = torch.tensor(contexts, dtype=torch.int32)
-    from kernels.paged_attention import paged_attention_ref
+    from tidepool.kernels.paged_attention import paged_attention_ref
     from_cache = paged_attention_ref(q, *caches, tables, lens, cu, 0.125)
     from_step = paged_attention_ref(q, *caches, tables, lens, cu, 0.125, key=key, value=value)
     assert torch.isfinite(from_step).all()

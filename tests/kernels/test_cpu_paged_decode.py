@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import attention, cpu_ops
-from kernels.paged_attention import paged_attention_ref, paged_decode_ref
+from tidepool.kernels import attention, cpu_ops
+from tidepool.kernels.paged_attention import paged_attention_ref, paged_decode_ref
 
 pytestmark = pytest.mark.skipif(cpu_ops.compiler() is None, reason="no C++ compiler")
 
@@ -226,7 +226,7 @@ def test_failed_build_falls_back_and_is_logged(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_ops, "_why_not", None)
     monkeypatch.setattr(cpu_ops, "_loaded", lambda: False)
     monkeypatch.setattr(cpu_ops, "compiler", lambda: "false")
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_ops"):
+    with caplog.at_level(logging.WARNING, logger="tidepool.kernels.cpu_ops"):
         assert cpu_ops.paged_decode_op() is None
     assert "using the torch path" in caplog.text and "compile failed" in cpu_ops.unavailable_reason()
     rng = random.Random(1)

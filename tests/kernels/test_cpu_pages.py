@@ -5,8 +5,8 @@ import sys
 import pytest
 import torch
 
-from kernels.cpu_pages import HUGE_PAGE, empty_on_huge_pages, huge_page_bytes
-from kernels.paged_attention import paged_decode_ref
+from tidepool.kernels.cpu_pages import HUGE_PAGE, empty_on_huge_pages, huge_page_bytes
+from tidepool.kernels.paged_attention import paged_decode_ref
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -41,6 +41,6 @@ def test_the_decode_kernel_reads_a_pool_on_huge_pages():
     tables = torch.randperm(512, generator=gen).to(torch.int32).view(8, 64)
     lens = torch.tensor([1, 15, 16, 33, 200, 511, 1000, 1024], dtype=torch.int32)
     q = torch.randn(8, 9, 64, generator=gen)
-    from kernels.attention import cpu_decode
+    from tidepool.kernels.attention import cpu_decode
     out = cpu_decode(q, k, v, tables, lens, 0.125)
     assert (out - paged_decode_ref(q, k, v, tables, lens, 0.125)).abs().max().item() <= 1e-5

@@ -3,9 +3,9 @@ padding rows (slot -1, context 0) must neither write the cache nor disturb the r
 import pytest
 import torch
 
-from workers.engine import LLMEngine
-from workers.engine.config import EngineConfig
-from workers.tools.tiny_model import make_tiny_model
+from tidepool.workers.engine import LLMEngine
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.tools.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

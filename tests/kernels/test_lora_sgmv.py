@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from kernels import cpu_ops, lora_ops
-from kernels.lora_ops import make_plan, sgmv, sgmv_ref
-from kernels.triton_lora import sgmv_triton
+from tidepool.kernels import cpu_ops, lora_ops
+from tidepool.kernels.lora_ops import make_plan, sgmv, sgmv_ref
+from tidepool.kernels.triton_lora import sgmv_triton
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}

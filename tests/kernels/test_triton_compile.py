@@ -49,7 +49,7 @@ def compile_one(fn, dtype: str, meta: dict) -> str:
 def main() -> int:
     import torch
 
-    from kernels import triton_kv_store as store, triton_paged_attention as attn
+    from tidepool.kernels import triton_kv_store as store, triton_paged_attention as attn
     dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
     cases = []   # (name, kernel, dtype, meta)
     for dtype, name in dtypes.items():

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from kernels import attention
-from kernels.paged_attention import paged_attention_ref, store_kv_ref
-from kernels.triton_kv_store import store_kv_triton
-from kernels.triton_paged_attention import paged_attention_triton
+from tidepool.kernels import attention
+from tidepool.kernels.paged_attention import paged_attention_ref, store_kv_ref
+from tidepool.kernels.triton_kv_store import store_kv_triton
+from tidepool.kernels.triton_paged_attention import paged_attention_triton
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}

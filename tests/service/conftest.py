@@ -8,7 +8,7 @@ import pytest
 import redis
 from werkzeug.serving import make_server
 
-from service import create_app, migrate
+from tidepool.service import create_app, migrate
 
 ADMIN = "test-admin-token"
 _counter = itertools.count()

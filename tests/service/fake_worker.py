@@ -6,8 +6,8 @@ import time
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.ledger import jobs, token_stream
-from service.ledger.models import Job, JobStatus
+from tidepool.service.ledger import jobs, token_stream
+from tidepool.service.ledger.models import Job, JobStatus
 
 
 class FakeWorker:

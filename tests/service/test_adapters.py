@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from service import create_app
+from tidepool.service import create_app
 
 from .conftest import ADMIN, Admin
 

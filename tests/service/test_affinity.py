@@ -6,8 +6,8 @@ import subprocess
 import sys
 import time
 
-from service.ledger import affinity
-from service.ledger.affinity import HEARTBEAT_KEY, Router, job_prefix_key, prefix_key, private_queue
+from tidepool.service.ledger import affinity
+from tidepool.service.ledger.affinity import HEARTBEAT_KEY, Router, job_prefix_key, prefix_key, private_queue
 
 from .conftest import ADMIN
 
@@ -25,7 +25,7 @@ def test_prefix_key_is_stable_across_processes_and_namespaced():
     body = {"prompt": SYSTEM + "question 1"}
     key = prefix_key("tenant:a", "/v1/completions", body)
     # Python's hash() of a str differs per process; the key must not
-    code = ("from service.ledger.affinity import prefix_key; "
+    code = ("from tidepool.service.ledger.affinity import prefix_key; "
             f"print(prefix_key('tenant:a', '/v1/completions', {{'prompt': {body['prompt']!r}}}))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=".").stdout.strip()
@@ -102,8 +102,8 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
 
     from sqlalchemy.orm import Session
 
-    from service import create_app
-    from service.ledger import tenants
+    from tidepool.service import create_app
+    from tidepool.service.ledger import tenants
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
                       "model": str(tmp_path / "served"), "admin_token": ADMIN})
     with Session(app.extensions["tidepool.db"]) as s:

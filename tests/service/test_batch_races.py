@@ -9,9 +9,9 @@ import json
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.ledger import batches as ledger, jobs
-from service.ledger.models import Batch, BatchStatus, File, Job
-from workers import beat
+from tidepool.service.ledger import batches as ledger, jobs
+from tidepool.service.ledger.models import Batch, BatchStatus, File, Job
+from tidepool.workers import beat
 
 from .conftest import Admin
 

@@ -19,9 +19,9 @@ from schemathesis.engine import Status, events, from_schema
 from schemathesis.transport.serialization import Binary
 from werkzeug.serving import make_server
 
-from service import create_app
-from service.ledger.config import Config
-from service.openapi import CROSS_FIELD
+from tidepool.service import create_app
+from tidepool.service.ledger.config import Config
+from tidepool.service.openapi import CROSS_FIELD
 
 from .conftest import ADMIN, Admin
 

@@ -7,8 +7,8 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service.ledger import batches as ledger, jobs
-from service.ledger.models import Batch, Job
+from tidepool.service.ledger import batches as ledger, jobs
+from tidepool.service.ledger.models import Batch, Job
 
 from .conftest import Admin
 

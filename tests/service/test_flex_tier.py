@@ -4,8 +4,8 @@ from kombu.transport.memory import Channel
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service import create_app
-from service.ledger.models import Job, JobStatus, Tenant, Usage
+from tidepool.service import create_app
+from tidepool.service.ledger.models import Job, JobStatus, Tenant, Usage
 
 from .conftest import ADMIN, Admin
 

@@ -16,14 +16,14 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from service import create_app
-from service.ledger import jobs, tenants
-from service.ledger.dispatch import _lpush
-from service.ledger.wire import make_celery, publish_task as _publish_task, task_message
-from service.ledger.errors import APIError
-from service.ledger.models import ApiKey, Job, JobStatus, SlaClass, Tenant, Usage, new_id, utcnow
-from service.ledger.quotas import GroupAdmission
-from workers import beat
+from tidepool.service import create_app
+from tidepool.service.ledger import jobs, tenants
+from tidepool.service.ledger.dispatch import _lpush
+from tidepool.service.ledger.wire import make_celery, publish_task as _publish_task, task_message
+from tidepool.service.ledger.errors import APIError
+from tidepool.service.ledger.models import ApiKey, Job, JobStatus, SlaClass, Tenant, Usage, new_id, utcnow
+from tidepool.service.ledger.quotas import GroupAdmission
+from tidepool.workers import beat
 
 from .conftest import ADMIN, Admin
 
@@ -128,7 +128,7 @@ def test_a_late_mark_never_hides_a_job_a_worker_handed_back(app, client, admin, 
 
 _CRASH = """
 import os, signal, sys
-from service import create_app
+from tidepool.service import create_app
 app = create_app({"database_url": sys.argv[1], "redis_url": sys.argv[2], "storage_dir": sys.argv[3]})
 app.extensions["tidepool.dispatcher"].marks.background = False
 r = app.test_client().post("/v1/jobs", json={"prompt": "Hello", "max_tokens": 8},
@@ -363,7 +363,7 @@ def test_a_key_revoked_by_another_process_creates_no_job_and_is_refused_within_t
     _, key = Admin(client).tenant()
     assert client.post("/v1/jobs", json=PROMPT, headers=key).status_code == 202   # cached now
     env = {**os.environ, "TIDEPOOL_DATABASE_URL": pg_url, "TIDEPOOL_STORAGE_DIR": str(tmp_path / "s")}
-    cli = subprocess.run([sys.executable, "-m", "workers.cli", "keys", "revoke", _prefix(key)], env=env,
+    cli = subprocess.run([sys.executable, "-m", "tidepool.workers.cli", "keys", "revoke", _prefix(key)], env=env,
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     revoked = time.monotonic()

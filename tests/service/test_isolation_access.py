@@ -4,7 +4,7 @@ authentication says; what a tenant asked not to keep (`store: false`) or deleted
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from service.ledger.models import Batch, Job
+from tidepool.service.ledger.models import Batch, Job
 
 from .conftest import Admin
 from .fake_worker import FakeWorker

@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from service.ledger import bodies
-from service.ledger.models import Batch, BatchStatus, Job, utcnow
-from workers import beat
+from tidepool.service.ledger import bodies
+from tidepool.service.ledger.models import Batch, BatchStatus, Job, utcnow
+from tidepool.workers import beat
 
 from .conftest import Admin
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from service.ledger import bodies
-from service.api import MAX_JSON_BYTES
+from tidepool.service.ledger import bodies
+from tidepool.service.api import MAX_JSON_BYTES
 
 from .conftest import ADMIN, Admin
 

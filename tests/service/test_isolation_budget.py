@@ -7,8 +7,8 @@ from datetime import timedelta
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from service.ledger import jobs
-from service.ledger.models import Job, JobStatus, Tenant, Usage, utcnow
+from tidepool.service.ledger import jobs
+from tidepool.service.ledger.models import Job, JobStatus, Tenant, Usage, utcnow
 
 from .conftest import Admin
 

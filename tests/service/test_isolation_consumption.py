@@ -9,8 +9,8 @@ import time
 from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
-from service.ledger import token_stream
-from service.ledger.models import Job, JobStatus
+from tidepool.service.ledger import token_stream
+from tidepool.service.ledger.models import Job, JobStatus
 
 from .conftest import ADMIN, Admin
 from .fake_worker import FakeWorker
@@ -59,7 +59,7 @@ def test_job_listings_are_capped_and_leave_request_bodies_out(any_app):
 def test_message_batch_results_hold_no_connection_while_the_client_reads(any_app, monkeypatch):
     """Results stream a page at a time, each page read in its own short session: a client that stops reading
     holds no pooled connection (nor, on SQLite, the write lock); every result still arrives, in order."""
-    from service.api import anthropic
+    from tidepool.service.api import anthropic
     monkeypatch.setattr(anthropic, "RESULTS_PAGE", 2, raising=False)
     client = any_app.test_client()
     _, key = Admin(client).tenant()
@@ -217,7 +217,7 @@ def test_default_quota_caps_concurrent_requests_and_storage(any_app):
 
 def test_redis_slots_are_leases_a_dead_process_gives_back(redis_client):
     """A web process that dies holding slots (it never releases them) frees them when their leases lapse."""
-    from service.ledger.quotas import LEASE_SECONDS, RedisSlots
+    from tidepool.service.ledger.quotas import LEASE_SECONDS, RedisSlots
     slots, now = RedisSlots(redis_client), 1_000_000.0
     held = slots.acquire("ten_x", 2, now)
     assert held and slots.acquire("ten_x", 2, now) and slots.acquire("ten_x", 2, now + 1) is None
@@ -285,7 +285,7 @@ def test_uploads_count_against_requests_per_minute(any_app):
 
 
 def test_an_upload_that_expires_is_deleted_by_beat(any_app):
-    from workers import beat
+    from tidepool.workers import beat
     client = any_app.test_client()
     _, key = Admin(client).tenant()
     fields = {"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}
@@ -324,8 +324,8 @@ def test_text_without_a_tokenizer_counts_a_token_per_byte(any_app):
 
 
 def test_with_the_models_tokenizer_the_prompt_is_counted_exactly(sqlite_url, tmp_path):
-    from service import create_app
-    from workers.tools.tiny_model import train_tokenizer
+    from tidepool.service import create_app
+    from tidepool.workers.tools.tiny_model import train_tokenizer
     folder = tmp_path / "tiny"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],

@@ -4,8 +4,8 @@ import io
 import json
 from pathlib import Path
 
-from service.openapi import ROUTES
-from workers import cli
+from tidepool.service.openapi import ROUTES
+from tidepool.workers import cli
 
 
 
@@ -55,8 +55,8 @@ def test_openapi_documents_exactly_the_url_map(embedded_app):
 
 
 def test_health_and_readiness(client, tmp_path, pg_url, redis_url):
-    from service import create_app
-    from workers.metrics import EngineMetrics, SnapshotStore
+    from tidepool.service import create_app
+    from tidepool.workers.metrics import EngineMetrics, SnapshotStore
     assert client.get("/healthz").get_json() == {"status": "ok"}
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path),
                       "model": str(tmp_path / "models" / "m1")})
@@ -71,7 +71,7 @@ def test_health_and_readiness(client, tmp_path, pg_url, redis_url):
     assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok", "broker": "ok", "engine": "ok"}
     store.clear()
     app.extensions["tidepool.db"].dispose()
-    from service import create_app
+    from tidepool.service import create_app
     down = create_app({"database_url": pg_url, "redis_url": "redis://127.0.0.1:1/0", "storage_dir": str(tmp_path)})
     r = down.test_client().get("/readyz")
     assert r.status_code == 503 and "broker" in r.get_json()["error"]["message"]
@@ -100,7 +100,7 @@ def test_cli_db_tenants_keys(tmp_path, monkeypatch, capsys):
     assert cli.main(["keys", "revoke", key["prefix"]]) == 1
     assert cli.main(["keys", "create", "ten_missing"]) == 1
 
-    from service import create_app
+    from tidepool.service import create_app
     app = create_app({"storage_dir": str(tmp_path / "s")})
     c = app.test_client()
     assert c.get("/v1/jobs", headers={"Authorization": f"Bearer {created['api_key']}"}).status_code == 200
@@ -111,8 +111,8 @@ def test_cli_db_tenants_keys(tmp_path, monkeypatch, capsys):
 def test_service_never_imports_torch(tmp_path):
     import subprocess
     import sys
-    code = ("import sys; from service import create_app, commands, migrate; "
-            "from service.ledger import batches, jobs, dispatch; "
+    code = ("import sys; from tidepool.service import create_app, commands, migrate; "
+            "from tidepool.service.ledger import batches, jobs, dispatch; "
             f"create_app({{'database_url': 'sqlite:///{tmp_path}/t.db', 'storage_dir': '{tmp_path}'}}); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -124,15 +124,17 @@ def test_service_never_imports_torch(tmp_path):
 # Workers import service.ledger and nothing else of service; service never imports workers; the engine
 # (workers/engine) and the kernels import neither; no module takes part in an import circle. Every `import`
 # statement of every module counts, the ones inside functions too.
-LEDGER = "service.ledger"
+SERVICE, WORKERS, KERNELS = "tidepool.service", "tidepool.workers", "tidepool.kernels"
+ENGINE = "tidepool.workers.engine"
+LEDGER = "tidepool.service.ledger"
 
 # workers modules that put the web side together with the workers, and so may import any of service; a gpu/cpu
 # worker process imports none of them but the CLI (test_gpu_worker_imports_without_flask)
 COMPOSERS = {
-    "workers.cli": "the `tidepool` command registers service's subcommands (db, tenants, keys, web)",
-    "workers.commands": "the CLI's engine-side subcommands; `tidepool models` holds service's registry commands too",
-    "workers.embedded": "`tidepool serve`: the API and a worker in one process",
-    "workers.celery_app": "beat's upkeep tasks run with the app (create_app)",
+    "tidepool.workers.cli": "the `tidepool` command registers service's subcommands (db, tenants, keys, web)",
+    "tidepool.workers.commands": "the CLI's engine-side subcommands; `tidepool models` holds service's registry commands too",
+    "tidepool.workers.embedded": "`tidepool serve`: the API and a worker in one process",
+    "tidepool.workers.celery_app": "beat's upkeep tasks run with the app (create_app)",
 }
 WEB = ("flask", "werkzeug")
 LEDGER_AND_QUEUES = ("sqlalchemy", "alembic", "psycopg", "celery", "kombu", "redis")
@@ -140,12 +142,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _module_name(path: Path) -> str:
+    """The import name of a file of the checkout: service/ledger/jobs.py is tidepool.service.ledger.jobs."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(parts if parts[0] == "tidepool" else ["tidepool", *parts])
 
 
 def _project_modules() -> dict[str, Path]:
-    return {_module_name(p): p for top in ("service", "workers", "kernels") for p in (ROOT / top).rglob("*.py")
+    return {_module_name(p): p for top in ("tidepool", "service", "workers", "kernels")
+            for p in (ROOT / top).rglob("*.py")
             if "__pycache__" not in p.parts}
 
 
@@ -249,27 +254,45 @@ def test_imports_point_one_way():
         deps = _imports(name, path, modules)
         if _within(name, LEDGER):
             wrong += [f"{name} imports {d} (the ledger core imports no web framework, torch, workers or the shell)"
-                      for d in deps if _roots([d]) & {*WEB, "torch", "workers"}
-                      or (_within(d, "service") and not _within(d, LEDGER) and d != "service")]
-        elif _within(name, "service"):
-            wrong += [f"{name} imports {d} (service never imports workers)" for d in deps if _within(d, "workers")]
-        elif _within(name, "kernels"):
+                      for d in deps if _roots([d]) & {*WEB, "torch"} or _within(d, WORKERS)
+                      or (_within(d, SERVICE) and not _within(d, LEDGER) and d != SERVICE)]
+        elif _within(name, SERVICE):
+            wrong += [f"{name} imports {d} (service never imports workers)" for d in deps if _within(d, WORKERS)]
+        elif _within(name, KERNELS):
             wrong += [f"{name} imports {d} (kernels import only kernels)" for d in deps
-                      if _roots([d]) & {"service", "workers", *WEB, *LEDGER_AND_QUEUES}]
-        elif _within(name, "workers.engine"):
+                      if _within(d, SERVICE) or _within(d, WORKERS) or _roots([d]) & {*WEB, *LEDGER_AND_QUEUES}]
+        elif _within(name, ENGINE):
             wrong += [f"{name} imports {d} (the engine imports neither service nor the workers)" for d in deps
-                      if _roots([d]) & {"service", *WEB, *LEDGER_AND_QUEUES}
-                      or (_within(d, "workers") and not _within(d, "workers.engine") and d != "workers")]
-        elif name not in COMPOSERS:
+                      if _within(d, SERVICE) or _roots([d]) & {*WEB, *LEDGER_AND_QUEUES}
+                      or (_within(d, WORKERS) and not _within(d, ENGINE) and d != WORKERS)]
+        elif _within(name, WORKERS) and name not in COMPOSERS:
             wrong += [f"{name} imports {d} (workers import only {LEDGER} of service)"
-                      for d in deps if _within(d, "service") and not _within(d, LEDGER)]
-    reference = "kernels.paged_attention"     # the pure-torch definition every attention fast path is tested against
+                      for d in deps if _within(d, SERVICE) and not _within(d, LEDGER)]
+        elif name == "tidepool":
+            wrong += [f"tidepool imports {d} at import time (the package root stays free of every part)"
+                      for d in _imports(name, path, modules, top_level_only=True) if _within(d, "tidepool")]
+    reference = f"{KERNELS}.paged_attention"     # the pure-torch definition every attention fast path is tested against
     wrong += [f"{reference} imports {d} (the reference is pure torch; kernels/attention.py picks the fast paths)"
-              for d in _imports(reference, modules[reference], modules) if _roots([d]) & {"kernels", "triton"}]
+              for d in _imports(reference, modules[reference], modules) if _within(d, KERNELS) or "triton" in _roots([d])]
     # importing the ledger runs service/__init__ first: that must stay as light as the ledger
-    wrong += [f"importing service loads {d}" for d in sorted(_import_time_closure("service", modules))
-              if _roots([d]) & {*WEB, "torch", "workers"} or (d in modules and _within(d, "service")
-                                                                and not _within(d, LEDGER) and d != "service")]
+    wrong += [f"importing service loads {d}" for d in sorted(_import_time_closure(SERVICE, modules))
+              if _roots([d]) & {*WEB, "torch"} or _within(d, WORKERS)
+              or (d in modules and _within(d, SERVICE) and not _within(d, LEDGER) and d not in (SERVICE, "tidepool"))]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_one_top_level_import_package():
+    """Every module of the checkout (the package, tests, benchmarks, docs, migrations, examples) imports the project
+    as tidepool.*: a bare `service`, `workers` or `kernels` would load a second copy of a module (or Hugging Face's
+    `kernels` package) beside the installed one."""
+    bare = {"service", "workers", "kernels"}
+    wrong = []
+    for path in sorted(p for top in ("tidepool", "service", "workers", "kernels", "tests", "benchmarks", "docs",
+                                      "migrations", "examples") for p in (ROOT / top).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else [])
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names if _roots([n]) & bare]
     assert not wrong, "\n".join(wrong)
 
 
@@ -287,17 +310,17 @@ def test_gpu_worker_imports_without_flask():
     import subprocess
     import sys
     modules = _project_modules()
-    needed, todo = set(), ["workers.worker"]
+    needed, todo = set(), ["tidepool.workers.worker"]
     while todo:
         name = todo.pop()
-        lazy_too = not _within(name, "service")   # service's lazy imports serve the API's callers
+        lazy_too = not _within(name, SERVICE)   # service's lazy imports serve the API's callers
         for dep in _with_parents(_imports(name, modules[name], modules, top_level_only=not lazy_too)):
             if dep in modules and dep not in needed:
                 needed.add(dep)
                 todo.append(dep)
-    assert {"workers.engine", "service.ledger.jobs", "service.ledger.models"} <= needed
+    assert {"tidepool.workers.engine", "tidepool.service.ledger.jobs", "tidepool.service.ledger.models"} <= needed
     code = ("import importlib, sys\n"
-            "from workers import cli\n"
+            "from tidepool.workers import cli\n"
             "args = cli.build_parser().parse_args(['worker', '--kind', 'gpu'])\n"
             f"for name in {sorted(needed)!r}:\n"
             "    importlib.import_module(name)\n"
@@ -314,8 +337,8 @@ def test_beat_imports_without_flask(tmp_path):
     import subprocess
     import sys
     code = ("import sys\n"
-            "from service.ledger.config import Config\n"
-            "from workers import beat, celery_app\n"
+            "from tidepool.service.ledger.config import Config\n"
+            "from tidepool.workers import beat, celery_app\n"
             f"app = celery_app.make_celery(Config.from_env({{'storage_dir': {str(tmp_path)!r}}}, environ={{}}))\n"
             "assert {'tidepool.sweep', 'tidepool.finalize_batches'} <= set(app.tasks)\n"
             "web = sorted(m for m in sys.modules if m.split('.')[0] in ('flask', 'werkzeug'))\n"

@@ -9,7 +9,7 @@ import jsonschema
 import jsonschema_rs
 import pytest
 
-from service.openapi import spec
+from tidepool.service.openapi import spec
 
 from .conftest import ADMIN, Admin
 
@@ -217,7 +217,7 @@ def test_admin_bodies_the_schema_rejects_are_400(client, admin, method, path, bo
 def served(pg_url, redis_url, tmp_path):
     """An app serving one model (a config.json folder: context 64, vocabulary 100) whose online requests answer 504
     at once without a worker: (its test client, its document)."""
-    from service import create_app
+    from tidepool.service import create_app
     folder = tmp_path / "m1"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"vocab_size": 100, "max_position_embeddings": 64}))
@@ -318,7 +318,7 @@ def test_other_json_bodies_and_queries_are_checked_too(client, admin):
 
 
 def test_the_document_names_the_served_model(tmp_path, sqlite_url):
-    from service import create_app
+    from tidepool.service import create_app
     app = create_app({"database_url": sqlite_url, "storage_dir": str(tmp_path), "model": str(tmp_path / "m1")})
     doc = app.test_client().get("/openapi.json").get_json()
     model = doc["components"]["schemas"]["CompletionCreate"]["properties"]["model"]

@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy import create_engine, select, update
 from sqlalchemy.orm import Session
 
-from service import create_app
-from service.ledger import jobs
-from service.api import openai_compat
-from service.ledger.models import Job, JobStatus, utcnow
-from service.ledger import token_stream
+from tidepool.service import create_app
+from tidepool.service.ledger import jobs
+from tidepool.service.api import openai_compat
+from tidepool.service.ledger.models import Job, JobStatus, utcnow
+from tidepool.service.ledger import token_stream
 
 from ..tcp_proxy import TcpProxy
 from .conftest import ADMIN, Admin

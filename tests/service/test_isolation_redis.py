@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from service import create_app
+from tidepool.service import create_app
 
 from ..tcp_proxy import TcpProxy
 from .conftest import ADMIN, Admin

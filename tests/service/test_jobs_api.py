@@ -154,7 +154,7 @@ def test_class_not_allowed_is_403_and_max_tokens_cap_is_400(client, admin):
 
 
 def test_served_model_name_is_checked(pg_url, redis_url, tmp_path):
-    from service import create_app
+    from tidepool.service import create_app
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path),
                       "admin_token": "test-admin-token", "model": "/models/SmolLM2-135M/"})
     client = app.test_client()

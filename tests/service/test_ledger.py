@@ -4,8 +4,8 @@ from datetime import timedelta
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.ledger import batches as ledger, jobs
-from service.ledger.models import Batch, Job, JobStatus, Tenant, utcnow
+from tidepool.service.ledger import batches as ledger, jobs
+from tidepool.service.ledger.models import Batch, Job, JobStatus, Tenant, utcnow
 
 from .conftest import Admin
 

@@ -11,9 +11,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.ledger import batches as ledger, jobs, logprobs, openai_shapes
-from service.ledger.models import Batch, Job, JobStatus
-from service.ledger import token_stream
+from tidepool.service.ledger import batches as ledger, jobs, logprobs, openai_shapes
+from tidepool.service.ledger.models import Batch, Job, JobStatus
+from tidepool.service.ledger import token_stream
 
 from .conftest import Admin
 

@@ -4,8 +4,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
-from service import migrate
-from service.ledger.models import Base
+from tidepool.service import migrate
+from tidepool.service.ledger.models import Base
 
 
 @pytest.fixture(params=["postgres", "sqlite"])

@@ -10,8 +10,8 @@ import redis
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service import create_app
-from service.ledger.models import AuditLog, Job
+from tidepool.service import create_app
+from tidepool.service.ledger.models import AuditLog, Job
 
 from .conftest import ADMIN, Admin
 
@@ -168,7 +168,7 @@ def test_jobs_wait_in_their_models_queue_visible_and_republished_there(two):
 
 
 def test_cli_registers_lists_and_retiers(two, pg_url, tmp_path, monkeypatch, capsys):
-    from workers.cli import main
+    from tidepool.workers.cli import main
     app, client, admin = two
     monkeypatch.setenv("TIDEPOOL_DATABASE_URL", pg_url)
     monkeypatch.delenv("TIDEPOOL_MODEL", raising=False)

@@ -2,7 +2,7 @@
 import json
 import os
 
-from workers import cli
+from tidepool.workers import cli
 
 
 def test_cli_tenants_list(tmp_path, monkeypatch, capsys):
@@ -25,8 +25,8 @@ def test_cli_tenants_list(tmp_path, monkeypatch, capsys):
 
 
 def test_models_list_has_a_created_time(pg_url, redis_url, tmp_path):
-    from service import create_app
-    from service.ledger import tenants
+    from tidepool.service import create_app
+    from tidepool.service.ledger import tenants
     model = tmp_path / "models" / "m1"
     model.mkdir(parents=True)
     (model / "config.json").write_text("{}")
@@ -44,8 +44,8 @@ def test_models_list_has_a_created_time(pg_url, redis_url, tmp_path):
 
 
 def test_max_tokens_past_the_context_is_a_400(pg_url, redis_url, tmp_path):
-    from service import create_app
-    from service.ledger import tenants
+    from tidepool.service import create_app
+    from tidepool.service.ledger import tenants
     model = tmp_path / "models" / "small"
     model.mkdir(parents=True)
     (model / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))

@@ -11,15 +11,15 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ["service", "workers", "kernels", "web", "migrations", "pyproject.toml", "setup.py", "README.md"]
+SOURCES = ["tidepool", "service", "workers", "kernels", "web", "migrations", "pyproject.toml", "setup.py", "README.md"]
 
 SNIPPET = textwrap.dedent("""
     import os, sys
     from pathlib import Path
-    import service
-    from service import create_app, migrate
+    from tidepool import service
+    from tidepool.service import create_app, migrate
     site = Path(sys.argv[1]).resolve()
-    assert Path(service.__file__).resolve().is_relative_to(site), service.__file__
+    assert Path(service.__file__).resolve().is_relative_to(site / "tidepool"), service.__file__
     migrate.upgrade(os.environ["TIDEPOOL_DATABASE_URL"])
     app = create_app()
     client = app.test_client()
@@ -28,9 +28,9 @@ SNIPPET = textwrap.dedent("""
     html = page.get_data(as_text=True)
     assert '<form method="post" action="/admin/login">' in html and 'name="token"' in html, html
     css = client.get("/admin/static/panel.css")
-    assert css.status_code == 200 and css.data == (site / "service/web/static/panel.css").read_bytes()
+    assert css.status_code == 200 and css.data == (site / "tidepool/service/web/static/panel.css").read_bytes()
     css.close()
-    assert "torch" not in sys.modules and "workers" not in sys.modules, "the service side pulled in torch or workers"
+    assert "torch" not in sys.modules and "tidepool.workers" not in sys.modules, "the service side pulled in torch or workers"
     print("sign-in page rendered from", service.__file__)
 """)
 
@@ -48,14 +48,18 @@ def test_wheel_installs_outside_the_checkout_and_renders_the_sign_in_page(tmp_pa
                     "--no-index", "-w", str(tmp_path / "dist"), str(src)], check=True, env=env, timeout=120)
     wheel, = (tmp_path / "dist").glob("tidepool-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert tops == {"tidepool"}, f"the wheel installs more than one top-level package: {sorted(tops)}"
     for rel in ["service/web/templates/login.html", "service/web/static/panel.css", "service/web/static/panel.js",
                 "service/web/grafana/tidepool-dashboard.json", "service/migrations/env.py",
                 "service/migrations/script.py.mako", "kernels/csrc/paged_decode_cpu.cpp", "kernels/csrc/fused_cpu.cpp",
                 "kernels/csrc/simd.h", "workers/tools/data/corpus.txt"]:
-        assert rel in names, f"{rel} missing from the wheel"
-    sources = {str(p.relative_to(src)) for top in ("service", "workers", "kernels") for p in (src / top).rglob("*.py")}
-    sources |= {f"service/{p.relative_to(src)}" for top in ("web", "migrations") for p in (src / top).rglob("*")
+        assert f"tidepool/{rel}" in names, f"tidepool/{rel} missing from the wheel"
+    sources = {f"tidepool/{p.relative_to(src)}" for top in ("service", "workers", "kernels")
+               for p in (src / top).rglob("*.py")}
+    sources |= {f"tidepool/service/{p.relative_to(src)}" for top in ("web", "migrations") for p in (src / top).rglob("*")
                 if p.is_file()}
+    sources.add("tidepool/__init__.py")
     assert not sources - names, f"in the checkout, not in the wheel: {sorted(sources - names)}"
 
     venv = tmp_path / "venv"

@@ -6,10 +6,10 @@ import threading
 
 from sqlalchemy.orm import Session
 
-from service import create_app
-from service.ledger import jobs
-from service.ledger.models import Job, Tenant
-from service.ledger.quotas import MemoryLimiter
+from tidepool.service import create_app
+from tidepool.service.ledger import jobs
+from tidepool.service.ledger.models import Job, Tenant
+from tidepool.service.ledger.quotas import MemoryLimiter
 
 from .conftest import ADMIN, Admin
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from service import create_app
-from service.ledger.config import Config, SettingsError, variables
+from tidepool.service import create_app
+from tidepool.service.ledger.config import Config, SettingsError, variables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,7 +76,7 @@ def test_the_app_factory_refuses_a_bad_value(monkeypatch, tmp_path):
 def test_the_cli_stops_at_start_up_naming_the_variable(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")}
     env.update(TIDEPOOL_VISIBILITY_TIMEOUT="abc", TIDEPOOL_DATABASE_URL=f"sqlite:///{tmp_path}/t.db")
-    out = subprocess.run([sys.executable, "-m", "workers.cli", "db", "upgrade"], cwd=tmp_path, env=env,
+    out = subprocess.run([sys.executable, "-m", "tidepool.workers.cli", "db", "upgrade"], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out
     assert out.stderr.strip() == "tidepool: TIDEPOOL_VISIBILITY_TIMEOUT: expected a number, got 'abc'"

@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session
 
-from service.ledger import batches as ledger
-from service.ledger.models import Job, Tenant
+from tidepool.service.ledger import batches as ledger
+from tidepool.service.ledger.models import Job, Tenant
 
 from .conftest import Admin
 

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from service.ledger import bodies, structured
-from service.ledger.errors import APIError
+from tidepool.service.ledger import bodies, structured
+from tidepool.service.ledger.errors import APIError
 
 from .conftest import Admin
 

@@ -16,10 +16,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 from werkzeug.serving import make_server
 
-from service import create_app
-from service.ledger import tenants
-from service.ledger.models import Job
-from service.ledger.snapshots import HEARTBEAT_KEY, Heartbeats
+from tidepool.service import create_app
+from tidepool.service.ledger import tenants
+from tidepool.service.ledger.models import Job
+from tidepool.service.ledger.snapshots import HEARTBEAT_KEY, Heartbeats
 
 from ..conftest import free_port, start_redis  # noqa: F401  (the fault tests restart their own servers)
 
@@ -29,7 +29,7 @@ _counter = itertools.count()
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.tools.tiny_model import make_tiny_model
     return str(make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny"), seed=1))
 
 
@@ -67,7 +67,7 @@ class Stack:
 
     def start(self, *args, wait_for: str | None = None, **env) -> subprocess.Popen:
         log = open(self.tmp / f"{args[0]}-{next(_counter)}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "workers.cli", *args], cwd=self.tmp, env=self.env(**env),
+        proc = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", *args], cwd=self.tmp, env=self.env(**env),
                                 stdout=log, stderr=subprocess.STDOUT)
         proc.log_path = log.name
         self.procs.append(proc)

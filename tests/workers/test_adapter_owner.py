@@ -5,8 +5,8 @@ The owner's own job runs with it. Driven step by step over Postgres + Redis."""
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.ledger.models import Job, JobStatus
-from workers.worker import Worker, WorkerConfig
+from tidepool.service.ledger.models import Job, JobStatus
+from tidepool.workers.worker import Worker, WorkerConfig
 
 from ..service.test_adapters import adapter_folder
 from .test_intake import _close, _job, _run_engine

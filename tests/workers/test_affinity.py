@@ -6,9 +6,9 @@ import json
 import signal
 import time
 
-from service.ledger import fair
-from service.ledger.affinity import job_prefix_key, private_queue
-from service.ledger.models import Job, JobStatus
+from tidepool.service.ledger import fair
+from tidepool.service.ledger.affinity import job_prefix_key, private_queue
+from tidepool.service.ledger.models import Job, JobStatus
 
 from .test_chaos import ledger_check
 

@@ -13,7 +13,7 @@ import requests
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from service.ledger.models import Batch, Job, JobStatus, Quota, Usage
+from tidepool.service.ledger.models import Batch, Job, JobStatus, Quota, Usage
 
 from .conftest import served_stack
 
@@ -422,9 +422,9 @@ def test_openai_batch_of_responses_lines(st, oa):
 
 
 def test_run_batch_mixes_responses_chat_and_completions_lines(tiny_model, tmp_path):
-    from workers.batch_runner import run_batch
-    from workers.engine import LLMEngine
-    from workers.engine.config import EngineConfig
+    from tidepool.workers.batch_runner import run_batch
+    from tidepool.workers.engine import LLMEngine
+    from tidepool.workers.engine.config import EngineConfig
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join([
         _line("r", "/v1/responses", {"input": [{"role": "user", "content": "Hi"}], "instructions": "Be brief.",

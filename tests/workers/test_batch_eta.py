@@ -13,7 +13,7 @@ import requests
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.ledger.models import Batch, Job, JobStatus, utcnow
+from tidepool.service.ledger.models import Batch, Job, JobStatus, utcnow
 
 from .conftest import Stack, flush_redis
 

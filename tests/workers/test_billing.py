@@ -17,11 +17,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from werkzeug.serving import make_server
 
-from service import create_app, migrate
-from service.ledger import jobs as transitions, tenants
-from service.ledger.models import Job, JobStatus, Tenant, Usage
-from workers.attempt import build_request
-from workers.worker import Worker, WorkerConfig
+from tidepool.service import create_app, migrate
+from tidepool.service.ledger import jobs as transitions, tenants
+from tidepool.service.ledger.models import Job, JobStatus, Tenant, Usage
+from tidepool.workers.attempt import build_request
+from tidepool.workers.worker import Worker, WorkerConfig
 
 from .conftest import Stack, flush_redis
 from .test_intake import _close, _job, _run_engine, _worker

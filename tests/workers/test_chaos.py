@@ -15,7 +15,7 @@ import requests
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
 
-from service.ledger.models import TERMINAL, Batch, BatchStatus, Job, JobStatus, Tenant, Usage
+from tidepool.service.ledger.models import TERMINAL, Batch, BatchStatus, Job, JobStatus, Tenant, Usage
 
 from ..tcp_proxy import TcpProxy
 from .conftest import Stack, free_port, start_redis

@@ -7,9 +7,9 @@ import jsonschema
 import openai
 import pytest
 
-from workers.batch_runner import run_batch
-from workers.engine import LLMEngine
-from workers.engine.config import EngineConfig
+from tidepool.workers.batch_runner import run_batch
+from tidepool.workers.engine import LLMEngine
+from tidepool.workers.engine.config import EngineConfig
 
 from .conftest import served_stack
 

@@ -37,7 +37,7 @@ def served(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")}
     env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     log, errors = tmp_path / "serve.out", tmp_path / "serve.err"
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "serve", "--port", str(port)], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "serve", "--port", str(port)], cwd=tmp_path,
                             env=env, stdout=open(log, "w"), stderr=open(errors, "w"))
     try:
         end = time.monotonic() + 90

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from workers.device_stepper import OFFLINE, DeviceStepper, urgency
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
+from tidepool.workers.device_stepper import OFFLINE, DeviceStepper, urgency
+from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.tools.tiny_model import make_tiny_model
     root = tmp_path_factory.mktemp("stepper-models")
     a = make_tiny_model(str(root / "a"), seed=1)
     b = make_tiny_model(str(root / "b"), arch="qwen2", seed=7, hidden_size=96, num_hidden_layers=3,
@@ -241,7 +241,7 @@ def test_a_failing_engine_ends_only_itself(engines):
 TEAMS = """
 import os, threading, time
 import torch
-from workers.device_stepper import DeviceStepper
+from tidepool.workers.device_stepper import DeviceStepper
 
 
 class Busy:

@@ -3,9 +3,9 @@ step: nothing of the attempt reaches the token stream before the claim succeeded
 is refused leaves no trace (no stream event, no ledger write, its message acked)."""
 from sqlalchemy.orm import Session
 
-from service.ledger import jobs as transitions
-from service.ledger.models import Job, JobStatus
-from service.ledger import token_stream
+from tidepool.service.ledger import jobs as transitions
+from tidepool.service.ledger.models import Job, JobStatus
+from tidepool.service.ledger import token_stream
 
 from .test_intake import _close, _job, _run_engine, _step, _worker
 
@@ -32,7 +32,7 @@ def test_tokens_made_before_the_claim_commits_are_streamed_after_it(stack, monke
                     status=_job(st, job_id).status)
         return real_start(s, *args, **kwargs)
 
-    monkeypatch.setattr("service.ledger.jobs.start", start)
+    monkeypatch.setattr("tidepool.service.ledger.jobs.start", start)
     try:
         assert w.pull()
         assert seen == {"claimed": False, "held": 1, "events": [], "status": JobStatus.queued}
@@ -66,7 +66,7 @@ def test_an_attempt_whose_claim_is_refused_leaves_no_trace(stack, monkeypatch):
             other.commit()
         return real_start(s, *args, **kwargs)
 
-    monkeypatch.setattr("service.ledger.jobs.start", start)
+    monkeypatch.setattr("tidepool.service.ledger.jobs.start", start)
     try:
         assert w.pull()
         assert w.inflight[job_id].dropped and w.counters["dropped"] == 1
@@ -93,7 +93,7 @@ def test_offline_jobs_are_claimed_before_they_enter_the_engine(stack, monkeypatc
         seen.append(dict(w.inflight))
         return real_start(s, *args, **kwargs)
 
-    monkeypatch.setattr("service.ledger.jobs.start", start)
+    monkeypatch.setattr("tidepool.service.ledger.jobs.start", start)
     try:
         assert w.pull()
         assert seen == [{}] and len(w.inflight) == 1

@@ -30,7 +30,7 @@ def served(tiny_model, tmp_path_factory):
     env.update(TIDEPOOL_MODEL=tiny_model, TIDEPOOL_ADMIN_TOKEN=ADMIN, TIDEPOOL_MAX_LORAS="1", PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS="1")
     log = tmp / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "serve", "--port", str(port)], cwd=tmp,
+    proc = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "serve", "--port", str(port)], cwd=tmp,
                             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + 60

@@ -13,13 +13,13 @@ from pathlib import Path
 import openai
 import requests
 
-from workers.engine import LLM, SamplingParams
+from tidepool.workers.engine import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serve_registers_and_serves_every_model_in_the_models_dir(tmp_path):
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.tools.tiny_model import make_tiny_model
     models = tmp_path / "models"
     tiny = str(make_tiny_model(str(models / "tiny"), seed=1))
     other = str(make_tiny_model(str(models / "tiny-qwen"), arch="qwen2", seed=7, hidden_size=96,
@@ -30,7 +30,7 @@ def test_serve_registers_and_serves_every_model_in_the_models_dir(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")}
     env.update(TIDEPOOL_MODEL=tiny, TIDEPOOL_MODELS_DIR=str(models), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "serve", "--port", str(port)], cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "serve", "--port", str(port)], cwd=tmp_path,
                             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + 120

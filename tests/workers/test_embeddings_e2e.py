@@ -18,7 +18,7 @@ import openai
 import pytest
 import requests
 
-from workers.engine import LLM
+from tidepool.workers.engine import LLM
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "all-minilm-l6-v2"
@@ -26,7 +26,7 @@ MODEL = "all-minilm-l6-v2"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, minilm_dir):
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.tools.tiny_model import make_tiny_model
     tmp = tmp_path_factory.mktemp("serve")
     models = tmp / "models"
     tiny = str(make_tiny_model(str(models / "tiny"), seed=1))
@@ -37,7 +37,7 @@ def served(tmp_path_factory, minilm_dir):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")}
     env.update(TIDEPOOL_MODEL=tiny, TIDEPOOL_MODELS_DIR=str(models), PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     log = tmp / "serve.log"
-    proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "serve", "--port", str(port)], cwd=tmp,
+    proc = subprocess.Popen([sys.executable, "-m", "tidepool.workers.cli", "serve", "--port", str(port)], cwd=tmp,
                             env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + 120

@@ -14,11 +14,11 @@ from hypothesis import strategies as hs
 from kombu import Connection, Queue
 from sqlalchemy.orm import Session
 
-from service.ledger import affinity, fair, tenants
-from service.ledger.models import Job, JobStatus
-from service.ledger.wire import job_id as message_job_id, task_message, transport_options
-from workers import broker
-from workers.worker import Worker, WorkerConfig
+from tidepool.service.ledger import affinity, fair, tenants
+from tidepool.service.ledger.models import Job, JobStatus
+from tidepool.service.ledger.wire import job_id as message_job_id, task_message, transport_options
+from tidepool.workers import broker
+from tidepool.workers.worker import Worker, WorkerConfig
 from .conftest import flush_redis
 from .test_chaos import _wait_terminal, ledger_check
 

@@ -6,9 +6,9 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.ledger import fair
-from service.ledger.models import Job, JobStatus, Tenant, Usage
-from workers import beat
+from tidepool.service.ledger import fair
+from tidepool.service.ledger.models import Job, JobStatus, Tenant, Usage
+from tidepool.workers import beat
 
 from .conftest import Stack, free_port, start_redis
 
@@ -172,8 +172,8 @@ def test_redis_restart_mid_run_loses_no_accepted_job(pg_url, tiny_model, tmp_pat
 
 def test_output_with_nul_characters_is_stored_on_postgres(stack):
     """Byte-level tokens can decode to NUL, which Postgres text refuses; the worker's result must still land."""
-    from service.ledger import jobs
-    from workers.attempt import ledger_text
+    from tidepool.service.ledger import jobs
+    from tidepool.workers.attempt import ledger_text
     st = stack
     _, key = st.tenant()
     [job_id] = st.submit(key, 1, prompt="nul", max_tokens=4)

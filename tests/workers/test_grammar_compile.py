@@ -7,12 +7,12 @@ import threading
 import pytest
 from sqlalchemy.orm import Session
 
-from service.ledger import jobs as transitions
-from service.ledger.models import JobStatus, Usage
-from workers.engine import LLMEngine, SamplingParams
-from workers.engine.config import EngineConfig
-from workers.engine.structured import StructuredOutput
-from workers.worker import Worker, WorkerConfig
+from tidepool.service.ledger import jobs as transitions
+from tidepool.service.ledger.models import JobStatus, Usage
+from tidepool.workers.engine import LLMEngine, SamplingParams
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.structured import StructuredOutput
+from tidepool.workers.worker import Worker, WorkerConfig
 
 from .test_intake import _close, _job, _run_engine
 

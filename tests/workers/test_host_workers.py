@@ -3,8 +3,8 @@ runs one engine serving every class on a host without a GPU, and on a GPU host t
 (deferrable) beside it, as `tidepool serve` does; names say the device and the role."""
 from pathlib import Path
 
-from workers.cli import build_parser
-from workers.worker import WorkerConfig, host_workers, role
+from tidepool.workers.cli import build_parser
+from tidepool.workers.worker import WorkerConfig, host_workers, role
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_a_gpu_host_runs_both_workers_in_one_process(tmp_path, monkeypatch, caps
     import json
     import threading
 
-    from workers import worker as worker_module
+    from tidepool.workers import worker as worker_module
 
     ran = []
 

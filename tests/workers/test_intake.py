@@ -8,10 +8,10 @@ from sqlalchemy import update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from service.ledger.db import make_engine
-from service.ledger.models import Job, JobStatus, utcnow
-from workers import beat, broker
-from workers.worker import Worker, WorkerConfig
+from tidepool.service.ledger.db import make_engine
+from tidepool.service.ledger.models import Job, JobStatus, utcnow
+from tidepool.workers import beat, broker
+from tidepool.workers.worker import Worker, WorkerConfig
 
 
 def _worker(st, name: str) -> Worker:
@@ -71,7 +71,7 @@ def test_a_message_taken_by_a_worker_killed_before_it_claims_returns_to_the_queu
         raise Killed
 
     # killed right after the broker handed the message over, before the worker could claim the job
-    monkeypatch.setattr("workers.intake.take", killed)
+    monkeypatch.setattr("tidepool.workers.intake.take", killed)
     with pytest.raises(Killed):
         w.pull()
     _drop(w)
@@ -150,7 +150,7 @@ def test_a_job_the_worker_cannot_start_fails_at_once(stack, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("a bug in the request mapping")
 
-    monkeypatch.setattr("workers.intake.build_request", broken)
+    monkeypatch.setattr("tidepool.workers.intake.build_request", broken)
     try:
         assert w.pull()
         job = _job(st, job_id)

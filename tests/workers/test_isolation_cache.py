@@ -1,7 +1,7 @@
 """Prefix-cache isolation through the real worker: the namespace comes from the tenant in the ledger (never
 from the request), so tenant B never hits tenant A's cached blocks, A still hits its own, and tenants an
 admin puts in one prefix_cache_group share."""
-from workers.worker import Worker, WorkerConfig
+from tidepool.workers.worker import Worker, WorkerConfig
 
 PROMPT = list(range(5, 5 + 70))   # token ids: 4 full blocks of 16 and a tail
 

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from service.ledger.models import JobStatus
-from workers import beat
-from workers.broker import OWNERS_KEY
-from service.ledger.snapshots import HEARTBEAT_KEY
+from tidepool.service.ledger.models import JobStatus
+from tidepool.workers import beat
+from tidepool.workers.broker import OWNERS_KEY
+from tidepool.service.ledger.snapshots import HEARTBEAT_KEY
 
 from .test_intake import Killed, _close, _drop, _job, _run_engine, _worker
 

@@ -1,8 +1,8 @@
 """A finished result that cannot be written because the ledger is down (Postgres taken away behind a proxy)
 is written again in place once it is back: the job completes exactly once, on its first attempt, without
 waiting for its lease to lapse and running again."""
-from service.ledger.db import make_engine
-from service.ledger.models import JobStatus
+from tidepool.service.ledger.db import make_engine
+from tidepool.service.ledger.models import JobStatus
 
 from ..tcp_proxy import TcpProxy
 from .test_intake import _close, _job, _run_engine, _worker

@@ -5,9 +5,9 @@ by demand (1 + queued + running jobs), never under one full-context sequence, ne
 a model whose weights fit but whose weights and floor pool do not is not loaded; unloading returns its pool."""
 import pytest
 
-from service.ledger.models import Job, JobStatus
-from workers.model_workers import ModelHost, engine_config, folder_bytes
-from workers.worker import WorkerConfig
+from tidepool.service.ledger.models import Job, JobStatus
+from tidepool.workers.model_workers import ModelHost, engine_config, folder_bytes
+from tidepool.workers.worker import WorkerConfig
 
 ADMIN = {"Authorization": "Bearer admin"}
 BODY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "sla_class": "batch"}
@@ -15,7 +15,7 @@ BODY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "sla_class": "bat
 
 @pytest.fixture(scope="module")
 def qwen_model(tmp_path_factory):
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.tools.tiny_model import make_tiny_model
     return str(make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen"), arch="qwen2", seed=7,
                                hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2))
 
@@ -143,8 +143,8 @@ def test_unloading_a_model_returns_its_pool_to_the_next_load(stack, qwen_model):
 
 
 def test_a_worker_serves_only_models_whose_weights_and_floor_pool_fit(tiny_model, qwen_model):
-    from service.ledger.registry import Entry
-    from workers.model_workers import fitting_models, min_footprint
+    from tidepool.service.ledger.registry import Entry
+    from tidepool.workers.model_workers import fitting_models, min_footprint
     entries = {n: Entry(n, f, "hot", True, 0, True) for n, f in (("tiny", tiny_model), ("qwen", qwen_model))}
     least = {n: min_footprint(e.source, "cpu") for n, e in entries.items()}
     assert least["qwen"] == folder_bytes(qwen_model) + FLOOR * engine_config(qwen_model, "cpu").kv_block_bytes

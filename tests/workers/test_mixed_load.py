@@ -5,8 +5,8 @@ import threading
 
 import openai
 
-from service.ledger import fair
-from service.ledger.models import Job, JobStatus, SlaClass
+from tidepool.service.ledger import fair
+from tidepool.service.ledger.models import Job, JobStatus, SlaClass
 
 OFFLINE = 20
 MAX_SEQS, LOW_WATER = 4, 3

@@ -10,16 +10,16 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.ledger.models import Job, JobStatus
-from service.ledger.snapshots import HEARTBEAT_KEY
-from workers.engine import LLM, SamplingParams
+from tidepool.service.ledger.models import Job, JobStatus
+from tidepool.service.ledger.snapshots import HEARTBEAT_KEY
+from tidepool.workers.engine import LLM, SamplingParams
 
 ADMIN = {"Authorization": "Bearer admin"}
 
 
 @pytest.fixture(scope="module")
 def qwen_model(tmp_path_factory):
-    from workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.tools.tiny_model import make_tiny_model
     return str(make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen"), arch="qwen2", seed=7,
                                hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2))
 
@@ -70,8 +70,8 @@ def test_each_model_runs_its_own_jobs_and_an_unserved_model_waits(stack, qwen_mo
 
 
 def test_a_worker_without_models_serves_every_enabled_model_that_fits(stack, qwen_model, tmp_path):
-    from workers.tools.tiny_model import make_tiny_model
-    from workers.model_workers import min_footprint
+    from tidepool.workers.tools.tiny_model import make_tiny_model
+    from tidepool.workers.model_workers import min_footprint
     default = stack.app.config["TIDEPOOL"].served_model_name
     client = stack.app.test_client()
     big = str(make_tiny_model(str(tmp_path / "big"), seed=2, hidden_size=256, intermediate_size=512,
@@ -139,7 +139,7 @@ def _events(proc, kinds=("model.loaded", "model.unloaded")) -> list[tuple[str, s
 
 
 def test_warm_models_load_on_demand_and_take_turns_under_a_budget_for_one(stack, qwen_model):
-    from workers.model_workers import min_footprint
+    from tidepool.workers.model_workers import min_footprint
     default = stack.app.config["TIDEPOOL"].served_model_name
     _register(stack, "qwen", qwen_model)
     client = stack.app.test_client()
@@ -184,7 +184,7 @@ def test_warm_models_load_on_demand_and_take_turns_under_a_budget_for_one(stack,
     assert stack.count(Job.id.in_(ids), Job.status == JobStatus.queued) == 2 and _events(proc) == []
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-m", "workers.cli", "models", "warm", default], env=stack.env(),
+    out = subprocess.run([sys.executable, "-m", "tidepool.workers.cli", "models", "warm", default], env=stack.env(),
                          cwd=stack.tmp, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     stack.wait(lambda: stack.count(Job.id.in_(ids), Job.status == JobStatus.completed) == 2, 180, "cold jobs")

@@ -10,10 +10,10 @@ import requests
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.ledger.dispatch import _publish_task
-from service.ledger import fair
-from service.ledger.models import Job, JobStatus, Usage
-from workers.engine import LLM, SamplingParams
+from tidepool.service.ledger.dispatch import _publish_task
+from tidepool.service.ledger import fair
+from tidepool.service.ledger.models import Job, JobStatus, Usage
+from tidepool.workers.engine import LLM, SamplingParams
 
 from .conftest import served_stack
 
@@ -62,7 +62,7 @@ def test_completion_chat_and_models_match_the_engine(st, reference):
 
 def test_tenant_default_class_applies_to_online_requests_that_name_none(st):
     from sqlalchemy import update
-    from service.ledger.models import Tenant
+    from tidepool.service.ledger.models import Tenant
     tenant_id, key = st.tenant()
     with st.engine.begin() as conn:
         conn.execute(update(Tenant).where(Tenant.id == tenant_id).values(default_sla_class="realtime"))
@@ -217,7 +217,7 @@ def test_batch_cancel_aborts_its_running_jobs(st):
 
 
 def test_a_lapsed_lease_on_a_live_worker_reruns_the_job_once(st):
-    from service.ledger import jobs
+    from tidepool.service.ledger import jobs
     tenant_id, key = st.tenant()
     job_id = requests.post(f"{st.url}/v1/jobs", headers={"Authorization": f"Bearer {key}"}, json={
         "prompt": "lapse", "max_tokens": 1000, "ignore_eos": True}).json()["id"]     # long enough to still run
@@ -316,7 +316,7 @@ def test_batch_output_carries_logprobs_when_asked(st):
 
 
 def test_logprob_entries_carry_the_raw_bytes_of_partial_characters(reference):
-    from workers.openai_bodies import logprob_entries
+    from tidepool.workers.openai_bodies import logprob_entries
     tok = reference.tokenizer
     text = "naïve 龘 🙂"
     ids = tok.encode(text, add_special_tokens=False)

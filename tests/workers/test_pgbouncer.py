@@ -12,8 +12,8 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from service import migrate
-from service.ledger.models import Job, JobStatus, Usage
+from tidepool.service import migrate
+from tidepool.service.ledger.models import Job, JobStatus, Usage
 
 from .conftest import Stack, free_port
 

@@ -2,7 +2,7 @@
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from workers.metrics import EngineMetrics
+from tidepool.workers.metrics import EngineMetrics
 
 
 def _value(registry, name, **labels) -> float:

@@ -1,10 +1,10 @@
 """The facts the API, the workers and the engine share are defined once: the engine, which imports nothing of the
 ledger, keeps its own names for its priority ranks, and these tests hold them equal to the ledger's enum."""
-from service.ledger.models import ONLINE_CLASSES, SLA_CLASSES, SlaClass
-from workers.engine import SLA_CLASSES as ENGINE_CLASSES
-from workers.engine.config import ONLINE_CLASSES as ENGINE_ONLINE
-from workers.engine.sequence import CLASS_RANK, ONLINE_RANKS
-from workers.worker import QUEUES
+from tidepool.service.ledger.models import ONLINE_CLASSES, SLA_CLASSES, SlaClass
+from tidepool.workers.engine import SLA_CLASSES as ENGINE_CLASSES
+from tidepool.workers.engine.config import ONLINE_CLASSES as ENGINE_ONLINE
+from tidepool.workers.engine.sequence import CLASS_RANK, ONLINE_RANKS
+from tidepool.workers.worker import QUEUES
 
 
 def test_engine_classes_are_the_ledger_enum_in_priority_order():
@@ -22,7 +22,7 @@ def test_gpu_workers_serve_every_class_and_cpu_workers_a_subset():
 
 
 def test_heartbeats_round_trip_in_redis_and_in_process(stack):
-    from service.ledger.snapshots import HEARTBEAT_KEY, Heartbeats
+    from tidepool.service.ledger.snapshots import HEARTBEAT_KEY, Heartbeats
     for store in (Heartbeats(stack.redis), Heartbeats(None)):
         store.put({"name": "hb-1", "at": 1.0}, ttl=30)
         assert store.get("hb-1") == {"name": "hb-1", "at": 1.0} and {"name": "hb-1", "at": 1.0} in store.read()

@@ -9,9 +9,9 @@ import pytest
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from service.ledger import jobs as transitions
-from service.ledger.models import Job, JobStatus, utcnow
-from workers import beat
+from tidepool.service.ledger import jobs as transitions
+from tidepool.service.ledger.models import Job, JobStatus, utcnow
+from tidepool.workers import beat
 
 from .test_intake import Killed, _close, _drop, _job, _run_engine, _worker
 
@@ -39,13 +39,13 @@ def _record(w, monkeypatch, events: list, after_first_write=None) -> None:
         return start(s, job_id, *args, **kwargs)
 
     monkeypatch.setattr(w.results, "write_results", write_results)
-    monkeypatch.setattr("service.ledger.jobs.start", claim)
+    monkeypatch.setattr("tidepool.service.ledger.jobs.start", claim)
 
 
 def test_a_realtime_job_arriving_during_a_wave_of_results_is_claimed_after_one_chunk(stack, monkeypatch):
     st = stack
     _, key = st.tenant()
-    monkeypatch.setattr("workers.results.RESULT_CHUNK", CHUNK)
+    monkeypatch.setattr("tidepool.workers.results.RESULT_CHUNK", CHUNK)
     offline = st.submit(key, 5, prompt="wave", max_tokens=2, ignore_eos=True, sla_class="batch")
     [early] = st.submit(key, 1, prompt="early", max_tokens=2, ignore_eos=True, sla_class="realtime")
     w = _worker(st, "w")
@@ -79,7 +79,7 @@ def test_a_realtime_job_arriving_during_a_wave_of_results_is_claimed_after_one_c
 def test_a_worker_killed_between_two_chunks_leaves_each_job_completed_once(stack, monkeypatch):
     st = stack
     _, key = st.tenant()
-    monkeypatch.setattr("workers.results.RESULT_CHUNK", CHUNK)
+    monkeypatch.setattr("tidepool.workers.results.RESULT_CHUNK", CHUNK)
     ids = st.submit(key, 5, prompt="killed", max_tokens=3, ignore_eos=True, sla_class="batch")
     w = _worker(st, "w")
     events = []

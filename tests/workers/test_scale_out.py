@@ -12,7 +12,7 @@ import requests
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from service.ledger.models import Batch, BatchStatus, Job, JobStatus
+from tidepool.service.ledger.models import Batch, BatchStatus, Job, JobStatus
 
 from .conftest import Stack
 from .test_chaos import ledger_check

@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 
-from service.ledger.config import Config, variables
-from workers.celery_app import make_celery
-from workers.engine.config import DEFAULT_SLA_TARGETS, EngineConfig
-from workers.settings import engine_fields
-from workers.worker import WorkerConfig
+from tidepool.service.ledger.config import Config, variables
+from tidepool.workers.celery_app import make_celery
+from tidepool.workers.engine.config import DEFAULT_SLA_TARGETS, EngineConfig
+from tidepool.workers.settings import engine_fields
+from tidepool.workers.worker import WorkerConfig
 
 
 def _settings(tmp_path, **env) -> Config:
@@ -54,8 +54,8 @@ def test_unset_engine_settings_leave_the_engines_defaults(tmp_path, tiny_model):
 
 
 def test_the_cpu_kernel_switch_reaches_the_kernels_through_the_engine(tmp_path, tiny_model, monkeypatch):
-    from kernels import cpu_ops
-    from workers.engine import LLMEngine
+    from tidepool.kernels import cpu_ops
+    from tidepool.workers.engine import LLMEngine
     monkeypatch.setattr(cpu_ops, "_enabled", True)     # both restored after the test
     monkeypatch.setattr(cpu_ops, "_cache_dir", cpu_ops._cache_dir)
     fields = engine_fields(_settings(tmp_path, TIDEPOOL_CPU_KERNELS=0, TIDEPOOL_KERNEL_CACHE=tmp_path / "k"), "cpu")

@@ -3,9 +3,9 @@ SLA class and method, from a real engine's stats."""
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from workers.engine import LLMEngine, SamplingParams
-from workers.engine.config import EngineConfig
-from workers.metrics import EngineMetrics
+from tidepool.workers.engine import LLMEngine, SamplingParams
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.metrics import EngineMetrics
 
 
 def _value(registry, name, **labels) -> float:

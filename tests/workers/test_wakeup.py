@@ -6,9 +6,9 @@ import threading
 import pytest
 import redis
 
-from service import create_app
-from service.ledger import doorbell
-from workers.engine import EngineConfig, LLMEngine, SamplingParams
+from tidepool.service import create_app
+from tidepool.service.ledger import doorbell
+from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
 
 from .conftest import flush_redis
 

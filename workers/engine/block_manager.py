@@ -5,7 +5,7 @@ Pure Python: it hands out block ids and never touches a tensor.
 """
 from collections import OrderedDict
 
-from workers.engine.sequence import Sequence
+from tidepool.workers.engine.sequence import Sequence
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:

@@ -1,10 +1,10 @@
 """The cost model's seed: a few timed steps of dummy sequences when the engine starts."""
 import time
 
-from workers.engine.cost_model import CostModel, attended
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import ScheduledBatch
-from workers.engine.sequence import Sequence
+from tidepool.workers.engine.cost_model import CostModel, attended
+from tidepool.workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.scheduler import ScheduledBatch
+from tidepool.workers.engine.sequence import Sequence
 
 
 def _best_of_3(runner, batch) -> float:

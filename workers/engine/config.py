@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from workers.engine.models.config import load_config
+from tidepool.workers.engine.models.config import load_config
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

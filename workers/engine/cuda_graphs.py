@@ -12,7 +12,7 @@ import bisect
 
 import torch
 
-from workers.engine.models.llama import AttentionContext
+from tidepool.workers.engine.models.llama import AttentionContext
 
 MAX_GRAPH_BATCH = 512
 

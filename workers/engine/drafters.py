@@ -9,12 +9,12 @@ from array import array
 
 import torch
 
-from kernels.layer_ops import argmax_rows
-from workers.engine.block_manager import BlockManager
-from workers.engine.config import EngineConfig
-from workers.engine.model_runner import ModelRunner
-from workers.engine.scheduler import ScheduledBatch
-from workers.engine.sequence import Sequence
+from tidepool.kernels.layer_ops import argmax_rows
+from tidepool.workers.engine.block_manager import BlockManager
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.model_runner import ModelRunner
+from tidepool.workers.engine.scheduler import ScheduledBatch
+from tidepool.workers.engine.sequence import Sequence
 
 
 class Drafter:

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_ops
-from kernels.cpu_linear import fuse_activation, prepack_linears
-from workers.engine.config import EngineConfig
-from workers.engine.models.bert import POST_OP_NAMES, AttentionPlan, BertConfig, BertModel
-from workers.engine.models.loader import iter_weights, safetensors_files
-from workers.engine.pooling import PoolingSpec, embed_rows
-from workers.engine.scheduler import ScheduledBatch
+from tidepool.kernels import cpu_ops
+from tidepool.kernels.cpu_linear import fuse_activation, prepack_linears
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.models.bert import POST_OP_NAMES, AttentionPlan, BertConfig, BertModel
+from tidepool.workers.engine.models.loader import iter_weights, safetensors_files
+from tidepool.workers.engine.pooling import PoolingSpec, embed_rows
+from tidepool.workers.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 

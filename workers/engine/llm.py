@@ -1,8 +1,8 @@
 """LLM: the offline entry point. Submit a list of prompts, get their outputs back in order."""
-from workers.engine.config import EngineConfig
-from workers.engine.llm_engine import LLMEngine, RequestOutput
-from workers.engine.pooling import PoolingParams
-from workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.llm_engine import LLMEngine, RequestOutput
+from tidepool.workers.engine.pooling import PoolingParams
+from tidepool.workers.engine.sampling_params import SamplingParams
 
 
 class LLM:

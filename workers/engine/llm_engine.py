@@ -4,25 +4,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from workers.engine.block_manager import BlockManager
-from workers.engine.config import EngineConfig
-from workers.engine.calibration import calibrate
-from workers.engine.cost_model import CostModel
-from workers.engine.encoder_runner import EncoderRunner
-from workers.engine.lora import LoRAManager, LoRARequest
-from workers.engine.model_runner import ModelRunner, trim_heap
-from workers.engine.openmp import release_team
-from workers.engine.pooling import PoolingParams
-from kernels.layer_ops import argmax_rows
-from workers.engine.sampler import Sampler
-from workers.engine.sampling_params import SamplingParams
-from workers.engine.scheduler import Scheduler
-from workers.engine.sequence import Sequence, SequenceStatus
-from workers.engine.spec_decode import Speculator, make_drafter
-from workers.engine.step_trace import StepTrace
-from workers.engine.structured import StructuredDecoding
-from workers.engine.swap import HostKVPool, copy_blocks
-from workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from tidepool.workers.engine.block_manager import BlockManager
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.calibration import calibrate
+from tidepool.workers.engine.cost_model import CostModel
+from tidepool.workers.engine.encoder_runner import EncoderRunner
+from tidepool.workers.engine.lora import LoRAManager, LoRARequest
+from tidepool.workers.engine.model_runner import ModelRunner, trim_heap
+from tidepool.workers.engine.openmp import release_team
+from tidepool.workers.engine.pooling import PoolingParams
+from tidepool.kernels.layer_ops import argmax_rows
+from tidepool.workers.engine.sampler import Sampler
+from tidepool.workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.scheduler import Scheduler
+from tidepool.workers.engine.sequence import Sequence, SequenceStatus
+from tidepool.workers.engine.spec_decode import Speculator, make_drafter
+from tidepool.workers.engine.step_trace import StepTrace
+from tidepool.workers.engine.structured import StructuredDecoding
+from tidepool.workers.engine.swap import HostKVPool, copy_blocks
+from tidepool.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class PromptTooLong(ValueError):

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels.lora_ops import make_plan, sgmv
-from workers.engine.models.config import ModelConfig
-from workers.engine.openmp import release_team
+from tidepool.kernels.lora_ops import make_plan, sgmv
+from tidepool.workers.engine.models.config import ModelConfig
+from tidepool.workers.engine.openmp import release_team
 
 log = logging.getLogger(__name__)
 

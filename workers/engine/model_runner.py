@@ -7,18 +7,18 @@ import weakref
 
 import torch
 
-from kernels import cpu_ops
-from kernels.attention import resolve_backend
-from kernels.cpu_linear import prepack_linears
-from kernels.paged_attention import SHORT_CHUNK
-from workers.engine import host_pools
-from workers.engine.config import EngineConfig
-from workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from workers.engine.models.config import ModelConfig
-from workers.engine.models.llama import AttentionContext
-from workers.engine.models.loader import load_model
-from workers.engine.pooling import PoolingSpec, embed_rows
-from workers.engine.scheduler import ScheduledBatch
+from tidepool.kernels import cpu_ops
+from tidepool.kernels.attention import resolve_backend
+from tidepool.kernels.cpu_linear import prepack_linears
+from tidepool.kernels.paged_attention import SHORT_CHUNK
+from tidepool.workers.engine import host_pools
+from tidepool.workers.engine.config import EngineConfig
+from tidepool.workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from tidepool.workers.engine.models.config import ModelConfig
+from tidepool.workers.engine.models.llama import AttentionContext
+from tidepool.workers.engine.models.loader import load_model
+from tidepool.workers.engine.pooling import PoolingSpec, embed_rows
+from tidepool.workers.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 CPU_KV_SHARE = 0.25     # CPU default pool: at most this share of *available* memory (pages touched as blocks

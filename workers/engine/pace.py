@@ -35,8 +35,8 @@ Pace holds the rule's settings and what offline work is owed across steps; StepT
 """
 from collections import defaultdict
 
-from workers.engine.cost_model import attended
-from workers.engine.sequence import Sequence, SequenceStatus
+from tidepool.workers.engine.cost_model import attended
+from tidepool.workers.engine.sequence import Sequence, SequenceStatus
 
 PACE_CREDIT = 1.0          # a stream ahead of its pace banks at most this many of its class's token gaps
 IDLE_GAPS = 2.0            # an offline-only step lasts at most this many of the tightest online pace

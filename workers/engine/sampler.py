@@ -2,9 +2,9 @@
 per-request seeded sampling, and top-N log-probabilities."""
 import torch
 
-from kernels.layer_ops import argmax_rows
-from workers.engine.sequence import Sequence
-from workers.engine.structured import apply_bitmask
+from tidepool.kernels.layer_ops import argmax_rows
+from tidepool.workers.engine.sequence import Sequence
+from tidepool.workers.engine.structured import apply_bitmask
 
 
 class Sampler:

@@ -18,11 +18,11 @@ from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from itertools import chain
 
-from workers.engine.block_manager import BlockManager
-from workers.engine.cost_model import attended
-from workers.engine.pace import Pace
-from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
-from workers.engine.victims import VictimChooser
+from tidepool.workers.engine.block_manager import BlockManager
+from tidepool.workers.engine.cost_model import attended
+from tidepool.workers.engine.pace import Pace
+from tidepool.workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus
+from tidepool.workers.engine.victims import VictimChooser
 
 CAPACITY_POLICIES = ("max_utilization", "no_evict")
 PREEMPTION_KINDS = ("suspend", "swap", "recompute")

@@ -2,7 +2,7 @@ import itertools
 import time
 from enum import Enum, auto
 
-from workers.engine.sampling_params import SamplingParams
+from tidepool.workers.engine.sampling_params import SamplingParams
 
 # Highest priority first; the index is the class's rank (lower runs first, preempted last).
 SLA_CLASSES = ("realtime", "interactive", "batch", "deferrable")

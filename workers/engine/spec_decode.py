@@ -36,9 +36,9 @@ step predicted at T + D(k) (the batch's step without drafts, plus the extra toke
 The cost model is fitted from measured steps; a verify step's k + 1 positions are attended as decode rows
 (model_runner), so a step with drafts costs what its extra rows cost and no more.
 """
-from workers.engine.config import SpeculativeConfig
-from workers.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
-from workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus, expected_tokens
+from tidepool.workers.engine.config import SpeculativeConfig
+from tidepool.workers.engine.drafters import DraftModelDrafter, Drafter, NgramDrafter
+from tidepool.workers.engine.sequence import SLA_CLASSES, Sequence, SequenceStatus, expected_tokens
 
 PRIOR_ACCEPTANCE = 0.5      # a class's acceptance before anything was verified (drafts without a match length)
 MATCH_BUCKETS = (1, 2, 3, 4, 8, 16)       # match lengths (lower edges) with a rate of their own

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from workers.engine.sampling_params import StructuredOutput
+from tidepool.workers.engine.sampling_params import StructuredOutput
 
 MAX_CACHED_GRAMMARS = 512
 

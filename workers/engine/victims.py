@@ -16,7 +16,7 @@ when there is one with room, else is recomputed).
 """
 from collections import defaultdict
 
-from workers.engine.sequence import Sequence, SequenceStatus
+from tidepool.workers.engine.sequence import Sequence, SequenceStatus
 
 ODD_SEAT_LEAD = 16.0       # weighted tokens of service the giver of an odd seat must be ahead (VictimChooser.for_share)
 

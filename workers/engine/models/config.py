@@ -10,7 +10,7 @@ def load_config(model_dir: str | Path):
     """The model's config: BertConfig for an encoder (model_type bert), else ModelConfig (Llama family)."""
     path = Path(model_dir) / "config.json"
     if path.is_file() and json.loads(path.read_text()).get("model_type") == "bert":
-        from workers.engine.models.bert import BertConfig
+        from tidepool.workers.engine.models.bert import BertConfig
         return BertConfig.from_dir(model_dir)
     return ModelConfig.from_dir(model_dir)
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.attention import paged_attention, store_kv
-from kernels.layer_ops import rms_norm, rotary, silu_and_mul
-from workers.engine.models.config import ModelConfig
+from tidepool.kernels.attention import paged_attention, store_kv
+from tidepool.kernels.layer_ops import rms_norm, rotary, silu_and_mul
+from tidepool.workers.engine.models.config import ModelConfig
 
 
 @dataclass

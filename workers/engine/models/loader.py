@@ -5,8 +5,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from workers.engine.models.config import ModelConfig
-from workers.engine.models.llama import LlamaForCausalLM
+from tidepool.workers.engine.models.config import ModelConfig
+from tidepool.workers.engine.models.llama import LlamaForCausalLM
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
