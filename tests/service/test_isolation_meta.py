@@ -345,3 +345,21 @@ def test_beat_imports_without_flask(tmp_path):
             "assert not web, web\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_checkout_hides_no_distribution_of_the_same_name(tmp_path):
+    """From the checkout's root (the tests, `python -m`, the benchmarks all put it on the path) transformers loads
+    its models, importing Hugging Face's `kernels` where that is installed: the checkout's kernels/ is not a package
+    of that name."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "import transformers.modeling_utils, importlib.util\n"
+            "spec = importlib.util.find_spec('kernels')\n"
+            "from pathlib import Path\n"
+            "assert spec is None or spec.origin is None or Path(spec.origin).parent != Path(sys.argv[1], 'kernels'), "
+            "spec.origin\n"
+            "import tidepool.kernels.paged_attention\n")
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
