@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from flask import current_app, g, request
-from sqlalchemy import event, select, update
+from sqlalchemy import event
 from sqlalchemy.orm import Session
 
 from .ledger import keys
@@ -49,13 +49,6 @@ def _unauthorized(message="Incorrect API key provided.") -> APIError:
 
 
 # ---- the cache -------------------------------------------------------------------------------------------
-
-_TENANT_ATTRS = [(p.key, p.columns[0]) for p in Tenant.__mapper__.column_attrs]
-_QUOTA_ATTRS = [(p.key, p.columns[0]) for p in Quota.__mapper__.column_attrs]
-_KEY_COLS = (ApiKey.id, ApiKey.secret_hash, ApiKey.revoked_at, ApiKey.last_used_at)
-_LOOKUP = (select(*_KEY_COLS, *(c for _, c in _TENANT_ATTRS), *(c for _, c in _QUOTA_ATTRS))
-           .join(Tenant, Tenant.id == ApiKey.tenant_id).join(Quota, Quota.tenant_id == Tenant.id))
-_N_KEY, _N_TENANT = len(_KEY_COLS), len(_TENANT_ATTRS)
 
 _generation = 0          # bumped by every committed change that can affect authentication
 _generation_lock = threading.Lock()
@@ -119,14 +112,10 @@ def _cache() -> AuthCache:
 def _load(prefix: str, ttl: float) -> Entry | None:
     generation = _generation  # read before the row: a change committed meanwhile makes the entry stale
     with autocommit() as conn:
-        row = conn.execute(_LOOKUP.where(ApiKey.prefix == prefix)).first()
-    if row is None:
+        found = keys.holder(conn, prefix)
+    if found is None:
         return None
-    tenant_values = row[_N_KEY:_N_KEY + _N_TENANT]
-    quota_values = row[_N_KEY + _N_TENANT:]
-    tenant = Tenant(**{k: v for (k, _), v in zip(_TENANT_ATTRS, tenant_values)})
-    quota = Quota(**{k: v for (k, _), v in zip(_QUOTA_ATTRS, quota_values)})
-    return Entry(row[0], row[1], row[2] is not None, row[3], tenant, quota, time.monotonic() + ttl, generation)
+    return Entry(**found._asdict(), expires=time.monotonic() + ttl, generation=generation)
 
 
 def forget(prefix: str | None = None) -> None:
@@ -159,7 +148,7 @@ def authenticate() -> None:
     if last is None or now - last > LAST_USED_RESOLUTION:
         entry.last_used_at = now  # one writer per entry and resolution period
         with autocommit() as conn:
-            conn.execute(update(ApiKey).where(ApiKey.id == entry.key_id).values(last_used_at=now))
+            keys.mark_used(conn, entry.key_id, now)
     g.tenant, g.quota, g.api_key_id, g.api_key_prefix = entry.tenant, entry.quota, entry.key_id, prefix
 
 

@@ -139,9 +139,10 @@ def _db_upgrade(args) -> int:
     import sys
 
     from tidepool.service import migrate
+    from tidepool.service.ledger.db import ensure_database
     url = _config().database_url
     try:
-        created = migrate.ensure_database(url)
+        created = ensure_database(url)
     except RuntimeError as exc:
         print(f"tidepool db upgrade: {exc}", file=sys.stderr)
         return 1
@@ -184,10 +185,8 @@ def _adapters_list(args) -> int:
 
 
 def _session():
-    from sqlalchemy.orm import Session
-
-    from tidepool.service.ledger.db import make_engine
-    return Session(make_engine(_config().database_url))
+    from tidepool.service.ledger.db import make_engine, session
+    return session(make_engine(_config().database_url))
 
 
 def _fail(exc) -> int:
@@ -211,18 +210,13 @@ def _tenants_create(args) -> int:
 
 
 def _tenants_list(args) -> int:
-    from sqlalchemy import select
-
-    from tidepool.service.ledger.models import ApiKey, Tenant
+    from tidepool.service.ledger import tenants
     with _session() as s:
-        keys: dict[str, list[str]] = {}
-        for tenant_id, prefix in s.execute(select(ApiKey.tenant_id, ApiKey.prefix)
-                                           .where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.id)):
-            keys.setdefault(tenant_id, []).append(prefix)
+        keys = tenants.live_key_prefixes(s)
         print(json.dumps([{"id": t.id, "name": t.name, "weight": t.weight, "disabled": t.disabled,
                            "default_sla_class": t.default_sla_class, "created_at": t.created_at.isoformat(),
                            "key_prefixes": keys.get(t.id, [])}
-                          for t in s.scalars(select(Tenant).order_by(Tenant.name))]))
+                          for t in tenants.by_name(s)]))
     return 0
 
 

@@ -1,18 +1,17 @@
-"""Per-request sessions and connections over the ledger's database engine (service.ledger.db builds it)."""
-from collections.abc import Iterator
-from contextlib import contextmanager
+"""Per-request sessions and connections over the ledger's database engine (service.ledger.db builds them)."""
+from contextlib import AbstractContextManager
 
 from flask import current_app, g
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from .ledger.db import make_engine
+from .ledger import db as ledger_db
 
 
 def init_app(app, url: str) -> None:
-    engine = make_engine(url)
+    engine = ledger_db.make_engine(url)
     app.extensions["tidepool.db"] = engine
-    app.extensions["tidepool.sessions"] = sessionmaker(engine, expire_on_commit=False)
+    app.extensions["tidepool.sessions"] = ledger_db.sessions(engine)
     app.teardown_appcontext(_close_session)
 
 
@@ -20,20 +19,9 @@ def get_engine() -> Engine:
     return current_app.extensions["tidepool.db"]
 
 
-@contextmanager
-def autocommit() -> Iterator[Connection]:
-    """A connection for hot paths where one statement is the whole transaction. On Postgres it runs in
-    autocommit mode: each statement commits (durably: synchronous_commit) before its result comes back,
-    in one round trip, with no BEGIN or COMMIT. On SQLite it is an ordinary transaction, committed on exit."""
-    engine = get_engine()
-    conn = engine.connect()
-    try:
-        if engine.dialect.name == "postgresql":
-            conn.execution_options(isolation_level="AUTOCOMMIT")
-        yield conn
-        conn.commit()
-    finally:
-        conn.close()
+def autocommit() -> AbstractContextManager[Connection]:
+    """The app's connection for one-statement transactions (service.ledger.db.autocommit)."""
+    return ledger_db.autocommit(get_engine())
 
 
 def session() -> Session:

@@ -9,13 +9,12 @@ import time
 from flask import Blueprint, Response, current_app, g, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
 
 from .errors import error_response
 from .ledger import affinity, eta, fair, metrics as counters
+from .ledger import db as ledger_db
 from .ledger.metrics import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
-from .ledger.models import Job, utcnow
+from .ledger.models import utcnow
 
 bp = Blueprint("metrics", __name__)
 CACHE_SECONDS = 10.0    # the ledger and broker gauges are recomputed at most this often
@@ -42,9 +41,8 @@ class LedgerCollector:
     def compute(self):
         jobs = GaugeMetricFamily("tidepool:jobs", "Jobs in the ledger by state and SLA class.",
                                  labels=["state", "sla_class"])
-        with self.app.extensions["tidepool.db"].connect() as conn:
-            for status, sla, n in conn.execute(select(Job.status, Job.sla_class, func.count())
-                                               .group_by(Job.status, Job.sla_class)):
+        with ledger_db.session(self.app.extensions["tidepool.db"]) as s:
+            for status, sla, n in counters.jobs_by_state(s):
                 jobs.add_metric([status.value, sla.value], n)
         yield jobs
         depth = GaugeMetricFamily("tidepool:queue_depth", "Messages waiting in the broker per model and SLA class "
@@ -74,7 +72,7 @@ class LedgerCollector:
                                   else ["sla_class"])
         counts: dict = {}
         latest: dict = {}
-        with Session(self.app.extensions["tidepool.db"]) as s:
+        with ledger_db.session(self.app.extensions["tidepool.db"]) as s:
             now = utcnow()
             for batch, est in eta.in_progress(s, now):
                 key = (batch.tenant_id, batch.sla_class.value) if self.by_tenant else (batch.sla_class.value,)

@@ -7,9 +7,9 @@ import time
 from datetime import timedelta
 
 from kombu import Connection
-from sqlalchemy.orm import Session
 
 from tidepool.service.ledger import batches, files, jobs
+from tidepool.service.ledger.db import session
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"
@@ -27,7 +27,7 @@ def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_
     return unacked messages of dead consumers to their queues, and republish what never reached the broker."""
     done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "batches_failed": 0, "restored_broker": 0, "restored_orphans": 0,
             "republished": 0, "private_drained": 0, "files_expired": 0}
-    with Session(_ext(app, "db")) as s:
+    with session(_ext(app, "db")) as s:
         done["reclaimed"] = jobs.reclaim_lapsed(s, max_attempts=max_attempts)
         done["expired"] = jobs.expire_overdue(s)
         done["batches_failed"] = batches.fail_stale_validating(s, timedelta(seconds=STALE_VALIDATING))
@@ -115,7 +115,7 @@ def _check_broker_epoch(app) -> int:
     client = _ext(app, "redis")
     if client is None or not client.set(EPOCH_KEY, str(time.time()), nx=True):
         return 0
-    with Session(_ext(app, "db")) as s:
+    with session(_ext(app, "db")) as s:
         n = jobs.undispatch_all(s)
         s.commit()
     if n:
@@ -128,7 +128,7 @@ def finalize_batches(app) -> int:
     """Write output and error files for every batch whose jobs are all terminal."""
     storage, model = _ext(app, "storage"), app.config["TIDEPOOL"].served_model_name
     closed = 0
-    with Session(_ext(app, "db")) as s:
+    with session(_ext(app, "db")) as s:
         for batch_id in batches.open_ids(s):
             batch = batches.locked(s, batch_id)
             if batch is not None and batches.finalize(s, storage, batch, model):

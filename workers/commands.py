@@ -105,13 +105,12 @@ def models_pull(args) -> int:
         return 2
     folder = pull_model(args.name, _models_dir())
     if args.name in FOLDER_ZIPS:
-        from sqlalchemy.orm import Session
 
         from tidepool.service.ledger import registry
         from tidepool.service.ledger.config import Config
-        from tidepool.service.ledger.db import make_engine
+        from tidepool.service.ledger.db import make_engine, session
         try:
-            with Session(make_engine(Config.from_env().database_url)) as s:
+            with session(make_engine(Config.from_env().database_url)) as s:
                 if s.get(registry.Model, args.name) is None:
                     registry.register(s, args.name, str(folder.resolve()), actor="cli")
                     s.commit()

@@ -38,11 +38,10 @@ def _secret_file(path: Path, make) -> str:
 
 def _default_key(app, var: Path) -> str:
     """The `default` tenant and an API key for it, created on first run and kept in var/."""
-    from sqlalchemy.orm import Session
-
     from tidepool.service.ledger import tenants
+    from tidepool.service.ledger.db import session
     key_file = var / "default_api_key"
-    with Session(app.extensions["tidepool.db"]) as s:
+    with session(app.extensions["tidepool.db"]) as s:
         tenant_id = tenants.id_by_name(s, "default")
         if tenant_id is None:
             _, key = tenants.create_tenant(s, "default", actor="serve")

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from functools import partial
 
 from kombu import Connection, Queue
-from sqlalchemy.orm import Session
 
 from tidepool.service.ledger import jobs
+from tidepool.service.ledger.db import session
 from tidepool.service.ledger.models import ONLINE_CLASSES, cache_namespace
 from tidepool.service.ledger.wire import job_id as message_job_id, transport_options
 from tidepool.workers.attempt import Attempts, Inflight, build_request, utc
@@ -157,7 +157,7 @@ class Intake:
         try:
             if queue_name in self.cfg.online_queues:     # prefill and claim overlap
                 early = self._start_early(job_id, token, message, taken_at)
-            with Session(self.db, expire_on_commit=False) as s:
+            with session(self.db, expire_on_commit=False) as s:
                 started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds, token=token,
                                      at=utc(early.entered_at) if early is not None else None)
                 job = None

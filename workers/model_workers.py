@@ -198,10 +198,9 @@ def register_first_start(engine, settings, actor: str = "serve") -> list[str]:
     start: the registry is the operator's from then on)."""
     from pathlib import Path
 
-    from sqlalchemy.orm import Session
-
     from tidepool.service.ledger import registry
-    with Session(engine) as s:
+    from tidepool.service.ledger.db import session
+    with session(engine) as s:
         if not registry.is_empty(s):
             return []
         names = []

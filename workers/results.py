@@ -9,9 +9,9 @@ transactions: an arriving realtime job waits for one chunk, not for the wave."""
 import logging
 import time
 
-from sqlalchemy.orm import Session
 
 from tidepool.service.ledger import affinity, jobs
+from tidepool.service.ledger.db import session
 from tidepool.workers.attempt import Attempts, Inflight, ledger_text, utc
 from tidepool.workers.broker import charge
 from tidepool.workers.openai_bodies import ledger_result
@@ -38,7 +38,7 @@ class Results:
         self.retry_at, self.retry_pause = 0.0, WRITE_RETRY_FIRST
 
     def finish_failed(self, inf: Inflight, error: dict) -> None:
-        with Session(self.db) as s:
+        with session(self.db) as s:
             jobs.fail(s, inf.job_id, inf.lease_token, error)
             s.commit()
         self.counters["failed"] += 1
@@ -107,7 +107,7 @@ class Results:
         per item "completed", "lost" (the lease is gone), "released" or "cancelled" (an abort, or a completion the
         job's cancel came before). A cancelled job is billed what its attempt computed, once (settle_cancelled)."""
         statuses = []
-        with Session(self.db) as s:
+        with session(self.db) as s:
             for inf, out in done:
                 if out.finish_reason == "abort":
                     # check_leases aborts an attempt whose lease is gone (cancelled, or requeued by the
@@ -144,7 +144,7 @@ class Results:
                    if self.attempts.current(inf) and inf.claimed and not inf.dropped]
         if not pending:
             return
-        with Session(self.db) as s:
+        with session(self.db) as s:
             for inf in pending:
                 jobs.first_token(s, inf.job_id, inf.lease_token, utc(inf.first_token_at))
                 inf.first_recorded = True
@@ -154,7 +154,7 @@ class Results:
         """Abort what was cancelled (or lost its lease) in the ledger; renew the other leases by lease_seconds
         (None: no renewal this time)."""
         current = self.attempts.values()
-        with Session(self.db) as s:
+        with session(self.db) as s:
             live = jobs.current_leases(s, {i.job_id: i.lease_token for i in current}, renew_seconds=lease_seconds)
             s.commit()
         for inf in current:
@@ -167,7 +167,7 @@ class Results:
         self.finish_done()
         if not len(self.attempts):
             return
-        with Session(self.db) as s:
+        with session(self.db) as s:
             for inf in self.attempts.values():
                 jobs.release(s, inf.job_id, inf.lease_token)
             s.commit()

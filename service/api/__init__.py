@@ -1,8 +1,10 @@
 """API blueprints and the small helpers they share."""
 from datetime import datetime
 
-from flask import current_app, request
+from flask import current_app, g, request
 
+from ..db import session
+from ..ledger import tenants
 from ..ledger.config import Config
 from ..ledger.bodies import bad_text, check_text, integral, loads
 from ..ledger.errors import APIError, bad_request
@@ -48,6 +50,15 @@ def limit_arg(default: int = 20, maximum: int = 10_000) -> int:
     if not 1 <= value <= maximum:
         raise bad_request(f"'limit' must be between 1 and {maximum}.", "limit")
     return value
+
+
+def owned(model, row_id: str, missing: APIError, **match):
+    """The calling tenant's row of `model` with this id (and the column values `match` names), or `missing` raised:
+    another tenant's row is as absent as one that does not exist (service/ledger/tenants.py)."""
+    row = tenants.owned(session(), model, row_id, g.tenant.id, **match)
+    if row is None:
+        raise missing
+    return row
 
 
 def page(rows: list, limit: int, render) -> dict:

@@ -1,13 +1,12 @@
 """Admin JSON API (admin token): tenants, quotas, keys, models and their grants, cross-tenant listings, queue
 depths."""
 from flask import Blueprint, request
-from sqlalchemy import select
 
-from ..ledger import adapters, affinity, registry, tenants
+from ..ledger import adapters, affinity, pages, registry, tenants
 from ..auth import admin_required
 from ..db import session
 from ..ledger.errors import bad_request, not_found
-from ..ledger.models import SLA_CLASSES, ApiKey, AuditLog, Batch, Job, JobStatus, Quota, Tenant
+from ..ledger.models import SLA_CLASSES, AuditLog, Batch, Job, JobStatus, Quota, Tenant
 from . import cfg, ext, json_body, limit_arg, page, ts
 from .batches import batch_json
 from .jobs import job_json, list_args
@@ -113,8 +112,7 @@ def create_key(tenant_id):
 @admin_required
 def list_keys(tenant_id):
     _tenant(tenant_id)
-    rows = session().scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id)).all()
-    return {"object": "list", "data": [tenants.key_json(k) for k in rows]}
+    return {"object": "list", "data": [tenants.key_json(k) for k in tenants.keys_of(session(), tenant_id)]}
 
 
 @bp.post("/keys/<prefix>/revoke")
@@ -130,22 +128,17 @@ def revoke_key(prefix):
 @bp.get("/jobs")
 @admin_required
 def list_jobs():
-    stmt = select(Job)
-    for name, column in (("tenant_id", Job.tenant_id), ("batch_id", Job.batch_id)):
-        if request.args.get(name):
-            stmt = stmt.where(column == request.args[name])
+    filters = {name: request.args[name] for name in ("tenant_id", "batch_id") if request.args.get(name)}
     if request.args.get("status"):
         if request.args["status"] not in JobStatus.__members__:
             raise bad_request("unknown status", "status")
-        stmt = stmt.where(Job.status == JobStatus(request.args["status"]))
+        filters["status"] = JobStatus(request.args["status"])
     if request.args.get("sla_class"):
         if request.args["sla_class"] not in SLA_CLASSES:
             raise bad_request("unknown sla_class", "sla_class")
-        stmt = stmt.where(Job.sla_class == request.args["sla_class"])
-    if request.args.get("cursor"):
-        stmt = stmt.where(Job.id < request.args["cursor"])
+        filters["sla_class"] = request.args["sla_class"]
     limit, with_request = list_args()
-    out = page(session().scalars(stmt.order_by(Job.id.desc()).limit(limit + 1)).all(), limit,
+    out = page(pages.page(session(), Job, limit, after=request.args.get("cursor"), **filters), limit,
                lambda j: {**job_json(j, with_request=with_request), "tenant_id": j.tenant_id})
     out["next_cursor"] = out["last_id"] if out["has_more"] else None
     return out
@@ -154,13 +147,9 @@ def list_jobs():
 @bp.get("/batches")
 @admin_required
 def list_batches():
-    stmt = select(Batch)
-    if request.args.get("tenant_id"):
-        stmt = stmt.where(Batch.tenant_id == request.args["tenant_id"])
-    if request.args.get("after"):
-        stmt = stmt.where(Batch.id < request.args["after"])
+    filters = {"tenant_id": request.args["tenant_id"]} if request.args.get("tenant_id") else {}
     limit = limit_arg(20, 100)
-    return page(session().scalars(stmt.order_by(Batch.id.desc()).limit(limit + 1)).all(), limit,
+    return page(pages.page(session(), Batch, limit, after=request.args.get("after"), **filters), limit,
                 lambda b: {**batch_json(b), "tenant_id": b.tenant_id})
 
 
@@ -320,6 +309,6 @@ def update_adapter(name):
 @admin_required
 def audit_log():
     limit = limit_arg(100, 1000)
-    rows = session().scalars(select(AuditLog).order_by(AuditLog.id.desc()).limit(limit)).all()
+    rows = pages.page(session(), AuditLog, limit)[:limit]
     return {"object": "list", "data": [{"id": a.id, "at": ts(a.at), "actor": a.actor, "action": a.action,
                                         "target": a.target, "details": a.details} for a in rows]}

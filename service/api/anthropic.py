@@ -7,16 +7,14 @@ import re
 from datetime import datetime, timezone
 
 from flask import Blueprint, Response, g, request
-from sqlalchemy import delete, func, select
-from sqlalchemy.orm import undefer
 
-from ..ledger import anthropic_shapes as shapes, batches as ledger, bodies, files, quotas, structured
+from ..ledger import anthropic_shapes as shapes, batches as ledger, bodies, files, pages, quotas, structured
 from ..auth import tenant_required
 from ..db import session
 from ..errors import error_body
 from ..ledger.errors import APIError, bad_request
 from ..ledger.models import Batch, BatchStatus, File, Job, JobStatus, SlaClass, new_id, utcnow
-from . import MAX_JSON_BYTES, cfg, ext, json_body
+from . import MAX_JSON_BYTES, cfg, ext, json_body, owned
 from .openai_compat import _job_error, event_stream, first_event, online_class, submit
 from .streams import text_deltas
 
@@ -129,8 +127,7 @@ PROCESSING = {BatchStatus.validating: "in_progress", BatchStatus.in_progress: "i
 
 
 def _batch_json(b: Batch) -> dict:
-    counts = dict(session().execute(select(Job.status, func.count()).where(Job.batch_id == b.id)
-                                    .group_by(Job.status)).all())
+    counts = ledger.status_counts(session(), b.id)
     status = PROCESSING.get(b.status, "ended")
     ended = b.cancelled_at or b.completed_at or b.failed_at or (b.finalizing_at if status == "ended" else None)
     return {"id": b.id, "type": "message_batch", "processing_status": status,
@@ -145,12 +142,10 @@ def _batch_json(b: Batch) -> dict:
             if status == "ended" else None}
 
 
-def _own_batch(batch_id: str) -> Batch:
-    b = session().scalar(select(Batch).where(Batch.id == batch_id, Batch.tenant_id == g.tenant.id,
-                                             Batch.endpoint == shapes.MESSAGES))
-    if b is None:
-        raise APIError(404, f"No message batch found with id '{batch_id}'.", "not_found")
-    return b
+def _message_batch(batch_id: str) -> Batch:
+    """The calling tenant's batch of /v1/messages requests, or Anthropic's 404."""
+    return owned(Batch, batch_id, APIError(404, f"No message batch found with id '{batch_id}'.", "not_found"),
+                 endpoint=shapes.MESSAGES)
 
 
 def _request(i: int, r, seen: set) -> dict:
@@ -249,12 +244,8 @@ def list_batches():
         limit = 0
     if not 1 <= limit <= 1000:
         raise bad_request("limit: must be an integer in [1, 1000].", "limit")
-    stmt = select(Batch).where(Batch.tenant_id == g.tenant.id, Batch.endpoint == shapes.MESSAGES)
-    if request.args.get("after_id"):
-        stmt = stmt.where(Batch.id < request.args["after_id"])
-    if request.args.get("before_id"):
-        stmt = stmt.where(Batch.id > request.args["before_id"])
-    rows = session().scalars(stmt.order_by(Batch.id.desc()).limit(limit + 1)).all()
+    rows = pages.page(session(), Batch, limit, after=request.args.get("after_id"), before=request.args.get("before_id"),
+                      tenant_id=g.tenant.id, endpoint=shapes.MESSAGES)
     data = [_batch_json(b) for b in rows[:limit]]
     return {"data": data, "has_more": len(rows) > limit, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None}
@@ -263,13 +254,13 @@ def list_batches():
 @bp.get("/v1/messages/batches/<batch_id>")
 @tenant_required
 def get_batch(batch_id):
-    return _batch_json(_own_batch(batch_id))
+    return _batch_json(_message_batch(batch_id))
 
 
 @bp.post("/v1/messages/batches/<batch_id>/cancel")
 @tenant_required
 def cancel_batch(batch_id):
-    s, batch = session(), _own_batch(batch_id)
+    s, batch = session(), _message_batch(batch_id)
     if batch.status in (BatchStatus.validating, BatchStatus.in_progress) and ledger.cancel(s, batch):
         ledger.finalize(s, ext("storage"), batch, cfg().served_model_name)
         s.commit()
@@ -290,7 +281,7 @@ def _result(job: Job, model: str | None) -> dict:
 @bp.get("/v1/messages/batches/<batch_id>/results")
 @tenant_required
 def batch_results(batch_id):
-    batch = _own_batch(batch_id)
+    batch = _message_batch(batch_id)
     if PROCESSING.get(batch.status) is not None:
         raise APIError(409, f"Message batch '{batch_id}' is still processing; its results are available once it "
                             "has ended.", "batch_not_ended")
@@ -302,8 +293,7 @@ def batch_results(batch_id):
         after = ""
         while True:
             with sessions() as s:
-                jobs = s.scalars(select(Job).where(Job.batch_id == batch_id, Job.id > after).order_by(Job.id)
-                                 .limit(RESULTS_PAGE).options(undefer(Job.choices))).all()
+                jobs = ledger.results_page(s, batch_id, after, RESULTS_PAGE)
                 text = "".join(json.dumps({"custom_id": j.custom_id, "result": _result(j, model)}) + "\n"
                                for j in jobs)
             if not jobs:
@@ -319,14 +309,11 @@ def batch_results(batch_id):
 @bp.delete("/v1/messages/batches/<batch_id>")
 @tenant_required
 def delete_batch(batch_id):
-    s, batch = session(), _own_batch(batch_id)
+    s, batch = session(), _message_batch(batch_id)
     if PROCESSING.get(batch.status) is not None:
         raise APIError(409, f"Message batch '{batch_id}' is still processing; cancel it and wait for it to end "
                             "before deleting it.", "batch_not_ended")
-    files = [f for f in (batch.input_file_id, batch.output_file_id, batch.error_file_id) if f]
-    s.execute(delete(Job).where(Job.batch_id == batch.id))
-    s.execute(delete(File).where(File.id.in_(files), File.tenant_id == g.tenant.id))
-    s.delete(batch)
+    files = ledger.remove(s, batch)
     s.commit()
     for f in files:
         ext("storage").delete(f)

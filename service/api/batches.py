@@ -1,13 +1,12 @@
 """OpenAI Batch API over job rows: a batch is validated in full, then becomes jobs in bulk."""
 from flask import Blueprint, g, request
-from sqlalchemy import select
 
-from ..ledger import batches as ledger, bodies, eta, quotas
+from ..ledger import batches as ledger, bodies, eta, pages, quotas, tenants
 from ..auth import tenant_required
 from ..db import session
 from ..ledger.errors import APIError, bad_request, not_found
 from ..ledger.models import OFFLINE_CLASSES, Batch, BatchStatus, File, SlaClass, new_id, utcnow
-from . import cfg, ext, json_body, limit_arg, page, ts
+from . import cfg, ext, json_body, limit_arg, owned, page, ts
 
 bp = Blueprint("batches", __name__)
 FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "sla_class"}
@@ -37,13 +36,6 @@ def _x_tidepool(b: Batch) -> dict:
     return est.json()
 
 
-def _own_batch(batch_id: str) -> Batch:
-    b = session().scalar(select(Batch).where(Batch.id == batch_id, Batch.tenant_id == g.tenant.id))
-    if b is None:
-        raise not_found("batch", batch_id)
-    return b
-
-
 @bp.post("/v1/batches")
 @tenant_required
 def create_batch():
@@ -62,8 +54,7 @@ def create_batch():
     metadata = bodies.check_metadata(body.get("metadata"))
     file_id = body.get("input_file_id")
     s = session()
-    f = s.scalar(select(File).where(File.id == file_id, File.tenant_id == g.tenant.id)) \
-        if isinstance(file_id, str) else None
+    f = tenants.owned(s, File, file_id, g.tenant.id) if isinstance(file_id, str) else None
     if f is None:
         raise APIError(404, f"No file found with id '{file_id}'.", "not_found", "input_file_id")
     if f.purpose != "batch":
@@ -95,17 +86,14 @@ def create_batch():
 @bp.get("/v1/batches/<batch_id>")
 @tenant_required
 def get_batch(batch_id):
-    return batch_json(_own_batch(batch_id))
+    return batch_json(owned(Batch, batch_id, not_found("batch", batch_id)))
 
 
 @bp.get("/v1/batches")
 @tenant_required
 def list_batches():
-    stmt = select(Batch).where(Batch.tenant_id == g.tenant.id)
-    if request.args.get("after"):
-        stmt = stmt.where(Batch.id < request.args["after"])
     limit = limit_arg(20, 100)
-    rows = session().scalars(stmt.order_by(Batch.id.desc()).limit(limit + 1)).all()
+    rows = pages.page(session(), Batch, limit, after=request.args.get("after"), tenant_id=g.tenant.id)
     return page(rows, limit, batch_json)
 
 
@@ -113,7 +101,7 @@ def list_batches():
 @tenant_required
 def cancel_batch(batch_id):
     s = session()
-    batch = _own_batch(batch_id)
+    batch = owned(Batch, batch_id, not_found("batch", batch_id))
     if batch.status not in (BatchStatus.validating, BatchStatus.in_progress) or not ledger.cancel(s, batch):
         raise APIError(409, f"Batch '{batch_id}' is {batch.status.value} and cannot be cancelled.",
                        "batch_not_cancellable")

@@ -5,15 +5,14 @@ import re
 import unicodedata
 
 from flask import Blueprint, g, request, send_file
-from sqlalchemy import select
 
 from ..auth import tenant_required
-from ..ledger import files as kept, quotas
+from ..ledger import files as kept, pages, quotas
 from ..ledger.bodies import bad_text
 from ..db import session
 from ..ledger.errors import APIError, bad_request, not_found
 from ..ledger.models import File, new_id, utcnow
-from . import cfg, ext, limit_arg, page, ts
+from . import cfg, ext, limit_arg, owned, page, ts
 
 bp = Blueprint("files", __name__)
 PURPOSES = ("batch",)
@@ -35,10 +34,7 @@ def file_json(f: File) -> dict:
 
 
 def own_file(file_id: str) -> File:
-    f = session().scalar(select(File).where(File.id == file_id, File.tenant_id == g.tenant.id))
-    if f is None:
-        raise not_found("file", file_id)
-    return f
+    return owned(File, file_id, not_found("file", file_id))
 
 
 def _too_large(limit: int) -> APIError:
@@ -96,18 +92,13 @@ def upload_file():
 @bp.get("/v1/files")
 @tenant_required
 def list_files():
-    stmt = select(File).where(File.tenant_id == g.tenant.id)
-    if request.args.get("purpose"):
-        stmt = stmt.where(File.purpose == request.args["purpose"])
+    purpose = request.args.get("purpose")
     order = request.args.get("order", "desc")
     if order not in ("asc", "desc"):
         raise bad_request("'order' must be 'asc' or 'desc'.", "order")
-    after = request.args.get("after")
-    if after:
-        stmt = stmt.where(File.id > after if order == "asc" else File.id < after)
     limit = limit_arg(10_000, 10_000)
-    rows = session().scalars(stmt.order_by(File.id.asc() if order == "asc" else File.id.desc())
-                             .limit(limit + 1)).all()
+    rows = pages.page(session(), File, limit, after=request.args.get("after"), ascending=order == "asc",
+                      tenant_id=g.tenant.id, **({"purpose": purpose} if purpose else {}))
     return page(rows, limit, file_json)
 
 

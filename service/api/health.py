@@ -2,9 +2,9 @@
 from pathlib import Path
 
 from flask import Blueprint
-from sqlalchemy import text
 
 from ..db import get_engine
+from ..ledger.db import ping
 from ..errors import error_response
 from ..openapi import spec
 from ..ledger.snapshots import SnapshotStore
@@ -22,8 +22,7 @@ def healthz():
 def readyz():
     checks = {}
     try:
-        with get_engine().connect() as conn:
-            conn.execute(text("SELECT 1"))
+        ping(get_engine())
         checks["database"] = "ok"
     except Exception as exc:
         checks["database"] = f"error: {type(exc).__name__}"

@@ -3,19 +3,18 @@ import hashlib
 import json
 
 from flask import Blueprint, g, request
-from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from ..ledger import (adapters, affinity, bodies, choices, embeddings, jobs as transitions, logprobs, quotas,
                       structured, tiers)
-from ..ledger import fair, openai_shapes
+from ..ledger import fair, openai_shapes, pages
 from .. import admission
 from ..auth import tenant_required
 from ..db import session
 from ..ledger.errors import APIError, bad_request, not_found
 from ..ledger.logging import log_job
 from ..ledger.models import SLA_CLASSES, Job, JobStatus, SlaClass, new_id, utcnow
-from . import MAX_JSON_BYTES, cfg, ext, json_body, limit_arg, page, ts
+from . import MAX_JSON_BYTES, cfg, ext, json_body, limit_arg, owned, page, ts
 
 bp = Blueprint("jobs", __name__)
 MAX_PAGE = 100   # jobs in one page of a listing (OpenAI's lists stop at 100)
@@ -70,10 +69,8 @@ def list_args() -> tuple[int, bool]:
 
 
 def _own_job(job_id: str) -> Job:
-    job = session().scalar(select(Job).where(Job.id == job_id, Job.tenant_id == g.tenant.id, Job.hidden.is_(False)))
-    if job is None:
-        raise not_found("job", job_id)
-    return job
+    """The calling tenant's job (one hidden with its deleted stored response is not), or 404."""
+    return owned(Job, job_id, not_found("job", job_id), hidden=False)
 
 
 def _replay(job: Job | None, request_hash: str):
@@ -112,14 +109,13 @@ def create_job():
     metadata = bodies.check_metadata(body.get("metadata"))
 
     key = request.headers.get("Idempotency-Key")
-    request_hash = find = None
+    request_hash = None
     if key is not None:
         if not key or len(key) > 255 or bodies.bad_text(key):
             raise bad_request("Idempotency-Key must be 1 to 255 characters, with no NUL or lone surrogates.",
                               "Idempotency-Key")
         request_hash = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-        find = select(Job).where(Job.tenant_id == g.tenant.id, Job.idempotency_key == key)
-        replay = _replay(session().scalar(find), request_hash)
+        replay = _replay(transitions.by_idempotency_key(session(), g.tenant.id, key), request_hash)
         if replay:
             return replay
 
@@ -139,7 +135,7 @@ def create_job():
             raise
         s = session()
         s.rollback()
-        replay = _replay(s.scalar(find), request_hash)
+        replay = _replay(transitions.by_idempotency_key(s, g.tenant.id, key), request_hash)
         if replay:
             return replay
         raise
@@ -161,20 +157,18 @@ def get_job(job_id):
 @bp.get("/v1/jobs")
 @tenant_required
 def list_jobs():
-    stmt = select(Job).where(Job.tenant_id == g.tenant.id, Job.hidden.is_(False))
     status, sla, cursor = request.args.get("status"), request.args.get("sla_class"), request.args.get("cursor")
+    filters = {}
     if status:
         if status not in JobStatus.__members__:
             raise bad_request(f"'status' must be one of {list(JobStatus.__members__)}.", "status")
-        stmt = stmt.where(Job.status == JobStatus(status))
+        filters["status"] = JobStatus(status)
     if sla:
         if sla not in SLA_CLASSES:
             raise bad_request(f"'sla_class' must be one of {list(SLA_CLASSES)}.", "sla_class")
-        stmt = stmt.where(Job.sla_class == sla)
-    if cursor:
-        stmt = stmt.where(Job.id < cursor)
+        filters["sla_class"] = sla
     limit, with_request = list_args()
-    rows = session().scalars(stmt.order_by(Job.id.desc()).limit(limit + 1)).all()
+    rows = pages.page(session(), Job, limit, after=cursor, tenant_id=g.tenant.id, hidden=False, **filters)
     out = page(rows, limit, lambda j: job_json(j, with_request=with_request))
     out["next_cursor"] = out["last_id"] if out["has_more"] else None
     return out

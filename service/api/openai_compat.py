@@ -7,7 +7,6 @@ import time
 
 from flask import Blueprint, Response, g
 from sqlalchemy.exc import InterfaceError, OperationalError
-from sqlalchemy.orm import undefer
 
 from tidepool.service.ledger import token_stream
 
@@ -217,8 +216,7 @@ class _Waiter:
         while True:
             try:
                 with self.sessions() as s:
-                    return s.get(Job, self.job_id,
-                                 options=[undefer(Job.logprobs), undefer(Job.choices)] if full else None)
+                    return transitions.read(s, self.job_id, whole=full)
             except (OperationalError, InterfaceError):
                 if time.monotonic() + pause > give_up:
                     raise LedgerUnavailable(self.job_id) from None

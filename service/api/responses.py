@@ -4,14 +4,13 @@ response (and its input items) for GET, input_items and `previous_response_id`."
 import json
 
 from flask import Blueprint, g, request
-from sqlalchemy import select, update
 
 from ..ledger import bodies, jobs as transitions, responses as shapes, structured, tiers
 from ..auth import tenant_required
 from ..db import session
 from ..ledger.errors import APIError, bad_request
 from ..ledger.models import Job, JobStatus, StoredResponse, new_id
-from . import MAX_JSON_BYTES, ext, json_body, limit_arg
+from . import MAX_JSON_BYTES, ext, json_body, limit_arg, owned
 from .openai_compat import _job_error, event_stream, first_event, online_class, submit
 from .streams import text_deltas
 
@@ -23,11 +22,8 @@ def _not_found(response_id: str, param: str | None = None) -> APIError:
 
 
 def _own(response_id: str, param: str | None = None) -> tuple[StoredResponse, Job]:
-    s = session()
-    row = s.scalar(select(StoredResponse).where(StoredResponse.id == response_id, StoredResponse.tenant_id == g.tenant.id))
-    if row is None:
-        raise _not_found(response_id, param)
-    return row, s.get(Job, row.job_id)
+    row = owned(StoredResponse, response_id, _not_found(response_id, param))
+    return row, session().get(Job, row.job_id)
 
 
 def _render(response_id: str, job: Job, params: dict, **kw) -> dict:
@@ -169,7 +165,7 @@ def delete_response(response_id):
     row, _ = _own(response_id)
     s = session()
     s.delete(row)
-    s.execute(update(Job).where(Job.id == row.job_id).values(hidden=True))    # nor readable as its job
+    transitions.hide(s, row.job_id)    # nor readable as its job
     s.commit()
     return {"id": response_id, "object": "response", "deleted": True}
 

@@ -3,7 +3,7 @@ import json
 import tempfile
 from datetime import timedelta
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -162,11 +162,16 @@ def _load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, spool, 
     return errors, created
 
 
+def status_counts(s: Session, batch_id: str) -> dict[JobStatus, int]:
+    """The batch's jobs per status (statuses without jobs left out)."""
+    return dict(s.execute(select(Job.status, func.count()).where(Job.batch_id == batch_id)
+                          .group_by(Job.status)).all())
+
+
 def request_counts(s: Session, batch: Batch) -> dict:
     if batch.status not in ACTIVE:
         return {"total": batch.total, "completed": batch.completed, "failed": batch.failed}
-    counts = dict(s.execute(select(Job.status, func.count()).where(Job.batch_id == batch.id)
-                            .group_by(Job.status)).all())
+    counts = status_counts(s, batch.id)
     failed = counts.get(JobStatus.failed, 0) + counts.get(JobStatus.expired, 0)
     return {"total": batch.total, "completed": counts.get(JobStatus.completed, 0), "failed": failed}
 
@@ -318,6 +323,28 @@ def expire_overdue(s: Session) -> int:
     overdue = s.scalars(select(Batch).where(Batch.status == BatchStatus.in_progress, Batch.expired_at.is_(None),
                                             Batch.expires_at <= utcnow())).all()
     return sum(expire(s, batch) for batch in overdue)
+
+
+def results_page(s: Session, batch_id: str, after: str, limit: int) -> list[Job]:
+    """Up to `limit` of the batch's jobs with an id past `after`, by id, each with its choices loaded."""
+    return s.scalars(select(Job).where(Job.batch_id == batch_id, Job.id > after).order_by(Job.id)
+                     .limit(limit).options(undefer(Job.choices))).all()
+
+
+def files_of(s: Session, batch: Batch) -> dict[str, File]:
+    """The batch's input, output and error files that exist, by id."""
+    ids = [f for f in (batch.input_file_id, batch.output_file_id, batch.error_file_id) if f]
+    return {f.id: f for f in s.scalars(select(File).where(File.id.in_(ids)))}
+
+
+def remove(s: Session, batch: Batch) -> list[str]:
+    """Delete the batch (one that has ended) with its jobs and the rows of its files; returns the ids of those files,
+    whose bytes the caller deletes from storage once this is committed."""
+    ids = [f for f in (batch.input_file_id, batch.output_file_id, batch.error_file_id) if f]
+    s.execute(delete(Job).where(Job.batch_id == batch.id))
+    s.execute(delete(File).where(File.id.in_(ids), File.tenant_id == batch.tenant_id))
+    s.delete(batch)
+    return ids
 
 
 def open_ids(s: Session) -> list[str]:

@@ -1,11 +1,16 @@
-"""The ledger's database engine (Postgres or SQLite), with a liveness check on checkout. Per-request sessions are
-the Flask shell's (service.db)."""
+"""The ledger's database engine (Postgres or SQLite), with a liveness check on checkout, and the sessions and
+connections over it: every unit of work on the ledger is opened here, and the ledger's functions run in it (the
+caller commits). The web app keeps one session per request (service.db)."""
 import re
 import select as _select
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
-from sqlalchemy import create_engine, event, exc
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy import create_engine, event, exc, text
+from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.orm import Session, sessionmaker
 
 
 def split_url(url: str) -> tuple[URL, dict]:
@@ -108,3 +113,71 @@ def _check_on_checkout(engine: Engine) -> None:
             raise
         except Exception as e:
             raise exc.DisconnectionError(f"connection check failed: {e}") from e
+
+
+def session(engine: Engine, expire_on_commit: bool = True) -> Session:
+    """A unit of work: the ledger's functions run in it, the caller commits; closed uncommitted, it rolls back.
+    On SQLite its reads run outside a transaction and its first write opens one (BEGIN IMMEDIATE, above)."""
+    return Session(engine, expire_on_commit=expire_on_commit)
+
+
+def sessions(engine: Engine) -> sessionmaker:
+    """The web app's factory of units of work (one per request, and the short reads of a stream): rows stay
+    readable after their commit."""
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+@contextmanager
+def autocommit(engine: Engine) -> Iterator[Connection]:
+    """A connection for hot paths where one statement is the whole transaction. On Postgres it runs in
+    autocommit mode: each statement commits (durably: synchronous_commit) before its result comes back,
+    in one round trip, with no BEGIN or COMMIT. On SQLite it is an ordinary transaction, committed on exit."""
+    conn = engine.connect()
+    try:
+        if engine.dialect.name == "postgresql":
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+        yield conn
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def ping(engine: Engine) -> None:
+    """One round trip to the database (readiness); raises what the driver raises when it cannot."""
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))
+
+
+def ensure_database(url: str) -> bool:
+    """Create the database `url` names when its server has none by that name (Postgres; SQLite creates its file,
+    here with its folder). True when it was created. Raises RuntimeError with a one-line reason otherwise."""
+    u = split_url(url)[0]
+    if u.get_backend_name() == "sqlite":
+        if u.database and u.database != ":memory:":
+            Path(u.database).parent.mkdir(parents=True, exist_ok=True)
+        return False
+    probe = create_engine(u)
+    try:
+        with probe.connect():
+            return False
+    except exc.OperationalError as e:
+        if f'database "{u.database}" does not exist' not in str(e.orig):
+            raise RuntimeError(f"cannot connect to {u.render_as_string(hide_password=True)}: "
+                               f"{_one_line(e.orig)}") from None
+    finally:
+        probe.dispose()
+    admin = create_engine(u.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{u.database.replace(chr(34), chr(34) * 2)}"'))
+    except exc.SQLAlchemyError as e:
+        raise RuntimeError(f"database {u.database!r} does not exist and could not be created "
+                           f"({_one_line(getattr(e, 'orig', e))}); create it with "
+                           f"`createdb {u.database}` and run `tidepool db upgrade` again") from None
+    finally:
+        admin.dispose()
+    return True
+
+
+def _one_line(error) -> str:
+    return " ".join(part.strip() for part in str(error).splitlines() if part.strip())

@@ -1,12 +1,12 @@
 """Job state transitions. Each is a guarded UPDATE (`... WHERE status IN (...)`) plus its side effects
-(tenant counters, usage), executed in the caller's transaction; the caller commits."""
+(tenant counters, usage), executed in the caller's transaction; the caller commits. And the reads of one job."""
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import case, delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, undefer
 
 from . import adapters
 from .models import Job, JobStatus, Quota, Tenant, Usage, utcnow
@@ -51,6 +51,21 @@ class Runnable:
     queue_time: float | None    # seconds between queued and started, once started
     adapter: tuple[str, str, bool] | None = None   # the LoRA adapter the request names: (name, source, pinned)
     refused: adapters.NotUsable | None = None      # why it must not run (an adapter its tenant may not use)
+
+
+def read(s: Session, job_id: str, whole: bool = False) -> Job | None:
+    """The job's row; whole: with its deferred columns (logprobs, choices) loaded too."""
+    return s.get(Job, job_id, options=[undefer(Job.logprobs), undefer(Job.choices)] if whole else None)
+
+
+def by_idempotency_key(s: Session, tenant_id: str, key: str) -> Job | None:
+    """The tenant's job submitted with this Idempotency-Key."""
+    return s.scalar(select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key))
+
+
+def hide(s: Session, job_id: str) -> None:
+    """The job is no longer listed nor readable by its tenant (its stored response was deleted)."""
+    s.execute(update(Job).where(Job.id == job_id).values(hidden=True))
 
 
 def runnable(conn, job_id: str) -> Runnable | None:

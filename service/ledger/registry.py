@@ -21,7 +21,7 @@ from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
 from .errors import APIError, bad_request
-from .models import Model, ModelTier, Quota, utcnow
+from .models import Model, ModelTier, Quota, Tenant, utcnow
 from .audit import audit
 
 # '@' never appears: it separates class and model in queue names (service/ledger/dispatch.py queue_name).
@@ -184,6 +184,12 @@ def revoke(s: Session, tenant_id: str, name: str, everything: list[str], actor: 
     quota.allowed_models = left
     audit(s, actor, "model.revoke", tenant_id, {"model": name})
     return quota
+
+
+def grants(s: Session) -> list[tuple[str, str, list | None]]:
+    """(tenant id, tenant name, allowed_models) of every tenant, by name: who may use which model."""
+    return s.execute(select(Tenant.id, Tenant.name, Quota.allowed_models).join(Quota, Quota.tenant_id == Tenant.id)
+                     .order_by(Tenant.name)).all()
 
 
 # ---- reading, cached per process ---------------------------------------------------------------------------

@@ -1,13 +1,17 @@
-"""Tenant administration shared by the admin API and the CLI; every change is written to the audit log."""
-from sqlalchemy import select, update
+"""Tenants: what belongs to a tenant (owned), their administration shared by the admin API, the panel and the CLI
+(every change is written to the audit log), and the usage the panel shows."""
+from datetime import datetime
+
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from . import keys
 from .audit import audit
 from .bodies import bad_text
 from .errors import APIError, bad_request
+from .jobs import period
 from .registry import check_allowed
-from .models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Quota, Tenant, utcnow
+from .models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Job, JobStatus, Quota, Tenant, Usage, utcnow
 
 QUOTA_FIELDS = {
     "requests_per_minute": int, "tokens_per_minute": int, "max_running": int, "max_queued": int,
@@ -62,6 +66,12 @@ def _check_cache_group(value) -> str | None:
     return value
 
 
+def owned(s: Session, model, row_id: str, tenant_id: str, **match):
+    """The row of `model` (a table with `id` and `tenant_id`) with this id, if it belongs to the tenant and has the
+    column values `match` names; else None. Another tenant's row is as absent as one that does not exist."""
+    return s.scalar(select(model).filter_by(id=row_id, tenant_id=tenant_id, **match))
+
+
 def id_by_name(s: Session, name: str) -> str | None:
     return s.scalar(select(Tenant.id).where(Tenant.name == name))
 
@@ -70,6 +80,10 @@ def with_quotas(s: Session, order_by: str = "id") -> list[tuple[Tenant, Quota]]:
     """Every tenant with its quota, by id or by name (the admin API's list and the panel's)."""
     order = Tenant.name if order_by == "name" else Tenant.id
     return s.execute(select(Tenant, Quota).join(Quota).order_by(order)).all()
+
+
+def by_name(s: Session) -> list[Tenant]:
+    return s.scalars(select(Tenant).order_by(Tenant.name)).all()
 
 
 def create_tenant(s: Session, name: str, weight: float = 1.0, quota: dict | None = None,
@@ -131,6 +145,46 @@ def revoke_key(s: Session, prefix: str, actor: str = "admin") -> bool:
     if res.rowcount:
         audit(s, actor, "key.revoke", prefix)
     return bool(res.rowcount)
+
+
+def keys_of(s: Session, tenant_id: str, newest_first: bool = False) -> list[ApiKey]:
+    """Every key of the tenant, revoked ones too, in the order they were issued (or newest first)."""
+    return s.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id)
+                     .order_by(ApiKey.id.desc() if newest_first else ApiKey.id)).all()
+
+
+def live_key_prefixes(s: Session) -> dict[str, list[str]]:
+    """tenant id -> the prefixes of its keys that are not revoked, in the order they were issued."""
+    out: dict[str, list[str]] = {}
+    for tenant_id, prefix in s.execute(select(ApiKey.tenant_id, ApiKey.prefix)
+                                       .where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.id)):
+        out.setdefault(tenant_id, []).append(prefix)
+    return out
+
+
+def usage(s: Session, now: datetime) -> dict[str, dict]:
+    """tenant id -> its tokens this month (`month`, with `requests_month`) and today (`today`, of the jobs completed
+    since midnight UTC), and its queued and running jobs per SLA class (`classes`); tenants with none of these are
+    left out."""
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    out: dict[str, dict] = {}
+
+    def row(tid):
+        return out.setdefault(tid, {"today": 0, "month": 0, "requests_month": 0,
+                                    "classes": {c: {"queued": 0, "running": 0} for c in SLA_CLASSES}})
+    for tid, p, c, n in s.execute(select(Usage.tenant_id, Usage.prompt_tokens, Usage.completion_tokens,
+                                         Usage.requests).where(Usage.period == period(now))):
+        row(tid).update(month=(p or 0) + (c or 0), requests_month=n or 0)
+    for tid, tokens in s.execute(select(Job.tenant_id, func.sum(func.coalesce(Job.prompt_tokens, 0)
+                                                                + func.coalesce(Job.completion_tokens, 0)))
+                                 .where(Job.status == JobStatus.completed, Job.finished_at >= midnight)
+                                 .group_by(Job.tenant_id)):
+        row(tid)["today"] = int(tokens or 0)
+    for tid, sla, status, n in s.execute(select(Job.tenant_id, Job.sla_class, Job.status, func.count())
+                                         .where(Job.status.in_((JobStatus.queued, JobStatus.running)))
+                                         .group_by(Job.tenant_id, Job.sla_class, Job.status)):
+        row(tid)["classes"][sla.value][status.value] = n
+    return out
 
 
 def tenant_json(t: Tenant, quota: Quota | None = None) -> dict:

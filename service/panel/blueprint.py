@@ -6,10 +6,9 @@ import hmac
 import secrets
 
 from flask import Blueprint, current_app, g, redirect, render_template, request, session, url_for
-from sqlalchemy import delete, select
 
 from ..db import session as db
-from ..ledger.models import AdminSession, utcnow
+from ..ledger import keys
 
 from ..ledger.resources import WEB
 
@@ -37,8 +36,7 @@ def signed_in() -> bool:
         token, sid = _token(), session.get("sid")
         g.tp_signed_in = bool(token) and bool(sid) and hmac.compare_digest(session.get("admin", ""),
                                                                            _fingerprint(token)) \
-            and db().scalar(select(AdminSession.id).where(AdminSession.id == _session_key(sid),
-                                                          AdminSession.expires_at > utcnow())) is not None
+            and keys.signed_in(db(), _session_key(sid))
     return g.tp_signed_in
 
 
@@ -56,11 +54,9 @@ def check_token(candidate: str) -> bool:
 def sign_in() -> None:
     session.clear()  # a fresh session (and CSRF token) on sign-in: no fixation
     session.permanent = True
-    sid, now = secrets.token_urlsafe(32), utcnow()
+    sid = secrets.token_urlsafe(32)
     s = db()
-    s.execute(delete(AdminSession).where(AdminSession.expires_at <= now))
-    s.add(AdminSession(id=_session_key(sid), created_at=now,
-                       expires_at=now + current_app.permanent_session_lifetime))
+    keys.sign_in(s, _session_key(sid), current_app.permanent_session_lifetime)
     s.commit()
     session["sid"] = sid
     session["admin"] = _fingerprint(_token())
@@ -73,7 +69,7 @@ def sign_out() -> None:
     sid = session.get("sid")
     if sid:
         s = db()
-        s.execute(delete(AdminSession).where(AdminSession.id == _session_key(sid)))
+        keys.sign_out(s, _session_key(sid))
         s.commit()
     session.clear()
     g.pop("tp_signed_in", None)

@@ -3,13 +3,13 @@
 from datetime import timedelta
 
 from flask import current_app, render_template, request
-from sqlalchemy import func, select
 
 from tidepool.service.ledger.snapshots import SNAPSHOT_TTL, Heartbeats, SnapshotStore
 
 from ..api import ext
 from ..db import session as db
-from ..ledger.models import SLA_CLASSES, Job, JobStatus, utcnow
+from ..ledger import metrics
+from ..ledger.models import SLA_CLASSES, utcnow
 from .blueprint import bp
 
 LATENCY_WINDOW = timedelta(minutes=15)
@@ -28,11 +28,9 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def _latency() -> dict:
     """TTFT (created → first token) and end-to-end (created → finished) of jobs completed recently."""
-    rows = db().execute(select(Job.sla_class, Job.created_at, Job.first_token_at, Job.finished_at)
-                        .where(Job.status == JobStatus.completed, Job.finished_at >= utcnow() - LATENCY_WINDOW)
-                        .order_by(Job.finished_at.desc()).limit(MAX_SAMPLES)).all()
+    rows = metrics.completed_since(db(), utcnow() - LATENCY_WINDOW, MAX_SAMPLES)
     samples = {c: {"ttft": [], "e2e": []} for c in SLA_CLASSES}
-    for sla, created, first, finished in rows:
+    for sla, created, first, finished, _ in rows:
         if first is not None:
             samples[sla.value]["ttft"].append((first - created).total_seconds())
         samples[sla.value]["e2e"].append((finished - created).total_seconds())
@@ -50,10 +48,7 @@ def history() -> list[dict]:
     live readings: their charts start at the first poll)."""
     now = utcnow()
     start = now - HISTORY_WINDOW
-    rows = db().execute(select(Job.sla_class, Job.created_at, Job.first_token_at, Job.finished_at,
-                               Job.completion_tokens)
-                        .where(Job.status == JobStatus.completed, Job.finished_at >= start)
-                        .order_by(Job.finished_at.desc()).limit(MAX_SAMPLES)).all()
+    rows = metrics.completed_since(db(), start, MAX_SAMPLES)
     steps = int(HISTORY_WINDOW / HISTORY_STEP)
     buckets = [{"tokens": 0, "ttft": {c: [] for c in SLA_CLASSES}, "e2e": {c: [] for c in SLA_CLASSES}}
                for _ in range(steps)]
@@ -106,9 +101,7 @@ def worker_snapshots() -> list[dict]:
 def dashboard_json() -> dict:
     s = db()
     jobs = {c: {"queued": 0, "running": 0} for c in SLA_CLASSES}
-    for sla, status, n in s.execute(select(Job.sla_class, Job.status, func.count())
-                                    .where(Job.status.in_((JobStatus.queued, JobStatus.running)))
-                                    .group_by(Job.sla_class, Job.status)):
+    for sla, status, n in metrics.active_by_class(s):
         jobs[sla.value][status.value] = n
     errors = []
     try:
@@ -120,9 +113,7 @@ def dashboard_json() -> dict:
     except Exception as exc:
         workers, errors = [], errors + [f"Worker stats unreachable: {type(exc).__name__}"]
     since = utcnow() - RATE_WINDOW
-    ledger_tokens = s.scalar(select(func.coalesce(func.sum(Job.completion_tokens), 0))
-                             .where(Job.status == JobStatus.completed, Job.finished_at >= since)) or 0
-    finished = s.scalar(select(func.count()).where(Job.finished_at >= since)) or 0
+    ledger_tokens, finished = metrics.throughput(s, since)
     queries = sum(w.get("prefix_cache_queries", 0) for w in workers)
     hits = sum(w.get("prefix_cache_hits", 0) for w in workers)
     kv = [w.get("kv_cache_usage", 0.0) for w in workers]

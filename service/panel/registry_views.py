@@ -1,14 +1,13 @@
 """Panel page for the model registry: register a model, retier it, enable or disable it, grant it to tenants or
 revoke it, and see each model's queues (depth per SLA class, and whether a live worker serves them)."""
 from flask import flash, redirect, render_template, request, url_for
-from sqlalchemy import select
 
 from ..ledger import registry
 from ..api import ext
 from ..api.admin import model_queues
 from ..db import session as db
 from ..ledger.errors import APIError
-from ..ledger.models import Quota, Tenant
+from ..ledger.models import Tenant
 from .blueprint import bp
 
 ACTOR = "panel"
@@ -23,8 +22,7 @@ def _page(form: dict | None = None, errors: dict | None = None, status: int = 20
     by_model: dict[str, list] = {}
     for row in queues:
         by_model.setdefault(row["model"], []).append(row)
-    tenants = db().execute(select(Tenant.id, Tenant.name, Quota.allowed_models).join(Quota, Quota.tenant_id == Tenant.id)
-                           .order_by(Tenant.name)).all()
+    tenants = registry.grants(db())
     return render_template("models.html", entries=entries, queues=by_model, tenants=tenants, tiers=registry.TIERS,
                            form=form or {}, errors=errors or {}), status
 

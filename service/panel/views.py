@@ -3,18 +3,16 @@ import logging
 from datetime import datetime, timezone
 
 from flask import abort, flash, redirect, render_template, request, send_file, session, url_for
-from sqlalchemy import func, select
 from werkzeug.exceptions import HTTPException
 
-from ..ledger import batches as ledger, embeddings, eta, jobs as transitions, tenants
+from ..ledger import batches as ledger, embeddings, eta, jobs as transitions, keys as credentials, pages, tenants
 from ..api import cfg, ext
 from ..auth import admin_failed, admin_throttled
 from ..db import session as db
 from ..ledger.errors import APIError
 from ..ledger.logging import log_job
 from ..ledger.endpoints import EMBEDDINGS
-from ..ledger.models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, Usage
-from ..ledger.quotas import period
+from ..ledger.models import ONLINE_CLASSES, SLA_CLASSES, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant
 from .blueprint import bp, check_token, sign_in, sign_out, signed_in
 
 log = logging.getLogger("tidepool.panel")
@@ -71,27 +69,7 @@ def logout():
 # --- tenants -------------------------------------------------------------------------------------------
 
 def _usage_by_tenant() -> dict[str, dict]:
-    s = db()
-    now = datetime.now(timezone.utc)
-    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
-    out: dict[str, dict] = {}
-
-    def row(tid):
-        return out.setdefault(tid, {"today": 0, "month": 0, "requests_month": 0,
-                                    "classes": {c: {"queued": 0, "running": 0} for c in SLA_CLASSES}})
-    for tid, p, c, n in s.execute(select(Usage.tenant_id, Usage.prompt_tokens, Usage.completion_tokens,
-                                         Usage.requests).where(Usage.period == period(now))):
-        row(tid).update(month=(p or 0) + (c or 0), requests_month=n or 0)
-    for tid, tokens in s.execute(select(Job.tenant_id, func.sum(func.coalesce(Job.prompt_tokens, 0)
-                                                                + func.coalesce(Job.completion_tokens, 0)))
-                                 .where(Job.status == JobStatus.completed, Job.finished_at >= midnight)
-                                 .group_by(Job.tenant_id)):
-        row(tid)["today"] = int(tokens or 0)
-    for tid, sla, status, n in s.execute(select(Job.tenant_id, Job.sla_class, Job.status, func.count())
-                                         .where(Job.status.in_((JobStatus.queued, JobStatus.running)))
-                                         .group_by(Job.tenant_id, Job.sla_class, Job.status)):
-        row(tid)["classes"][sla.value][status.value] = n
-    return out
+    return tenants.usage(db(), datetime.now(timezone.utc))
 
 
 @bp.get("/tenants")
@@ -162,13 +140,13 @@ def _tenant_page(tenant_id: str, *, new_key: str | None = None, quota_form: dict
     t = _tenant_or_404(tenant_id)
     s.refresh(t)
     quota = s.get(Quota, tenant_id)
-    keys = s.scalars(select(ApiKey).where(ApiKey.tenant_id == tenant_id).order_by(ApiKey.id.desc())).all()
+    keys = tenants.keys_of(s, tenant_id, newest_first=True)
     if quota_form is None:
         quota_form = {f: "" if getattr(quota, f) is None else str(getattr(quota, f)) for f in INT_FIELDS}
         quota_form["allowed_sla_classes"] = list(quota.allowed_sla_classes or [])
     if scheduling_form is None:
         scheduling_form = {"weight": f"{t.weight:g}", "default_sla_class": t.default_sla_class or ""}
-    recent = s.scalars(select(Job).where(Job.tenant_id == tenant_id).order_by(Job.id.desc()).limit(10)).all()
+    recent = pages.page(s, Job, 10, tenant_id=tenant_id)[:10]
     return render_template("tenant.html", t=t, quota=quota, keys=keys, new_key=new_key, qf=quota_form,
                            sf=scheduling_form, errors=errors or {}, fields=INT_FIELDS, help=FIELD_HELP,
                            classes=SLA_CLASSES, online_classes=ONLINE_CLASSES,
@@ -272,7 +250,7 @@ def issue_key(tenant_id):
 @bp.post("/keys/<prefix>/revoke")
 def revoke_key(prefix):
     s = db()
-    key = s.scalar(select(ApiKey).where(ApiKey.prefix == prefix))
+    key = credentials.by_prefix(s, prefix)
     if key is None:
         abort(404, f"No key with prefix {prefix}.")
     if tenants.revoke_key(s, prefix, actor=ACTOR):
@@ -298,36 +276,30 @@ def _parse_time(name: str, errors: dict) -> datetime | None:
 
 
 def _tenant_names() -> dict[str, str]:
-    return dict(db().execute(select(Tenant.id, Tenant.name).order_by(Tenant.name)).all())
+    return {t.id: t.name for t in tenants.by_name(db())}
 
 
 @bp.get("/jobs")
 def jobs_page():
-    args, errors = request.args, {}
-    stmt = select(Job)
+    args, errors, filters = request.args, {}, {}
     if args.get("tenant"):
-        stmt = stmt.where(Job.tenant_id == args["tenant"])
+        filters["tenant_id"] = args["tenant"]
     if args.get("status"):
         if args["status"] not in JobStatus.__members__:
             errors["status"] = "Unknown status."
         else:
-            stmt = stmt.where(Job.status == JobStatus(args["status"]))
+            filters["status"] = JobStatus(args["status"])
     if args.get("sla_class"):
         if args["sla_class"] not in SLA_CLASSES:
             errors["sla_class"] = "Unknown class."
         else:
-            stmt = stmt.where(Job.sla_class == args["sla_class"])
+            filters["sla_class"] = args["sla_class"]
     if args.get("batch"):
-        stmt = stmt.where(Job.batch_id == args["batch"])
+        filters["batch_id"] = args["batch"]
     since, until = _parse_time("since", errors), _parse_time("until", errors)
-    if since:
-        stmt = stmt.where(Job.created_at >= since)
-    if until:
-        stmt = stmt.where(Job.created_at < until)
-    if args.get("cursor"):
-        stmt = stmt.where(Job.id < args["cursor"])
     limit = cfg().page_size * 2
-    rows = db().scalars(stmt.order_by(Job.id.desc()).limit(limit + 1)).all() if not errors else []
+    rows = pages.page(db(), Job, limit, after=args.get("cursor"), created_from=since, created_before=until,
+                      **filters) if not errors else []
     more = rows[limit - 1].id if len(rows) > limit else None
     query = {k: v for k, v in args.items() if k != "cursor" and v}
     return render_template("jobs.html", jobs=rows[:limit], names=_tenant_names(), errors=errors, args=args,
@@ -383,16 +355,13 @@ def cancel_job(job_id):
 
 @bp.get("/batches")
 def batches_page():
-    args = request.args
-    stmt = select(Batch)
+    args, filters = request.args, {}
     if args.get("tenant"):
-        stmt = stmt.where(Batch.tenant_id == args["tenant"])
+        filters["tenant_id"] = args["tenant"]
     if args.get("status") in BatchStatus.__members__:
-        stmt = stmt.where(Batch.status == BatchStatus(args["status"]))
-    if args.get("cursor"):
-        stmt = stmt.where(Batch.id < args["cursor"])
+        filters["status"] = BatchStatus(args["status"])
     limit = cfg().page_size * 2
-    rows = db().scalars(stmt.order_by(Batch.id.desc()).limit(limit + 1)).all()
+    rows = pages.page(db(), Batch, limit, after=args.get("cursor"), **filters)
     s = db()
     counts = {b.id: ledger.request_counts(s, b) for b in rows[:limit]}
     estimates = {b.id: eta.estimate(s, b) for b in rows[:limit]}
@@ -415,10 +384,8 @@ def batch_page(batch_id):
     b = _batch_or_404(batch_id)
     s = db()
     counts = ledger.request_counts(s, b)
-    by_status = dict(s.execute(select(Job.status, func.count()).where(Job.batch_id == b.id)
-                               .group_by(Job.status)).all())
-    files = {f.id: f for f in s.scalars(select(File).where(File.id.in_(
-        [x for x in (b.input_file_id, b.output_file_id, b.error_file_id) if x])))}
+    by_status = ledger.status_counts(s, b.id)
+    files = ledger.files_of(s, b)
     return render_template("batch.html", b=b, counts=counts, by_status={k.value: v for k, v in by_status.items()},
                            est=eta.estimate(s, b),
                            files=files, tenant=s.get(Tenant, b.tenant_id),

@@ -296,6 +296,44 @@ def test_one_top_level_import_package():
     assert not wrong, "\n".join(wrong)
 
 
+# ---- queries live in the ledger ------------------------------------------------------------------------------------
+# Every statement is built and run in service/ledger/, and every session or connection is made there (ledger/db.py):
+# the Flask shell, the workers and the kernels call ledger functions with the session they were handed (and commit
+# it), so a reader finds every query of a table in the ledger module that owns it. Outside the ledger a module may
+# import sqlalchemy's exceptions (to catch them), the Session/Engine/Connection types (to annotate) and `event` (to
+# listen), and nothing else of it. migrations/ (Alembic) is not a project package and is not looked at.
+SQL_NAMES_ALLOWED = {"exc", "Session", "Engine", "Connection", "event"}
+OPENS_ITS_OWN = {"Session", "sessionmaker", "scoped_session", "create_engine"}
+RUNS_A_STATEMENT = {"execute", "scalars", "scalar", "query", "begin", "begin_nested"}
+
+
+def _builds_queries(path: Path) -> list[str]:
+    """Where `path` builds or runs a statement, or opens a session, connection or transaction of its own."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names if _roots([a.name]) == {"sqlalchemy"}]
+        elif isinstance(node, ast.ImportFrom) and not node.level and _roots([node.module or ""]) == {"sqlalchemy"}:
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if node.module != "sqlalchemy.exc" and a.name not in SQL_NAMES_ALLOWED]
+        elif isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
+            if name in OPENS_ITS_OWN or (isinstance(f, ast.Attribute) and name in RUNS_A_STATEMENT
+                                         and (node.args or name != "execute")):   # a Redis pipeline's execute()
+                found.append(f"{node.lineno}: {ast.unparse(f)}(...)")
+    return found
+
+
+def test_queries_live_in_the_ledger():
+    modules = _project_modules()
+    wrong = [f"{path.relative_to(ROOT)}:{where}" for name, path in sorted(modules.items())
+             if not _within(name, LEDGER) for where in _builds_queries(path)]
+    assert not wrong, "built or run outside service/ledger/:\n" + "\n".join(wrong)
+    # the rule sees what it is for: the ledger's own modules build queries and open sessions
+    assert _builds_queries(modules[f"{LEDGER}.jobs"]) and _builds_queries(modules[f"{LEDGER}.db"])
+
+
 def test_no_import_circles():
     modules = _project_modules()
     graph = {name: {d for d in _imports(name, path, modules) if d in modules and d != name}

@@ -1,11 +1,12 @@
-"""Ledger transitions the sweeper relies on: deadlines, lapsed leases, counters, batch expiry."""
+"""Ledger transitions the sweeper relies on: deadlines, lapsed leases, counters, batch expiry; and the reads every
+route shares: a tenant's row by id, a listing's page by id cursor."""
 from datetime import timedelta
 
 from sqlalchemy import update
 from sqlalchemy.orm import Session
 
-from tidepool.service.ledger import batches as ledger, jobs
-from tidepool.service.ledger.models import Batch, Job, JobStatus, Tenant, utcnow
+from tidepool.service.ledger import batches as ledger, jobs, pages, tenants
+from tidepool.service.ledger.models import Batch, File, Job, JobStatus, Tenant, utcnow
 
 from .conftest import Admin
 
@@ -98,3 +99,30 @@ def test_expired_batch_finalizes_as_expired(embedded_app):
     errors = client.get(f"/v1/files/{done['error_file_id']}/content", headers=key).data.decode().splitlines()
     assert json.loads(errors[0])["error"]["code"] == "batch_expired"    # as OpenAI reports it
     assert done["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+
+
+def test_a_tenants_rows_by_id_and_by_page(any_app):
+    client = any_app.test_client()
+    (mine, _), (theirs, _) = Admin(client).tenant(), Admin(client).tenant()
+    day = utcnow().replace(hour=0, minute=0, second=0, microsecond=0)
+    with Session(any_app.extensions["tidepool.db"]) as s:
+        for n, (file_id, tenant_id) in enumerate([("file-a", mine), ("file-b", mine), ("file-c", mine),
+                                                   ("file-d", theirs)]):
+            s.add(File(id=file_id, tenant_id=tenant_id, purpose="batch" if n else "batch_output", filename="f",
+                       bytes=1, created_at=day + timedelta(hours=n)))
+        s.commit()
+        assert tenants.owned(s, File, "file-a", mine).id == "file-a"
+        assert tenants.owned(s, File, "file-d", mine) is None    # another tenant's row is absent
+        assert tenants.owned(s, File, "file-a", mine, purpose="batch") is None
+
+        def ids(limit=10, **kw):
+            return [f.id for f in pages.page(s, File, limit, tenant_id=mine, **kw)]
+        assert ids() == ["file-c", "file-b", "file-a"] and ids(ascending=True) == ["file-a", "file-b", "file-c"]
+        assert ids(1) == ["file-c", "file-b"]    # limit + 1: there is more
+        assert ids(after="file-c") == ["file-b", "file-a"]    # the next page
+        assert ids(after="file-a", ascending=True) == ["file-b", "file-c"]
+        assert ids(before="file-a") == ["file-c", "file-b"]    # the rows before a cursor
+        assert ids(before="file-c", ascending=True) == ["file-a", "file-b"]
+        assert ids(created_from=day + timedelta(hours=1), created_before=day + timedelta(hours=2)) == ["file-b"]
+        assert ids(purpose="batch_output") == ["file-a"]
+        assert [f.id for f in pages.page(s, File, 10)] == ["file-d", "file-c", "file-b", "file-a"]

@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tidepool.service import migrate
+from tidepool.service.ledger.db import ensure_database
 from tidepool.service.ledger.models import Job, JobStatus, Usage
 
 from .conftest import Stack, free_port
@@ -67,7 +68,7 @@ def _connects(psycopg, url: str) -> bool:
 
 def test_ledger_through_pgbouncer_transaction_pooling(bouncer, tiny_model, tmp_path, redis_url):
     url = bouncer + "?prepare_threshold=none"
-    assert migrate.ensure_database(url) is False
+    assert ensure_database(url) is False
     migrate.upgrade(url)                      # already at head: alembic reads its version through the pooler
     st = Stack(url, tiny_model, tmp_path, redis_url)
     try:
