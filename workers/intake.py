@@ -14,7 +14,7 @@ from functools import partial
 from kombu import Connection, Queue
 
 from tidepool.service.ledger import jobs
-from tidepool.service.ledger.db import session
+from tidepool.service.ledger.db import outside_transaction, session
 from tidepool.service.ledger.models import ONLINE_CLASSES, cache_namespace
 from tidepool.service.ledger.wire import job_id as message_job_id, transport_options
 from tidepool.workers.attempt import Attempts, Inflight, build_request, utc
@@ -283,8 +283,8 @@ class Intake:
         """Put a queued job into the engine under the lease token its claim is about to get, unclaimed;
         None when it is not queued or cannot start (the claim then proceeds as usual). The job is read outside
         any transaction: one round trip, and on SQLite no wait for the write lock."""
-        with self.db.connect() as conn:
-            job = jobs.runnable(conn.execution_options(isolation_level="AUTOCOMMIT"), job_id)
+        with outside_transaction(self.db) as conn:
+            job = jobs.runnable(conn, job_id)
         if job is None or job.status != jobs.Q:
             return None
         inf = Inflight(job_id, token, job.sla_class, message, online=job.sla_class in ONLINE_CLASSES,

@@ -142,6 +142,14 @@ def autocommit(engine: Engine) -> Iterator[Connection]:
         conn.close()
 
 
+@contextmanager
+def outside_transaction(engine: Engine) -> Iterator[Connection]:
+    """A connection whose statements run in no transaction (AUTOCOMMIT): a read sees what was committed, in one
+    round trip, and on SQLite never waits for the write lock."""
+    with engine.connect() as conn:
+        yield conn.execution_options(isolation_level="AUTOCOMMIT")
+
+
 def ping(engine: Engine) -> None:
     """One round trip to the database (readiness); raises what the driver raises when it cannot."""
     with engine.connect() as conn:

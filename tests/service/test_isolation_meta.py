@@ -297,14 +297,15 @@ def test_one_top_level_import_package():
 
 
 # ---- queries live in the ledger ------------------------------------------------------------------------------------
-# Every statement is built and run in service/ledger/, and every session or connection is made there (ledger/db.py):
-# the Flask shell, the workers and the kernels call ledger functions with the session they were handed (and commit
-# it), so a reader finds every query of a table in the ledger module that owns it. Outside the ledger a module may
-# import sqlalchemy's exceptions (to catch them), the Session/Engine/Connection types (to annotate) and `event` (to
-# listen), and nothing else of it. migrations/ (Alembic) is not a project package and is not looked at.
+# Every statement is built and run in service/ledger/, and every session, connection and transaction mode is set up
+# there (ledger/db.py): the Flask shell and the workers call ledger functions with a session the ledger opened (and
+# commit it), so a reader finds every query of a table in the ledger module that owns it. Outside the ledger (the
+# rest of service/, workers/, kernels/) a module may import sqlalchemy's exceptions (to catch them), the
+# Session/Engine/Connection types (to annotate) and `event` (to listen), and nothing else of it. migrations/
+# (Alembic) is not a project package and is not looked at.
 SQL_NAMES_ALLOWED = {"exc", "Session", "Engine", "Connection", "event"}
 OPENS_ITS_OWN = {"Session", "sessionmaker", "scoped_session", "create_engine"}
-RUNS_A_STATEMENT = {"execute", "scalars", "scalar", "query", "begin", "begin_nested"}
+RUNS_OR_SCOPES = {"execute", "scalars", "scalar", "query", "begin", "begin_nested", "execution_options"}
 
 
 def _builds_queries(path: Path) -> list[str]:
@@ -319,7 +320,7 @@ def _builds_queries(path: Path) -> list[str]:
         elif isinstance(node, ast.Call):
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
-            if name in OPENS_ITS_OWN or (isinstance(f, ast.Attribute) and name in RUNS_A_STATEMENT
+            if name in OPENS_ITS_OWN or (isinstance(f, ast.Attribute) and name in RUNS_OR_SCOPES
                                          and (node.args or name != "execute")):   # a Redis pipeline's execute()
                 found.append(f"{node.lineno}: {ast.unparse(f)}(...)")
     return found
