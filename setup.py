@@ -3,7 +3,7 @@
 One import package, `tidepool`. The checkout keeps its parts in top-level folders, mapped into it here: service/,
 workers/ and kernels/ become tidepool.service, tidepool.workers and tidepool.kernels; web/ (templates, static files,
 Grafana JSON) and migrations/ go inside the service package, as tidepool/service/web and tidepool/service/migrations,
-where service/ledger/resources.py finds them. tests/service/test_packaging.py builds the wheel, installs it outside
+where service/resources.py finds them. tests/service/test_packaging.py builds the wheel, installs it outside
 the checkout and renders the panel from it.
 """
 from setuptools import find_namespace_packages, setup

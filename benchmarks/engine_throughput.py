@@ -164,7 +164,7 @@ def run_hf_static(model_dir: str, requests, batch_size: int, dtype, device) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from tidepool.service.ledger.config import Config
+    from tidepool.service.ledger.settings import Config
     ap.add_argument("--model", default=Config.setting("model") or "models/smollm2-135m")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)

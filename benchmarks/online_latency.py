@@ -63,7 +63,7 @@ def native_kernels_ready() -> str:
     tens of seconds, and a phase measured meanwhile runs slower than the later ones). The workers and servers
     the benchmarks start use the same cache (TIDEPOOL_KERNEL_CACHE, else the default folder)."""
     from tidepool.kernels import cpu_ops
-    from tidepool.service.ledger.config import Config
+    from tidepool.service.ledger.settings import Config
     cpu_ops.configure(cache_dir=Config.setting("kernel_cache"))      # None: the default folder, as the workers'
     started = time.perf_counter()
     state = cpu_ops.prepare()

@@ -4,7 +4,7 @@
                                             # and docs/reference/openapi.json
     python docs/gen_reference.py --check    # exit 1 naming every page that differs (tests/docs runs this check)
 
-configuration.md   the settings object, service/ledger/config.py (`variables()`, `OTHER_VARIABLES`)
+configuration.md   the settings object, service/ledger/settings.py (`variables()`, `OTHER_VARIABLES`)
 cli.md             the `tidepool` argument parsers (workers/cli.py `build_parser()`)
 http-api.md        the OpenAPI document the service serves at /openapi.json (service/openapi.py `spec()`),
 openapi.json       rendered as Markdown, and the document itself
@@ -33,16 +33,16 @@ def _header(source: str) -> str:
 
 # -- configuration ----------------------------------------------------------------------------------------------
 def configuration() -> str:
-    from tidepool.service.ledger.config import OTHER_VARIABLES, variables
+    from tidepool.service.ledger.settings import OTHER_VARIABLES, variables
 
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     rows += [f"| `{env}` | {shown} | {meaning} |" for env, shown, meaning in variables() + OTHER_VARIABLES]
     return "\n".join([
-        _header("service/ledger/config.py"),
+        _header("service/ledger/settings.py"),
         "# Configuration",
         "",
         "Every process reads its settings from `TIDEPOOL_*` environment variables, in one place: the `Config` "
-        "dataclass of `service/ledger/config.py`. Each variable is checked when a process starts; a bad value stops "
+        "dataclass of `service/ledger/settings.py`. Each variable is checked when a process starts; a bad value stops "
         "it with a line naming the variable (`tidepool: TIDEPOOL_LEASE_SECONDS (lease_seconds) must be > 0, got "
         "-5.0`). An empty value counts as unset. The engine settings apply to `tidepool worker`, `tidepool serve` "
         "and `tidepool run-batch`; the command-line flag shown beside a setting wins over its variable (see the "
@@ -76,7 +76,7 @@ def cli() -> str:
     from tidepool.workers.cli import build_parser
 
     parser = build_parser()
-    out = [_header("the argument parsers (workers/cli.py, workers/commands.py, service/commands.py)"),
+    out = [_header("the argument parsers (workers/cli.py, workers/engine_commands.py, service/commands.py)"),
            "# Command line", "",
            "One command, `tidepool`, installed with the package (`.venv/bin/tidepool` after `make install`). Every "
            "`TIDEPOOL_*` variable is checked before any subcommand starts (see [Configuration](configuration.md)). "
@@ -295,7 +295,7 @@ def metrics() -> str:
     from prometheus_client import CollectorRegistry
 
     from tidepool.service import create_app, migrate
-    from tidepool.service.ledger.metrics import REGISTRY
+    from tidepool.service.ledger.counters import REGISTRY
     from tidepool.service.metrics_http import LedgerCollector
     from tidepool.workers.metrics import DEFAULT_PORTS, EngineMetrics
     from tidepool.workers.model_workers import ModelHost
@@ -317,7 +317,7 @@ def metrics() -> str:
                  for n, k, labels, d in sorted(families)]
         return rows + [""]
     return "\n".join([
-        _header("the Prometheus collectors registered by service/ledger/metrics.py, service/metrics_http.py, "
+        _header("the Prometheus collectors registered by service/ledger/counters.py, service/metrics_http.py, "
                 "workers/metrics.py and workers/model_workers.py"),
         "# Metrics", "",
         "Prometheus text format. A counter is exposed with `_total`; a histogram as `_bucket`, `_sum` and `_count`. "

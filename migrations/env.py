@@ -1,7 +1,7 @@
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from tidepool.service.ledger.config import Config
+from tidepool.service.ledger.settings import Config
 from tidepool.service.ledger.models import Base
 
 config = context.config

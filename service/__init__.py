@@ -4,7 +4,7 @@ Importing the package does not import Flask: the workers import its Flask-free p
 transitions, shared protocol; the list is in tests/service/test_isolation_meta.py) through it."""
 from typing import TYPE_CHECKING
 
-from .ledger.config import Config
+from .ledger.settings import Config
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -14,7 +14,7 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     import redis as redis_lib
     from flask import Flask
 
-    from . import access_log, admission, db, errors, metrics_http, panel
+    from . import access_log, admission, db, error_responses, metrics_http, panel
     from . import api
     from .api import admin, anthropic, batches, files, health, jobs, openai_compat, responses
     from .ledger.dispatch import Dispatcher, make_celery
@@ -30,7 +30,7 @@ def create_app(test_config: dict | Config | None = None) -> "Flask":
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_file_bytes + (1 << 20)  # multipart overhead
     app.json.sort_keys = False
     db.init_app(app, cfg.database_url)
-    errors.init_app(app)
+    error_responses.init_app(app)
     app.extensions["tidepool.storage"] = Storage(cfg.storage_dir)
     if cfg.redis_url:
         client = redis_lib.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)

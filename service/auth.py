@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from .ledger import keys
 from .db import autocommit
-from .ledger.errors import APIError
+from .protocol.errors import APIError
 from .ledger.models import ApiKey, Quota, Tenant, utcnow
 
 LAST_USED_RESOLUTION = timedelta(seconds=60)
@@ -139,7 +139,7 @@ def authenticate() -> None:
         entry = _load(prefix, cache.ttl)
         if entry is not None:
             cache.put(prefix, entry)
-    if entry is None or entry.revoked or not hmac.compare_digest(entry.secret_hash, keys._hash(secret)):
+    if entry is None or entry.revoked or not hmac.compare_digest(entry.secret_hash, keys.hash_secret(secret)):
         raise _unauthorized()
     if entry.tenant.disabled:
         raise APIError(403, "This tenant is disabled.", "tenant_disabled")

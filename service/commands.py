@@ -69,7 +69,7 @@ def _models_register(args) -> int:
     from pathlib import Path
 
     from tidepool.service.ledger import registry
-    from tidepool.service.ledger.errors import APIError
+    from tidepool.service.protocol.errors import APIError
     folder = Path(args.dir).expanduser()
     if not (folder / "config.json").is_file():
         return _fail(LookupError(f"{folder} is not a model folder (no config.json)"))
@@ -98,7 +98,7 @@ def _models_warm(args) -> int:
     import redis
 
     from tidepool.service.ledger import registry
-    from tidepool.service.ledger.audit import audit
+    from tidepool.service.ledger.models import audit
     cfg = _config()
     if not cfg.redis_url:
         return _fail(LookupError("tidepool models warm needs TIDEPOOL_REDIS_URL (the workers' broker)"))
@@ -116,7 +116,7 @@ def _models_warm(args) -> int:
 
 def _models_set(args) -> int:
     from tidepool.service.ledger import registry
-    from tidepool.service.ledger.errors import APIError
+    from tidepool.service.protocol.errors import APIError
     values = {k: v for k, v in (("tier", args.tier), ("enabled", args.enabled)) if v is not None}
     cfg = _config()
     with _session() as s:
@@ -131,7 +131,7 @@ def _models_set(args) -> int:
 
 
 def _config():
-    from tidepool.service.ledger.config import Config
+    from tidepool.service.ledger.settings import Config
     return Config.from_env()
 
 
@@ -139,7 +139,7 @@ def _db_upgrade(args) -> int:
     import sys
 
     from tidepool.service import migrate
-    from tidepool.service.ledger.db import ensure_database
+    from tidepool.service.ledger.database import ensure_database
     url = _config().database_url
     try:
         created = ensure_database(url)
@@ -162,7 +162,7 @@ def _adapters_register(args) -> int:
     from pathlib import Path
 
     from tidepool.service.ledger import adapters, registry
-    from tidepool.service.ledger.errors import APIError
+    from tidepool.service.protocol.errors import APIError
     cfg = _config()
     with _session() as s:
         base = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).get(args.base)
@@ -185,7 +185,7 @@ def _adapters_list(args) -> int:
 
 
 def _session():
-    from tidepool.service.ledger.db import make_engine, session
+    from tidepool.service.ledger.database import make_engine, session
     return session(make_engine(_config().database_url))
 
 
@@ -198,7 +198,7 @@ def _fail(exc) -> int:
 
 def _tenants_create(args) -> int:
     from tidepool.service.ledger import tenants
-    from tidepool.service.ledger.errors import APIError
+    from tidepool.service.protocol.errors import APIError
     with _session() as s:
         try:
             tenant, key = tenants.create_tenant(s, args.name, args.weight, actor="cli")

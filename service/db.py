@@ -1,11 +1,11 @@
-"""Per-request sessions and connections over the ledger's database engine (service.ledger.db builds them)."""
+"""Per-request sessions and connections over the ledger's database engine (service.ledger.database builds them)."""
 from contextlib import AbstractContextManager
 
 from flask import current_app, g
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
-from .ledger import db as ledger_db
+from .ledger import database as ledger_db
 
 
 def init_app(app, url: str) -> None:
@@ -20,7 +20,7 @@ def get_engine() -> Engine:
 
 
 def autocommit() -> AbstractContextManager[Connection]:
-    """The app's connection for one-statement transactions (service.ledger.db.autocommit)."""
+    """The app's connection for one-statement transactions (service.ledger.database.autocommit)."""
     return ledger_db.autocommit(get_engine())
 
 

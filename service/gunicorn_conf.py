@@ -22,4 +22,4 @@ class JsonLogger(Logger):
 logger_class = JsonLogger
 
 if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-    from tidepool.service.ledger.metrics import child_exit  # noqa: F401  (gunicorn hook)
+    from tidepool.service.ledger.counters import child_exit  # noqa: F401  (gunicorn hook)

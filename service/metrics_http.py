@@ -1,4 +1,4 @@
-"""/metrics for the web app: the service's counters (service/ledger/metrics.py) and, read from the ledger and the
+"""/metrics for the web app: the service's counters (service/ledger/counters.py) and, read from the ledger and the
 broker, jobs by state and queue depth by class (computed at most once per CACHE_SECONDS, however often it is
 scraped); plus the per-request counting of HTTP requests and latency. It needs a bearer token: TIDEPOOL_METRICS_TOKEN or the admin
 token. Tenant and batch ids label series only with TIDEPOOL_METRICS_TENANT_LABELS=1."""
@@ -10,10 +10,10 @@ from flask import Blueprint, Response, current_app, g, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .errors import error_response
-from .ledger import affinity, eta, fair, metrics as counters
-from .ledger import db as ledger_db
-from .ledger.metrics import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
+from .error_responses import error_response
+from .ledger import affinity, counters, eta, fair
+from .ledger import database as ledger_db
+from .ledger.counters import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
 from .ledger.models import utcnow
 
 bp = Blueprint("metrics", __name__)

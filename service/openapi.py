@@ -7,8 +7,11 @@ must exist, a resource in the wrong state), and a body it rejects is a 400 in th
 checks JSON Schema cannot state across fields (a tool_choice names one of the request's tools, tool names and
 message-batch custom_ids are unique) are in `CROSS_FIELD` and the fields' descriptions. The served models' names,
 contexts and vocabularies are filled in per app (`_served_models`)."""
-from .ledger import anthropic_shapes, bodies, embeddings, responses, structured, tiers
-from .ledger.bodies import ALLOWED, CHAT, COMPLETIONS, EMBEDDINGS
+from .protocol import (anthropic_messages, embeddings, openai_responses, request_bodies as bodies,
+                       structured_output as structured)
+from .protocol import sla_classes
+from .protocol import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from .protocol.request_bodies import ALLOWED
 from .ledger.models import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, BatchStatus, JobStatus
 
 # (method, path, summary, security, request schema, success status, response schema)
@@ -290,16 +293,16 @@ def _best_of_rules(stream: bool) -> list[dict]:
 def _class_rules() -> list[dict]:
     """service_tier and sla_class agree when both are given."""
     return [_when({"allOf": [_given("service_tier", {"const": tier}), _given("sla_class", {})]},
-                  {"properties": {"sla_class": {"const": cls}}}) for tier, cls in tiers.TIER_CLASS.items()]
+                  {"properties": {"sla_class": {"const": cls}}}) for tier, cls in sla_classes.TIER_CLASS.items()]
 
 
 _ONLINE_SLA = {"sla_class": _nullable({"enum": [*ONLINE_CLASSES, "batch"],
                                        "description": "batch only with service_tier flex"}),
-               "service_tier": _nullable({"enum": list(tiers.TIERS)})}
+               "service_tier": _nullable({"enum": list(sla_classes.TIERS)})}
 _ONLINE_RULES = [*_class_rules(),   # online, sla_class batch comes with service_tier flex
                  _when(_given("sla_class", {"const": "batch"}), _given("service_tier", {"const": "flex"}))]
 _JOB_EXTRA = {"sla_class": _nullable({"enum": list(SLA_CLASSES)}),
-              "service_tier": _nullable({"enum": list(tiers.TIERS)}),
+              "service_tier": _nullable({"enum": list(sla_classes.TIERS)}),
               "deadline": _nullable({"oneOf": [
                   {"type": "string", "format": "date-time", "description": "RFC 3339"},
                   {"type": "number", "description": "Unix seconds", "minimum": bodies.MIN_DEADLINE,
@@ -357,10 +360,10 @@ def _online(body: dict) -> dict:
 _ITEM_ID = _nullable({"type": "string", "maxLength": 64})
 _RESPONSE_PARTS = {"type": "array", "maxItems": bodies.MAX_CONTENT_PARTS, "items": {
     "type": "object", "required": ["type", "text"], "additionalProperties": _JSON,
-    "properties": {"type": {"enum": list(responses.TEXT_PARTS)}, "text": _STR}}}
+    "properties": {"type": {"enum": list(openai_responses.TEXT_PARTS)}, "text": _STR}}}
 _NON_EMPTY = {"type": "string", "minLength": 1}
 _INPUT_ITEM = {"oneOf": [
-    _obj({"type": {"const": "message"}, "role": {"enum": list(responses.ROLES)},
+    _obj({"type": {"const": "message"}, "role": {"enum": list(openai_responses.ROLES)},
           "content": {"anyOf": [_STR, _RESPONSE_PARTS]}, "id": _ITEM_ID, "status": _JSON}, ["role", "content"]),
     _obj({"type": {"const": "function_call"}, "call_id": _NON_EMPTY, "name": _NON_EMPTY,
           "arguments": {**_CALL_ARGUMENTS, "minLength": 1}, "id": _ITEM_ID, "status": _JSON},
@@ -445,7 +448,7 @@ def _message_create(stream: bool) -> dict:
                                   "description": f"not none: needs tools; type tool: name, "
                                                  f"{CROSS_FIELD['tool_choice']}"}),
         "metadata": _nullable(_obj({"user_id": _nullable(_NAME)})),
-        "service_tier": _nullable({"enum": list(anthropic_shapes.ANTHROPIC_TIERS)}),
+        "service_tier": _nullable({"enum": list(anthropic_messages.ANTHROPIC_TIERS)}),
         "sla_class": _nullable({"enum": list(ONLINE_CLASSES)})}
     if stream:
         props["stream"] = _nullable(_BOOL)
@@ -519,7 +522,7 @@ SCHEMAS = {
                                               "status": _STR, "status_details": {"type": "null"},
                                               "expires_at": _TS}},
     "BatchCreate": _obj({"input_file_id": {**_STR, "description": "a file of this tenant (404)"},
-                         "endpoint": {"enum": [COMPLETIONS, CHAT, EMBEDDINGS, responses.RESPONSES]},
+                         "endpoint": {"enum": [COMPLETIONS, CHAT, EMBEDDINGS, RESPONSES]},
                          "completion_window": {"const": "24h"}, "metadata": _METADATA,
                          "sla_class": {"enum": list(OFFLINE_CLASSES), "default": "batch"}},
                         ["input_file_id", "endpoint", "completion_window"]),
@@ -598,7 +601,7 @@ SCHEMAS = {
         "id": _STR, "object": {"const": "response"}, "created_at": _INT,
         "status": {"enum": ["queued", "in_progress", "completed", "failed", "incomplete", "cancelled"]},
         "background": _BOOL, "output": {"type": "array"}, "usage": {"type": ["object", "null"]},
-        "service_tier": {"enum": list(tiers.TIER_CLASS)}, "previous_response_id": _NULL_STR, "store": _BOOL,
+        "service_tier": {"enum": list(sla_classes.TIER_CLASS)}, "previous_response_id": _NULL_STR, "store": _BOOL,
         "error": {"type": ["object", "null"]}, "incomplete_details": {"type": ["object", "null"]}}},
     "MessageCreate": _MESSAGE_CREATE,
     "Message": {"type": "object", "description": "with stream: true, text/event-stream of Messages events",

@@ -5,7 +5,7 @@ import threading
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from tidepool.service.ledger.openai_shapes import CHAT, EMBEDDINGS
+from tidepool.service.protocol import CHAT, EMBEDDINGS
 from tidepool.workers.openai_bodies import embedding_request, prompt_ids, sampling_params
 
 @dataclass

@@ -11,10 +11,9 @@ from pathlib import Path
 
 from types import SimpleNamespace
 
-from tidepool.service.ledger import responses
+from tidepool.service.protocol import EMBEDDINGS, RESPONSES, openai_responses
 from tidepool.service.ledger.batches import ENDPOINTS, check_line
-from tidepool.service.ledger.bodies import EMBEDDINGS
-from tidepool.service.ledger.errors import APIError
+from tidepool.service.protocol.errors import APIError
 from tidepool.service.ledger.registry import folder_kind
 from tidepool.workers.engine import LLMEngine, RequestOutput
 from tidepool.workers.attempt import build_request
@@ -99,11 +98,11 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
 
         def finish(out: RequestOutput) -> None:
             position, custom_id, url, request = pending.pop(out.request_id)
-            if url == responses.RESPONSES:
+            if url == RESPONSES:
                 result = ledger_result(out, engine.tokenizer)
                 job = SimpleNamespace(status="completed", request=request, output=result["output"], error=None,
                                       **{k: result[k] for k in ("finish_reason", "prompt_tokens", "completion_tokens")})
-                body = responses.render(f"resp_{uuid.uuid4().hex}", job, {}, model=model_name,
+                body = openai_responses.render(f"resp_{uuid.uuid4().hex}", job, {}, model=model_name,
                                         created_at=int(time.time()), service_tier="flex", store=False)
             else:
                 body = response_body(url, out.request_id, model_name, out, engine.tokenizer, body=request)
@@ -128,7 +127,7 @@ def run_batch(engine: LLMEngine, input_path: str | Path, output_path: str | Path
                 try:
                     custom_id, url, body = _parse(raw, line_no, seen, kind, engine.max_model_len)
                     request_id = f"line-{line_no}"     # the input line, as error lines name it
-                    runs_as = CHAT if url == responses.RESPONSES else url
+                    runs_as = CHAT if url == RESPONSES else url
                     try:
                         prompt, params = build_request(engine.tokenizer, runs_as, body)
                         engine.add_request(request_id, prompt, params, sla_class="batch",

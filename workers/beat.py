@@ -9,7 +9,7 @@ from datetime import timedelta
 from kombu import Connection
 
 from tidepool.service.ledger import batches, files, jobs
-from tidepool.service.ledger.db import session
+from tidepool.service.ledger.database import session
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"

@@ -8,7 +8,7 @@ when their engine has room, which a prefetching Celery consumer cannot express."
 from celery import Celery
 from kombu import Queue
 
-from tidepool.service.ledger.config import Config
+from tidepool.service.ledger.settings import Config
 
 _flask_app = None
 

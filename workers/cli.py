@@ -5,7 +5,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from tidepool.service import commands as service_commands
-    from tidepool.workers import commands as worker_commands
+    from tidepool.workers import engine_commands as worker_commands
 
     parser = argparse.ArgumentParser(prog="tidepool", description="Tidepool: multi-tenant LLM job service")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -15,7 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from tidepool.service.ledger.config import Config, SettingsError
+    from tidepool.service.ledger.settings import Config, SettingsError
     from tidepool.service.ledger.logging import configure
 
     args = build_parser().parse_args(argv)

@@ -39,7 +39,7 @@ def _secret_file(path: Path, make) -> str:
 def _default_key(app, var: Path) -> str:
     """The `default` tenant and an API key for it, created on first run and kept in var/."""
     from tidepool.service.ledger import tenants
-    from tidepool.service.ledger.db import session
+    from tidepool.service.ledger.database import session
     key_file = var / "default_api_key"
     with session(app.extensions["tidepool.db"]) as s:
         tenant_id = tenants.id_by_name(s, "default")
@@ -65,7 +65,7 @@ def http_server(app, host: str, port: int, threads: int):
 
 def main(args) -> int:
     from tidepool.service import create_app, migrate
-    from tidepool.service.ledger.config import Config
+    from tidepool.service.ledger.settings import Config
     from tidepool.workers import beat
     from tidepool.workers.worker import Worker, WorkerConfig, default_device, host_workers, role
 

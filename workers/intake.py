@@ -14,7 +14,7 @@ from functools import partial
 from kombu import Connection, Queue
 
 from tidepool.service.ledger import jobs
-from tidepool.service.ledger.db import outside_transaction, session
+from tidepool.service.ledger.database import outside_transaction, session
 from tidepool.service.ledger.models import ONLINE_CLASSES, cache_namespace
 from tidepool.service.ledger.wire import job_id as message_job_id, transport_options
 from tidepool.workers.attempt import Attempts, Inflight, build_request, utc

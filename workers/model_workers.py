@@ -27,7 +27,7 @@ MB = 1 << 20
 
 def registry_entries(settings) -> dict:
     """Every registered model by name (service/ledger/registry.py Registry.entries), read once."""
-    from tidepool.service.ledger.db import make_engine
+    from tidepool.service.ledger.database import make_engine
     from tidepool.service.ledger.registry import Registry
 
     db = make_engine(settings.database_url)
@@ -115,7 +115,7 @@ def main(args) -> int:
     is the plain one-model worker (workers/worker.py main): same name, queues and metrics ports as ever."""
     import redis as redis_lib
 
-    from tidepool.service.ledger.config import Config
+    from tidepool.service.ledger.settings import Config
     from tidepool.workers import worker as one_model
     from tidepool.workers.metrics import DEFAULT_PORTS, bind_metrics_server
 
@@ -199,7 +199,7 @@ def register_first_start(engine, settings, actor: str = "serve") -> list[str]:
     from pathlib import Path
 
     from tidepool.service.ledger import registry
-    from tidepool.service.ledger.db import session
+    from tidepool.service.ledger.database import session
     with session(engine) as s:
         if not registry.is_empty(s):
             return []

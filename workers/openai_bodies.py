@@ -1,13 +1,12 @@
 """OpenAI request bodies -> engine requests, and engine outputs -> OpenAI response bodies.
 
-Bodies arrive already validated and normalised by `tidepool.service.ledger.bodies.check`.
+Bodies arrive already validated and normalised by `tidepool.service.protocol.request_bodies.check`.
 """
 import time
 from types import SimpleNamespace
 
-from tidepool.service.ledger import choices, embeddings, logprobs, structured
-from tidepool.service.ledger import openai_shapes
-from tidepool.service.ledger.openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS  # noqa: F401 (the workers' import point)
+from tidepool.service.protocol import CHAT, COMPLETIONS, EMBEDDINGS  # noqa: F401 (the workers' import point)
+from tidepool.service.protocol import embeddings, logprobs, openai_completions, structured_output as structured
 from tidepool.workers.engine import RequestOutput, SamplingParams
 from tidepool.workers.engine.pooling import PoolingParams
 
@@ -67,7 +66,7 @@ def chat_messages(body: dict, template_renders_tools: bool) -> tuple[list[dict],
 def usage(out: RequestOutput) -> dict:
     """The prompt once; the tokens of every sequence generated (all n choices, and best_of's discarded ones)."""
     prompt, completion = len(out.prompt_token_ids), out.generated_tokens or len(out.token_ids)
-    return openai_shapes.usage(prompt, completion)
+    return openai_completions.usage(prompt, completion)
 
 
 def echo_text(endpoint: str, body: dict, tokenizer, prompt: list[int]) -> str | None:
@@ -85,8 +84,9 @@ def prompt_entries(tokenizer, out: RequestOutput) -> list[dict]:
 
 def ledger_result(out: RequestOutput, tokenizer, text=lambda t: t, echo: str | None = None) -> dict:
     """A finished request as service.ledger.jobs.complete's keyword arguments: the first choice in output & co., the
-    others in `choices` (service/ledger/choices.py reads them back). `text` makes a text storable (ledger_text);
-    `echo` (echo_text) goes before each choice's text, and its prompt logprobs before the choice's."""
+    others in `choices` (service/protocol/openai_completions.py choices_of reads them back). `text` makes a text
+    storable (ledger_text); `echo` (echo_text) goes before each choice's text, and its prompt logprobs before the
+    choice's."""
     if out.embeddings is not None:
         return dict(output=embeddings.stored(out.embeddings), output_token_ids=None, finish_reason="stop",
                     prompt_tokens=len(out.prompt_token_ids), completion_tokens=0, logprobs=None, choices=None)
@@ -141,7 +141,7 @@ def _token(tokenizer, token_id: int, cache: dict) -> dict:
 
 def logprob_entries(tokenizer, raw: list[dict] | None) -> list[dict] | None:
     """Engine logprobs ({"token_id", "logprob", "top": [(id, logprob)]} per generated token) -> the
-    entries the ledger stores and the token stream carries (see service.ledger.logprobs)."""
+    entries the ledger stores and the token stream carries (see service.protocol.logprobs)."""
     if raw is None:
         return None
     cache: dict = {}
@@ -156,7 +156,7 @@ def response_body(endpoint: str, request_id: str, model: str, out: RequestOutput
     if endpoint == EMBEDDINGS:
         return embeddings.response_body(embeddings.stored(out.embeddings), body, model, len(out.prompt_token_ids))
     stored = ledger_result(out, tokenizer, echo=echo_text(endpoint, body or {}, tokenizer, out.prompt_token_ids))
-    picked = openai_shapes.choice_objects(endpoint, choices.of_job(SimpleNamespace(**stored)), body, request_id,
-                                          logprobs.requested(endpoint, body))
+    every = openai_completions.choices_of(SimpleNamespace(**stored))
+    picked = openai_completions.choice_objects(endpoint, every, body, request_id, logprobs.requested(endpoint, body))
     response_id = f"chatcmpl-{request_id}" if endpoint == CHAT else f"cmpl-{request_id}"
-    return {**openai_shapes.head(endpoint, response_id, created, model), "choices": picked, "usage": usage(out)}
+    return {**openai_completions.head(endpoint, response_id, created, model), "choices": picked, "usage": usage(out)}

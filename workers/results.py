@@ -11,7 +11,7 @@ import time
 
 
 from tidepool.service.ledger import affinity, jobs
-from tidepool.service.ledger.db import session
+from tidepool.service.ledger.database import session
 from tidepool.workers.attempt import Attempts, Inflight, ledger_text, utc
 from tidepool.workers.broker import charge
 from tidepool.workers.openai_bodies import ledger_result

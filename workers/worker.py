@@ -32,12 +32,12 @@ import time
 from dataclasses import dataclass, field
 
 from tidepool.service.ledger import doorbell, token_stream
-from tidepool.service.ledger.config import Config
-from tidepool.service.ledger.db import make_engine
+from tidepool.service.ledger.settings import Config
+from tidepool.service.ledger.database import make_engine
 from tidepool.service.ledger.dispatch import queue_name
 from tidepool.service.ledger.models import ONLINE_CLASSES, SLA_CLASSES, SlaClass
 from tidepool.service.ledger.snapshots import Heartbeats
-from tidepool.workers.affinity import WorkerAffinity
+from tidepool.workers.worker_affinity import WorkerAffinity
 from tidepool.workers.attempt import Attempts, Inflight
 from tidepool.workers.engine_thread import EngineThread
 from tidepool.workers.intake import Intake
@@ -120,8 +120,8 @@ class WorkerConfig:
     @classmethod
     def from_env(cls, kind: str = "gpu", device: str | None = None, settings: Config | None = None,
                  **overrides) -> "WorkerConfig":
-        """From the settings (service/ledger/config.py; read from the environment when not given)."""
-        from tidepool.workers.settings import worker_fields
+        """From the settings (service/ledger/settings.py; read from the environment when not given)."""
+        from tidepool.workers.config_fields import worker_fields
         values = dict(worker_fields(settings or Config.from_env(), device or default_device()), kind=kind)
         values.update(overrides)
         return cls(**values)

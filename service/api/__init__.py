@@ -5,9 +5,9 @@ from flask import current_app, g, request
 
 from ..db import session
 from ..ledger import tenants
-from ..ledger.config import Config
-from ..ledger.bodies import bad_text, check_text, integral, loads
-from ..ledger.errors import APIError, bad_request
+from ..ledger.settings import Config
+from ..protocol.request_bodies import bad_text, check_text, integral, loads
+from ..protocol.errors import APIError, bad_request
 
 
 def cfg() -> Config:

@@ -5,7 +5,7 @@ from flask import Blueprint, request
 from ..ledger import adapters, affinity, pages, registry, tenants
 from ..auth import admin_required
 from ..db import session
-from ..ledger.errors import bad_request, not_found
+from ..protocol.errors import bad_request, not_found
 from ..ledger.models import SLA_CLASSES, AuditLog, Batch, Job, JobStatus, Quota, Tenant
 from . import cfg, ext, json_body, limit_arg, page, ts
 from .batches import batch_json

@@ -1,18 +1,20 @@
-"""Anthropic Messages and Message Batches: a message is a chat job (service/anthropic_shapes.py shapes it) answered
-by the online core (service/api/openai_compat.py); a message batch is a Tidepool batch of class `batch` (its
-requests written as an input file and loaded by service/batches.py: same ledger, quotas, expiry, panel). Errors on
-these routes are in Anthropic's shape (service/errors.py)."""
+"""Anthropic Messages and Message Batches: a message is a chat job (service/protocol/anthropic_messages.py shapes
+it) answered by the online core (service/api/openai_compat.py); a message batch is a Tidepool batch of class `batch`
+(its requests written as an input file and loaded by service/ledger/batches.py: same ledger, quotas, expiry, panel).
+Errors on these routes are in Anthropic's shape (service/error_responses.py)."""
 import json
 import re
 from datetime import datetime, timezone
 
 from flask import Blueprint, Response, g, request
 
-from ..ledger import anthropic_shapes as shapes, batches as ledger, bodies, files, pages, quotas, structured
+from ..protocol import CHAT, MESSAGES
+from ..protocol import anthropic_messages as shapes, request_bodies as bodies, structured_output as structured
+from ..ledger import batches as ledger, files, pages, quotas
 from ..auth import tenant_required
 from ..db import session
-from ..errors import error_body
-from ..ledger.errors import APIError, bad_request
+from ..error_responses import error_body
+from ..protocol.errors import APIError, bad_request
 from ..ledger.models import Batch, BatchStatus, File, Job, JobStatus, SlaClass, new_id, utcnow
 from . import MAX_JSON_BYTES, cfg, ext, json_body, owned
 from .openai_compat import _job_error, event_stream, first_event, online_class, submit
@@ -29,9 +31,9 @@ def _checked(body: dict, fields=shapes.FIELDS):
     """(checked chat body, model entry) of a Messages request, or its 4xx."""
     chat, origin = shapes.to_chat(body, fields)
     model = ext("registry").resolve(g.quota, body.get("model"))
-    ext("registry").check_endpoint(model, shapes.MESSAGES)
+    ext("registry").check_endpoint(model, MESSAGES)
     checked = shapes.check(chat, origin, lambda c: bodies.check(
-        c, bodies.CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
+        c, CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
         context_len=ext("registry").context_len(model), count_tokens=ext("registry").token_counter(model)))
     return checked, model
 
@@ -145,7 +147,7 @@ def _batch_json(b: Batch) -> dict:
 def _message_batch(batch_id: str) -> Batch:
     """The calling tenant's batch of /v1/messages requests, or Anthropic's 404."""
     return owned(Batch, batch_id, APIError(404, f"No message batch found with id '{batch_id}'.", "not_found"),
-                 endpoint=shapes.MESSAGES)
+                 endpoint=MESSAGES)
 
 
 def _request(i: int, r, seen: set) -> dict:
@@ -177,7 +179,7 @@ def _write_requests(storage, file_id: str) -> int:
         raise APIError(413, f"The request body is larger than {MAX_BATCH_BYTES} bytes.", "request_too_large")
     request.max_content_length = MAX_BATCH_BYTES     # a body sent without a length is cut off there
     seen: set = set()
-    lines = (json.dumps({"custom_id": r["custom_id"], "method": "POST", "url": shapes.MESSAGES, "body": r["params"]})
+    lines = (json.dumps({"custom_id": r["custom_id"], "method": "POST", "url": MESSAGES, "body": r["params"]})
              for r in (_request(i, r, seen) for i, r in enumerate(
                  bodies.array_items(request.stream, "requests", MAX_JSON_BYTES))))
     try:
@@ -199,7 +201,7 @@ def create_batch():
     s, storage, now = session(), ext("storage"), utcnow()
     file_id = new_id("file-")
     size = _write_requests(storage, file_id)
-    batch = Batch(id=new_id("msgbatch_"), tenant_id=g.tenant.id, endpoint=shapes.MESSAGES, input_file_id=file_id,
+    batch = Batch(id=new_id("msgbatch_"), tenant_id=g.tenant.id, endpoint=MESSAGES, input_file_id=file_id,
                   completion_window="24h", sla_class=SlaClass.batch, status=BatchStatus.validating, metadata_=None,
                   total=0, completed=0, failed=0, created_at=now, expires_at=ledger.default_expiry(now))
     try:
@@ -245,7 +247,7 @@ def list_batches():
     if not 1 <= limit <= 1000:
         raise bad_request("limit: must be an integer in [1, 1000].", "limit")
     rows = pages.page(session(), Batch, limit, after=request.args.get("after_id"), before=request.args.get("before_id"),
-                      tenant_id=g.tenant.id, endpoint=shapes.MESSAGES)
+                      tenant_id=g.tenant.id, endpoint=MESSAGES)
     data = [_batch_json(b) for b in rows[:limit]]
     return {"data": data, "has_more": len(rows) > limit, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None}
@@ -269,7 +271,7 @@ def cancel_batch(batch_id):
 
 def _result(job: Job, model: str | None) -> dict:
     if job.status == JobStatus.completed:
-        return {"type": "succeeded", "message": ledger.result_body(job, model, shapes.MESSAGES)}
+        return {"type": "succeeded", "message": ledger.result_body(job, model, MESSAGES)}
     if job.status in (JobStatus.cancelled, JobStatus.expired):
         return {"type": "canceled" if job.status == JobStatus.cancelled else "expired"}
     err = job.error or {}

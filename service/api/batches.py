@@ -1,10 +1,11 @@
 """OpenAI Batch API over job rows: a batch is validated in full, then becomes jobs in bulk."""
 from flask import Blueprint, g, request
 
-from ..ledger import batches as ledger, bodies, eta, pages, quotas, tenants
+from ..ledger import batches as ledger, eta, pages, quotas, tenants
+from ..protocol import request_bodies as bodies
 from ..auth import tenant_required
 from ..db import session
-from ..ledger.errors import APIError, bad_request, not_found
+from ..protocol.errors import APIError, bad_request, not_found
 from ..ledger.models import OFFLINE_CLASSES, Batch, BatchStatus, File, SlaClass, new_id, utcnow
 from . import cfg, ext, json_body, limit_arg, owned, page, ts
 

@@ -8,9 +8,9 @@ from flask import Blueprint, g, request, send_file
 
 from ..auth import tenant_required
 from ..ledger import files as kept, pages, quotas
-from ..ledger.bodies import bad_text
+from ..protocol.request_bodies import bad_text
 from ..db import session
-from ..ledger.errors import APIError, bad_request, not_found
+from ..protocol.errors import APIError, bad_request, not_found
 from ..ledger.models import File, new_id, utcnow
 from . import cfg, ext, limit_arg, owned, page, ts
 

@@ -4,8 +4,8 @@ from pathlib import Path
 from flask import Blueprint
 
 from ..db import get_engine
-from ..ledger.db import ping
-from ..errors import error_response
+from ..ledger.database import ping
+from ..error_responses import error_response
 from ..openapi import spec
 from ..ledger.snapshots import SnapshotStore
 from . import cfg, ext

@@ -5,13 +5,14 @@ import json
 from flask import Blueprint, g, request
 from sqlalchemy.exc import IntegrityError
 
-from ..ledger import (adapters, affinity, bodies, choices, embeddings, jobs as transitions, logprobs, quotas,
-                      structured, tiers)
-from ..ledger import fair, openai_shapes, pages
+from ..ledger import adapters, affinity, fair, jobs as transitions, pages, quotas
+from ..protocol import CHAT, COMPLETIONS, EMBEDDINGS
+from ..protocol import (embeddings, logprobs, openai_completions, request_bodies as bodies, sla_classes,
+                        structured_output as structured)
 from .. import admission
 from ..auth import tenant_required
 from ..db import session
-from ..ledger.errors import APIError, bad_request, not_found
+from ..protocol.errors import APIError, bad_request, not_found
 from ..ledger.logging import log_job
 from ..ledger.models import SLA_CLASSES, Job, JobStatus, SlaClass, new_id, utcnow
 from . import MAX_JSON_BYTES, cfg, ext, json_body, limit_arg, owned, page, ts
@@ -21,7 +22,7 @@ MAX_PAGE = 100   # jobs in one page of a listing (OpenAI's lists stop at 100)
 
 
 def _tool_calls(job: Job) -> dict:
-    if job.endpoint != bodies.CHAT or not structured.uses_tools(job.request or {}):
+    if job.endpoint != CHAT or not structured.uses_tools(job.request or {}):
         return {}
     return {"tool_calls": structured.parse(job.request, job.output or "", job.id)[1]}
 
@@ -33,7 +34,7 @@ def _choices(job: Job, one: bool) -> dict:
     want = logprobs.requested(job.endpoint, job.request)
     return {"choices": [{"index": i, "text": c["text"], "token_ids": c["token_ids"], "finish_reason": c["finish_reason"],
                          **({"logprobs": logprobs.shaped(job.endpoint, c["logprobs"])} if want else {})}
-                        for i, c in enumerate(choices.of_job(job))]}
+                        for i, c in enumerate(openai_completions.choices_of(job))]}
 
 
 def job_json(job: Job, with_logprobs: bool = False, with_request: bool = True) -> dict:
@@ -41,10 +42,10 @@ def job_json(job: Job, with_logprobs: bool = False, with_request: bool = True) -
     with_request (a listing that did not ask for it) the request body is left out."""
     usage = None
     if job.prompt_tokens is not None:
-        usage = embeddings.usage(job.prompt_tokens) if job.endpoint == bodies.EMBEDDINGS else \
-            openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
+        usage = embeddings.usage(job.prompt_tokens) if job.endpoint == EMBEDDINGS else \
+            openai_completions.usage(job.prompt_tokens, job.completion_tokens)
     return {"id": job.id, "object": "job", "status": job.status.value, "sla_class": job.sla_class.value,
-            "service_tier": tiers.tier(job.sla_class),
+            "service_tier": sla_classes.tier(job.sla_class),
             "model": job.model, "endpoint": job.endpoint, **({"request": job.request} if with_request else {}),
             "metadata": job.metadata_,
             "batch_id": job.batch_id, "custom_id": job.custom_id, "deadline": ts(job.deadline),
@@ -53,7 +54,7 @@ def job_json(job: Job, with_logprobs: bool = False, with_request: bool = True) -
             "first_token_at": ts(job.first_token_at), "finished_at": ts(job.finished_at),
             "attempts": job.attempts, "worker": job.worker, "usage": usage,
             "output": None if job.status != JobStatus.completed else
-            {"data": embeddings.data(job.output, job.request)} if job.endpoint == bodies.EMBEDDINGS else
+            {"data": embeddings.data(job.output, job.request)} if job.endpoint == EMBEDDINGS else
             {"text": job.output, "token_ids": job.output_token_ids, **_tool_calls(job), **_choices(job, with_logprobs),
              **({"logprobs": logprobs.shaped(job.endpoint, job.logprobs)}
                 if with_logprobs and logprobs.requested(job.endpoint, job.request) else {})},
@@ -91,7 +92,7 @@ def create_job():
         raise bad_request("Send either 'prompt' or 'messages', not both.", "messages")
     if "input" in body and ("prompt" in body or "messages" in body):
         raise bad_request("Send one of 'input' (embeddings), 'prompt' or 'messages'.", "input")
-    endpoint = bodies.EMBEDDINGS if "input" in body else bodies.CHAT if "messages" in body else bodies.COMPLETIONS
+    endpoint = EMBEDDINGS if "input" in body else CHAT if "messages" in body else COMPLETIONS
     model = adapters.resolve(session(), ext("registry"), quota, g.tenant.id, body.get("model"))  # 404/403
     ext("registry").check_endpoint(model, endpoint)
     checked = bodies.check(body, endpoint, served_model=None,
@@ -99,7 +100,7 @@ def create_job():
                            context_len=ext("registry").context_len(model), vocab_size=ext("registry").vocab_size(model),
                            embed_model=ext("registry").embed_model(model),
                            count_tokens=ext("registry").token_counter(model))
-    sla = tiers.sla_class(body.get("service_tier"), body.get("sla_class"),
+    sla = sla_classes.sla_class(body.get("service_tier"), body.get("sla_class"),
                           g.tenant.default_sla_class or "interactive" if body.get("service_tier") == "auto"
                           else "interactive")
     if sla not in SLA_CLASSES:

@@ -10,12 +10,13 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 
 from tidepool.service.ledger import token_stream
 
-from ..ledger import (adapters, affinity, bodies, choices, embeddings, jobs as transitions, logprobs, quotas,
-                      registry, structured, tiers)
-from ..ledger import fair, openai_shapes
+from ..ledger import adapters, affinity, fair, jobs as transitions, quotas, registry
+from ..protocol import CHAT, COMPLETIONS, EMBEDDINGS
+from ..protocol import (embeddings, logprobs, openai_completions, request_bodies as bodies, sla_classes,
+                        structured_output as structured)
 from .. import admission
 from ..auth import tenant_required
-from ..ledger.errors import APIError, bad_request
+from ..protocol.errors import APIError, bad_request
 from ..ledger.models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
 from ..db import session
 from . import MAX_JSON_BYTES, cfg, ext, json_body
@@ -58,13 +59,13 @@ def get_model(model_id):
 @bp.post("/v1/completions")
 @tenant_required
 def completions():
-    return _serve(bodies.COMPLETIONS)
+    return _serve(COMPLETIONS)
 
 
 @bp.post("/v1/chat/completions")
 @tenant_required
 def chat_completions():
-    return _serve(bodies.CHAT)
+    return _serve(CHAT)
 
 
 @bp.post("/v1/embeddings")
@@ -75,8 +76,8 @@ def create_embeddings():
     body = json_body(MAX_JSON_BYTES)
     sla = online_class(body.pop("service_tier", None), body.pop("sla_class", None))
     model = ext("registry").resolve(g.quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
-    ext("registry").check_endpoint(model, bodies.EMBEDDINGS)
-    checked = bodies.check(body, bodies.EMBEDDINGS, served_model=None, max_tokens_cap=None,
+    ext("registry").check_endpoint(model, EMBEDDINGS)
+    checked = bodies.check(body, EMBEDDINGS, served_model=None, max_tokens_cap=None,
                            embed_model=ext("registry").embed_model(model))
     job, waiter = submit(checked, sla, model, marks)
     try:
@@ -113,7 +114,7 @@ def _serve(endpoint: str):
     job, waiter = submit(checked, sla, model, marks)
     fmt = _Format(endpoint, job.id, int(job.created_at.timestamp()), model.name or body.get("model"),
                   bool((options or {}).get("include_usage")), logprobs.requested(endpoint, checked.body), checked.body)
-    fmt.service_tier = tiers.tier(sla)
+    fmt.service_tier = sla_classes.tier(sla)
     first, final = first_event(waiter, whole=not stream)
     if final is not None:
         if final.status != JobStatus.completed:
@@ -127,12 +128,12 @@ def _serve(endpoint: str):
 
 
 def online_class(service_tier, sla_class) -> str:
-    """The class of an online request: `service_tier` and `sla_class` (service/tiers.py), the tenant's default when
-    neither is given; `flex` runs in the batch class. 403 when the tenant's quota does not allow it."""
+    """The class of an online request: `service_tier` and `sla_class` (service/protocol/sla_classes.py), the tenant's
+    default when neither is given; `flex` runs in the batch class. 403 when the tenant's quota does not allow it."""
     if sla_class is not None and sla_class not in ONLINE_CLASSES and (service_tier, sla_class) != ("flex", FLEX):
         raise bad_request(f"'sla_class' must be one of {list(ONLINE_CLASSES)} here (service_tier 'flex' serves "
                           "the batch class online); queue other classes with /v1/jobs or /v1/batches.", "sla_class")
-    sla = tiers.sla_class(service_tier, sla_class, g.tenant.default_sla_class or "interactive")
+    sla = sla_classes.sla_class(service_tier, sla_class, g.tenant.default_sla_class or "interactive")
     quotas.check_class(g.quota, sla)
     return sla
 
@@ -298,7 +299,7 @@ def _job_error(job: Job) -> APIError:
         return APIError(400, err["message"], "invalid_response_format", "response_format")
     if job.status == JobStatus.failed and err.get("code") in ("context_length_exceeded", "invalid_prompt"):
         return APIError(400, err.get("message", "Invalid request."), err["code"],
-                        {bodies.CHAT: "messages", bodies.EMBEDDINGS: "input"}.get(job.endpoint, "prompt"))
+                        {CHAT: "messages", EMBEDDINGS: "input"}.get(job.endpoint, "prompt"))
     if job.status == JobStatus.cancelled:
         return APIError(409, "The request was cancelled.", "cancelled")
     if job.status == JobStatus.expired:
@@ -307,12 +308,12 @@ def _job_error(job: Job) -> APIError:
 
 
 def _usage(job: Job) -> dict:
-    return openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
+    return openai_completions.usage(job.prompt_tokens, job.completion_tokens)
 
 
 class _Format:
     def __init__(self, endpoint, job_id, created, model, include_usage, want_logprobs=False, body=None):
-        self.endpoint, self.chat = endpoint, endpoint == bodies.CHAT
+        self.endpoint, self.chat = endpoint, endpoint == CHAT
         self.body = body or {}
         self.splitters: dict = {}     # chat: per choice (n > 1), the content / tool-call splitter
         self.called: set = set()      # choices that streamed a tool call
@@ -325,15 +326,17 @@ class _Format:
         if not self.chat:
             return None
         if index not in self.splitters:
-            self.splitters[index] = structured.StreamSplitter(self.body, openai_shapes.call_id_base(self.id, index))
+            self.splitters[index] = structured.StreamSplitter(self.body,
+                                                              openai_completions.call_id_base(self.id, index))
         return self.splitters[index]
 
     def _head(self, chunk: bool) -> dict:
-        head = openai_shapes.head(self.endpoint, self.id, self.created, self.model, chunk)
+        head = openai_completions.head(self.endpoint, self.id, self.created, self.model, chunk)
         return {**head, "service_tier": self.service_tier} if self.service_tier else head
 
     def whole(self, job: Job) -> dict:
-        picked = openai_shapes.choice_objects(job.endpoint, choices.of_job(job), self.body, self.id, self.want_logprobs)
+        picked = openai_completions.choice_objects(job.endpoint, openai_completions.choices_of(job), self.body, self.id,
+                                                   self.want_logprobs)
         return {**self._head(False), "choices": picked, "usage": _usage(job)}
 
     def tool_chunks(self, index: int = 0):
@@ -426,7 +429,7 @@ def _sse(waiter: _Waiter, fmt: _Format, first: dict):
                         yield fmt.chunk(piece, entries=entries, index=c)
                 ev = waiter.next_event(keepalive=True)
             job = waiter.finish()
-            every = choices.of_job(job) if job.status == JobStatus.completed else []
+            every = openai_completions.choices_of(job) if job.status == JobStatus.completed else []
             if job.status != JobStatus.completed:
                 yield _error_event(_job_error(job))
             elif not all((o["text"] or "").startswith(sent.get(c, "")) for c, o in enumerate(every)):

@@ -1,14 +1,17 @@
-"""OpenAI Responses API: a request is a chat job (service/responses.py shapes it) admitted and answered by the
-online core (service/api/openai_compat.py); `background` answers at once with the queued job, `store` keeps the
-response (and its input items) for GET, input_items and `previous_response_id`."""
+"""OpenAI Responses API: a request is a chat job (service/protocol/openai_responses.py shapes it) admitted and
+answered by the online core (service/api/openai_compat.py); `background` answers at once with the queued job, `store`
+keeps the response (and its input items) for GET, input_items and `previous_response_id`."""
 import json
 
 from flask import Blueprint, g, request
 
-from ..ledger import bodies, jobs as transitions, responses as shapes, structured, tiers
+from ..protocol import CHAT
+from ..protocol import (openai_responses as shapes, request_bodies as bodies, sla_classes,
+                        structured_output as structured)
+from ..ledger import jobs as transitions
 from ..auth import tenant_required
 from ..db import session
-from ..ledger.errors import APIError, bad_request
+from ..protocol.errors import APIError, bad_request
 from ..ledger.models import Job, JobStatus, StoredResponse, new_id
 from . import MAX_JSON_BYTES, ext, json_body, limit_arg, owned
 from .openai_compat import _job_error, event_stream, first_event, online_class, submit
@@ -28,7 +31,7 @@ def _own(response_id: str, param: str | None = None) -> tuple[StoredResponse, Jo
 
 def _render(response_id: str, job: Job, params: dict, **kw) -> dict:
     return shapes.render(response_id, job, params, model=job.model, created_at=int(job.created_at.timestamp()),
-                         service_tier=tiers.tier(job.sla_class), **kw)
+                         service_tier=sla_classes.tier(job.sla_class), **kw)
 
 
 def _history(prev_id: str) -> list[dict]:
@@ -56,9 +59,9 @@ def create_response():
     prev = body.get("previous_response_id")
     history = _history(prev) if prev else None
     model = ext("registry").resolve(g.quota, body.get("model"))
-    ext("registry").check_endpoint(model, bodies.CHAT)
+    ext("registry").check_endpoint(model, CHAT)
     checked = shapes.check(parsed, history, lambda chat: bodies.check(
-        chat, bodies.CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
+        chat, CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
         context_len=ext("registry").context_len(model), count_tokens=ext("registry").token_counter(model)))
     job, waiter = submit(checked, sla, model, wait=not background, hidden=not store)
     response_id = shapes.response_id(job.id)

@@ -3,7 +3,7 @@ Messages): one choice, no logprobs. A rerun of the job (a new attempt after a wo
 while its text extends what was sent, as in openai_compat._sse."""
 import logging
 
-from ..ledger.errors import APIError
+from ..protocol.errors import APIError
 from ..ledger.models import JobStatus
 from .openai_compat import _Waiter, _job_error, _restarted
 

@@ -13,9 +13,8 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .audit import audit
-from .errors import APIError, bad_request
-from .models import Adapter, Tenant, utcnow
+from ..protocol.errors import APIError, bad_request
+from .models import Adapter, Tenant, audit, utcnow
 from .registry import NAME, Entry, Registry, check_source
 
 DEFAULT_MAX_LORA_RANK = 16    # EngineConfig.max_lora_rank's default, when TIDEPOOL_MAX_LORA_RANK is unset

@@ -19,7 +19,7 @@ already holds that prefix in its KV cache, as llm-d and Dynamo route by KV local
   shared class queue, where any worker takes it. No key, no live workers, one worker: the shared queue.
 - Crash safety is the shared queue's: messages are taken into the unacked set, acked late, restored to the
   queue they came from; a worker that stops moves what is left in its private queues to the shared ones
-  (workers/affinity.py), and beat moves the private queues of workers whose heartbeat is gone
+  (workers/worker_affinity.py), and beat moves the private queues of workers whose heartbeat is gone
   (`drain_dead`). A message routed to a worker that just died waits there at most one heartbeat TTL plus one
   sweep; the ledger's guarded claim keeps every job to one completion whatever queue it comes from.
 """
@@ -31,7 +31,7 @@ from collections import OrderedDict
 
 from . import fair
 from .models import cache_namespace
-from .openai_shapes import CHAT
+from ..protocol import CHAT
 from .snapshots import HEARTBEAT_KEY
 
 SEP = ">"                                # private queue = "<shared queue>><worker name>" (queue names use "@")

@@ -7,12 +7,15 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, undefer
 from sqlalchemy.orm.attributes import set_committed_value
 
-from . import adapters, affinity, anthropic_shapes, bodies, choices, embeddings, logprobs, quotas, responses
-from . import fair, openai_shapes
+from . import adapters, affinity, fair, quotas
+from .. import protocol
+from ..protocol import CHAT, EMBEDDINGS, MESSAGES, RESPONSES
+from ..protocol import (anthropic_messages, embeddings, logprobs, openai_completions, openai_responses,
+                         request_bodies as bodies)
 from .models import Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant, new_id, utcnow
 from .storage import Storage
 
-ENDPOINTS = (*bodies.ENDPOINTS, responses.RESPONSES)    # OpenAI batches; message batches are /v1/messages
+ENDPOINTS = (*protocol.ENDPOINTS, RESPONSES)    # OpenAI batches; message batches are /v1/messages
 MAX_ERRORS = 100   # line errors a failed batch keeps; past them, one more entry counts the rest
 ACTIVE = (BatchStatus.validating, BatchStatus.in_progress, BatchStatus.finalizing, BatchStatus.cancelling)
 
@@ -24,14 +27,14 @@ def _line_error(line: int, code: str, message: str, param: str | None = None) ->
 def check_line(endpoint: str, body, **limits) -> bodies.Checked:
     """One batch line's body, checked as bodies.check does; a /v1/responses or /v1/messages body becomes the chat
     body it stands for (its Checked.endpoint is then the chat endpoint the job runs as)."""
-    if endpoint == responses.RESPONSES:
+    if endpoint == RESPONSES:
         if not isinstance(body, dict):
             raise bodies.bad_request("The request body must be a JSON object.", None, "invalid_body")
-        parsed = responses.parse(body, new_id, responses.BATCH_FIELDS)
-        return responses.check(parsed, None, lambda chat: bodies.check(chat, bodies.CHAT, **limits))
-    if endpoint == anthropic_shapes.MESSAGES:
-        chat, origin = anthropic_shapes.to_chat(body, anthropic_shapes.BATCH_FIELDS)
-        return anthropic_shapes.check(chat, origin, lambda c: bodies.check(c, bodies.CHAT, **limits))
+        parsed = openai_responses.parse(body, new_id, openai_responses.BATCH_FIELDS)
+        return openai_responses.check(parsed, None, lambda chat: bodies.check(chat, CHAT, **limits))
+    if endpoint == MESSAGES:
+        chat, origin = anthropic_messages.to_chat(body, anthropic_messages.BATCH_FIELDS)
+        return anthropic_messages.check(chat, origin, lambda c: bodies.check(c, CHAT, **limits))
     return bodies.check(body, endpoint, **limits)
 
 
@@ -119,7 +122,7 @@ def _load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, spool, 
                                      embed_model=None if entry is None else models.embed_model(entry),
                                      count_tokens=None if entry is None else models.token_counter(entry),
                                      vocab_size=None if entry is None else models.vocab_size(entry))
-                if batch.endpoint == bodies.EMBEDDINGS:
+                if batch.endpoint == EMBEDDINGS:
                     inputs += embeddings.count(checked.body)
                     if inputs > embeddings.MAX_BATCH_INPUTS:
                         return [_line_error(lineno, "too_many_inputs", f"A batch may hold at most "
@@ -231,17 +234,17 @@ def result_body(job: Job, model: str | None, endpoint: str) -> dict:
     """A completed batch job's response body in the shape of the batch's endpoint."""
     model = job.model or model     # the line's own model; rows older than the registry ran on the default
     created = int(job.finished_at.timestamp()) if job.finished_at else None
-    if endpoint == responses.RESPONSES:
-        return responses.render(responses.response_id(job.id), job, {}, model=model, created_at=created,
+    if endpoint == RESPONSES:
+        return openai_responses.render(openai_responses.response_id(job.id), job, {}, model=model, created_at=created,
                                 service_tier="flex", store=False)
-    if endpoint == anthropic_shapes.MESSAGES:
-        return anthropic_shapes.message(anthropic_shapes.message_id(job.id), model, job)
-    if job.endpoint == bodies.EMBEDDINGS:
+    if endpoint == MESSAGES:
+        return anthropic_messages.message(anthropic_messages.message_id(job.id), model, job)
+    if job.endpoint == EMBEDDINGS:
         return embeddings.response_body(job.output, job.request, model, job.prompt_tokens)
-    usage = openai_shapes.usage(job.prompt_tokens, job.completion_tokens)
-    picked = openai_shapes.choice_objects(job.endpoint, choices.of_job(job), job.request, job.id,
-                                          logprobs.requested(job.endpoint, job.request))
-    return {**openai_shapes.head(job.endpoint, job.id, created, model), "choices": picked, "usage": usage}
+    usage = openai_completions.usage(job.prompt_tokens, job.completion_tokens)
+    picked = openai_completions.choice_objects(job.endpoint, openai_completions.choices_of(job), job.request, job.id,
+                                               logprobs.requested(job.endpoint, job.request))
+    return {**openai_completions.head(job.endpoint, job.id, created, model), "choices": picked, "usage": usage}
 
 
 def _result_line(job: Job, model: str | None, endpoint: str) -> str:

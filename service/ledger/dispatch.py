@@ -22,7 +22,7 @@ from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
 from . import affinity, doorbell, fair as fair_queues
-from .config import Config
+from .settings import Config
 from .models import SLA_CLASSES, Batch, Job, JobStatus, Tenant, utcnow
 from .wire import make_celery, publish_task as _publish_task, task_message  # noqa: F401 (make_celery: create_app)
 

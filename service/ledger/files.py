@@ -5,7 +5,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from .errors import APIError, bad_request
+from ..protocol.errors import APIError, bad_request
 from .models import File, Quota, Tenant, utcnow
 from .storage import Storage
 

@@ -16,7 +16,7 @@ KEY_SCHEME = "tp"
 _ALPHABET = string.ascii_lowercase + string.digits
 
 
-def _hash(secret: str) -> str:
+def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
@@ -24,7 +24,7 @@ def generate() -> tuple[str, str, str]:
     """Return (full key, prefix, hash); the full key is shown once and never stored."""
     prefix = f"{KEY_SCHEME}_" + "".join(secrets.choice(_ALPHABET) for _ in range(10))
     secret = secrets.token_urlsafe(32)
-    return f"{prefix}_{secret}", prefix, _hash(secret)
+    return f"{prefix}_{secret}", prefix, hash_secret(secret)
 
 
 def split(key: str) -> tuple[str, str] | None:

@@ -86,7 +86,7 @@ class _StderrHandler(logging.StreamHandler):
 def configure(level: str | int | None = None, stream=None, fmt: str | None = None) -> logging.Handler:
     """Send the root logger to JSON lines (TIDEPOOL_LOG_FORMAT=text: plain lines) on stream (stderr), at
     TIDEPOOL_LOG_LEVEL (INFO); idempotent. Every process calls it first (the CLI, gunicorn's app module)."""
-    from .config import log_settings
+    from .settings import log_settings
     root = logging.getLogger()
     ours = [h for h in root.handlers if isinstance(h.formatter, (JsonFormatter, TextFormatter))]
     if ours and stream is None:

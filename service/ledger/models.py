@@ -1,4 +1,4 @@
-"""Ledger schema: SQLAlchemy models shared by the API, the workers and the migrations."""
+"""Ledger schema: SQLAlchemy models shared by the API, the workers and the migrations; `audit` writes the audit log."""
 import enum
 import secrets
 import time
@@ -6,9 +6,10 @@ from datetime import datetime, timezone
 
 from sqlalchemy import (JSON, BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer,
                         MetaData, String, Text, TypeDecorator, UniqueConstraint, false)
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
-from .sla import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, SlaClass  # noqa: F401 (the ledger's import point)
+# the ledger's import point of the SLA classes
+from ..protocol.sla_classes import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, SlaClass  # noqa: F401
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -259,18 +260,19 @@ class Job(Base):
     output_token_ids: Mapped[list | None] = mapped_column(JSON)
     finish_reason: Mapped[str | None] = mapped_column(String(32))
     error: Mapped[dict | None] = mapped_column(JSON)
-    # Per generated token when the request asked for logprobs (entries as in service/ledger/logprobs.py);
+    # Per generated token when the request asked for logprobs (entries as in service/protocol/logprobs.py);
     # deferred, so listings never load it: undefer(Job.logprobs) where a response needs it.
     logprobs: Mapped[list | None] = mapped_column(JSON, deferred=True)
     # n > 1: the choices after the first, in order, each {"text", "token_ids", "finish_reason", "logprobs"}
     # (the first is output, output_token_ids, finish_reason and logprobs above); NULL for one choice.
-    # Deferred like logprobs: undefer(Job.choices) where a response needs it (service/ledger/choices.py).
+    # Deferred like logprobs: undefer(Job.choices) where a response needs it (protocol/openai_completions.py).
     choices: Mapped[list | None] = mapped_column(JSON, deferred=True)
 
 
 class StoredResponse(Base):
     """A stored OpenAI Responses API response (`store`, the default): the job that produced it, its own input items
-    and the parameters it echoes; a later request names it as `previous_response_id` (service/responses.py)."""
+    and the parameters it echoes; a later request names it as `previous_response_id`
+    (service/protocol/openai_responses.py)."""
     __tablename__ = "responses"
     id: Mapped[str] = mapped_column(String(40), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
@@ -304,6 +306,7 @@ class AdminSession(Base):
 
 
 class AuditLog(Base):
+    """The audit log: who changed what in the ledger's administration (tenants, quotas, keys, models)."""
     __tablename__ = "audit_log"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
@@ -311,3 +314,7 @@ class AuditLog(Base):
     action: Mapped[str] = mapped_column(String(64))
     target: Mapped[str | None] = mapped_column(String(64))
     details: Mapped[dict | None] = mapped_column(JSON)
+
+
+def audit(s: Session, actor: str, action: str, target: str | None, details: dict | None = None) -> None:
+    s.add(AuditLog(actor=actor, action=action, target=target, details=details, at=utcnow()))

@@ -24,9 +24,9 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from .errors import APIError
+from ..protocol.errors import APIError
 from .jobs import period
-from .metrics import quota_rejected
+from .counters import quota_rejected
 from .models import ApiKey, Job, Quota, Tenant
 
 WINDOW = 60
@@ -296,8 +296,8 @@ def reserve_queued(s: Session, quota: Quota, n: int, key_id: int | None = None, 
 
 def refused(s: Session | Connection, tenant_id: str, n: int, key_id: int | None, tokens: int = 0) -> None:
     """Why the admission UPDATE matched no row, as the error the client gets: a revoked key (401) or a
-    disabled tenant (403), found by the database rather than the cached authentication (service.errors drops it);
-    otherwise max_queued (429)."""
+    disabled tenant (403), found by the database rather than the cached authentication (service/error_responses.py
+    drops it); otherwise max_queued (429)."""
     row = s.execute(select(Tenant.disabled, Quota.max_queued, Quota.monthly_token_budget, Tenant.budget_reserved,
                            _used())
                     .join(Quota, Quota.tenant_id == Tenant.id).where(Tenant.id == tenant_id)).first()

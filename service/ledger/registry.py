@@ -20,9 +20,8 @@ from pathlib import Path
 from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
-from .errors import APIError, bad_request
-from .models import Model, ModelTier, Quota, Tenant, utcnow
-from .audit import audit
+from ..protocol.errors import APIError, bad_request
+from .models import Model, ModelTier, Quota, Tenant, audit, utcnow
 
 # '@' never appears: it separates class and model in queue names (service/ledger/dispatch.py queue_name).
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
@@ -333,7 +332,7 @@ class Registry:
     def check_endpoint(self, entry: Entry, endpoint: str) -> None:
         """A 404 naming `model` when the model cannot serve the endpoint (an embedding model asked to generate,
         a generation model asked to embed): as OpenAI, no such model for this endpoint."""
-        from .openai_shapes import EMBEDDINGS
+        from ..protocol import EMBEDDINGS
         kind = self.kind(entry)
         if kind is None or (kind == "embed") == (endpoint == EMBEDDINGS):
             return
@@ -348,12 +347,12 @@ class Registry:
         that does not embed or whose folder cannot be read here (then the worker checks the inputs)."""
         if entry.name is None or self.kind(entry) != "embed":
             return None
-        from .embeddings import EmbedModel
+        from ..protocol.embeddings import EmbedModel
         return self._per_model("embed", entry, EmbedModel, or_none=True)   # unreadable: the worker refuses it
 
     def token_counter(self, entry: Entry):
         """text -> tokens with a generation model's tokenizer (tokenizer.json, read here once); None when this
-        process cannot read it (then the API estimates from UTF-8 bytes, service/ledger/bodies.py)."""
+        process cannot read it (then the API estimates from UTF-8 bytes, service/protocol/request_bodies.py)."""
         if entry.name is None or self.kind(entry) != "generate":
             return None
         def counter(source: str):

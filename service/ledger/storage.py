@@ -3,7 +3,7 @@ import os
 import re
 from pathlib import Path
 
-from .errors import APIError
+from ..protocol.errors import APIError
 
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 CHUNK = 1 << 20

@@ -6,12 +6,11 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from . import keys
-from .audit import audit
-from .bodies import bad_text
-from .errors import APIError, bad_request
+from ..protocol.request_bodies import bad_text
+from ..protocol.errors import APIError, bad_request
 from .jobs import period
 from .registry import check_allowed
-from .models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Job, JobStatus, Quota, Tenant, Usage, utcnow
+from .models import ONLINE_CLASSES, SLA_CLASSES, ApiKey, Job, JobStatus, Quota, Tenant, Usage, audit, utcnow
 
 QUOTA_FIELDS = {
     "requests_per_minute": int, "tokens_per_minute": int, "max_running": int, "max_queued": int,

@@ -5,7 +5,7 @@ from flask import flash, redirect, render_template, request, url_for
 from ..api import cfg, ext
 from ..db import session as db
 from ..ledger import adapters
-from ..ledger.errors import APIError
+from ..protocol.errors import APIError
 from .blueprint import bp
 
 ACTOR = "panel"

@@ -10,7 +10,7 @@ from flask import Blueprint, current_app, g, redirect, render_template, request,
 from ..db import session as db
 from ..ledger import keys
 
-from ..ledger.resources import WEB
+from ..resources import WEB
 
 bp = Blueprint("panel", __name__, url_prefix="/admin", template_folder=str(WEB / "templates"),
                static_folder=str(WEB / "static"), static_url_path="/static")

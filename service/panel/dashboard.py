@@ -8,7 +8,7 @@ from tidepool.service.ledger.snapshots import SNAPSHOT_TTL, Heartbeats, Snapshot
 
 from ..api import ext
 from ..db import session as db
-from ..ledger import metrics
+from ..ledger import counters
 from ..ledger.models import SLA_CLASSES, utcnow
 from .blueprint import bp
 
@@ -28,7 +28,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def _latency() -> dict:
     """TTFT (created → first token) and end-to-end (created → finished) of jobs completed recently."""
-    rows = metrics.completed_since(db(), utcnow() - LATENCY_WINDOW, MAX_SAMPLES)
+    rows = counters.completed_since(db(), utcnow() - LATENCY_WINDOW, MAX_SAMPLES)
     samples = {c: {"ttft": [], "e2e": []} for c in SLA_CLASSES}
     for sla, created, first, finished, _ in rows:
         if first is not None:
@@ -48,7 +48,7 @@ def history() -> list[dict]:
     live readings: their charts start at the first poll)."""
     now = utcnow()
     start = now - HISTORY_WINDOW
-    rows = metrics.completed_since(db(), start, MAX_SAMPLES)
+    rows = counters.completed_since(db(), start, MAX_SAMPLES)
     steps = int(HISTORY_WINDOW / HISTORY_STEP)
     buckets = [{"tokens": 0, "ttft": {c: [] for c in SLA_CLASSES}, "e2e": {c: [] for c in SLA_CLASSES}}
                for _ in range(steps)]
@@ -101,7 +101,7 @@ def worker_snapshots() -> list[dict]:
 def dashboard_json() -> dict:
     s = db()
     jobs = {c: {"queued": 0, "running": 0} for c in SLA_CLASSES}
-    for sla, status, n in metrics.active_by_class(s):
+    for sla, status, n in counters.active_by_class(s):
         jobs[sla.value][status.value] = n
     errors = []
     try:
@@ -113,7 +113,7 @@ def dashboard_json() -> dict:
     except Exception as exc:
         workers, errors = [], errors + [f"Worker stats unreachable: {type(exc).__name__}"]
     since = utcnow() - RATE_WINDOW
-    ledger_tokens, finished = metrics.throughput(s, since)
+    ledger_tokens, finished = counters.throughput(s, since)
     queries = sum(w.get("prefix_cache_queries", 0) for w in workers)
     hits = sum(w.get("prefix_cache_hits", 0) for w in workers)
     kv = [w.get("kv_cache_usage", 0.0) for w in workers]

@@ -6,7 +6,7 @@ from ..ledger import registry
 from ..api import ext
 from ..api.admin import model_queues
 from ..db import session as db
-from ..ledger.errors import APIError
+from ..protocol.errors import APIError
 from ..ledger.models import Tenant
 from .blueprint import bp
 

@@ -5,13 +5,14 @@ from datetime import datetime, timezone
 from flask import abort, flash, redirect, render_template, request, send_file, session, url_for
 from werkzeug.exceptions import HTTPException
 
-from ..ledger import batches as ledger, embeddings, eta, jobs as transitions, keys as credentials, pages, tenants
+from ..ledger import batches as ledger, eta, jobs as transitions, keys as credentials, pages, tenants
+from ..protocol import embeddings
 from ..api import cfg, ext
 from ..auth import admin_failed, admin_throttled
 from ..db import session as db
-from ..ledger.errors import APIError
+from ..protocol.errors import APIError
 from ..ledger.logging import log_job
-from ..ledger.endpoints import EMBEDDINGS
+from ..protocol import EMBEDDINGS
 from ..ledger.models import ONLINE_CLASSES, SLA_CLASSES, Batch, BatchStatus, File, Job, JobStatus, Quota, Tenant
 from .blueprint import bp, check_token, sign_in, sign_out, signed_in
 

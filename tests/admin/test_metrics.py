@@ -359,7 +359,7 @@ def _tenant_with_ids(client) -> tuple[str, str]:
 
 
 def test_no_tenant_or_batch_ids_as_labels_unless_opted_in(client, pg_url, tmp_path, admin_redis, monkeypatch):
-    from tidepool.service.ledger import metrics as counters
+    from tidepool.service.ledger import counters
     monkeypatch.setattr(counters, "TENANT_LABELS", False, raising=False)    # restored after the opted-in app
     tenant_id, batch_id = _tenant_with_ids(client)
     text = client.get("/metrics", headers=BEARER).text

@@ -35,7 +35,7 @@ def test_every_reference_page_is_what_the_code_produces(gen, pages):
 
 
 def test_the_configuration_page_lists_every_setting_with_its_default(pages, gen):
-    from tidepool.service.ledger.config import OTHER_VARIABLES, variables
+    from tidepool.service.ledger.settings import OTHER_VARIABLES, variables
     page = pages[gen.REFERENCE / "configuration.md"]
     for env, shown, _ in variables() + OTHER_VARIABLES:
         assert f"| `{env}` | {shown} |" in page, env
@@ -67,7 +67,7 @@ def test_the_http_page_and_document_cover_every_route_of_the_served_spec(pages, 
 def test_the_openapi_copy_is_the_served_document(pages, gen):
     """The committed copy is the document the service serves (built at two clock readings: nothing in it may
     depend on the clock, a deadline's bounds included)."""
-    from tidepool.service.ledger import bodies
+    from tidepool.service.protocol import request_bodies as bodies
     from tidepool.service.openapi import spec
     doc = json.loads(pages[gen.REFERENCE / "openapi.json"])
     assert doc == gen.openapi_document() == json.loads(json.dumps(spec()))
@@ -89,7 +89,7 @@ def test_the_openapi_copy_is_the_served_document(pages, gen):
 def test_the_metrics_page_names_every_registered_series(pages, gen):
     from prometheus_client import CollectorRegistry
 
-    from tidepool.service.ledger.metrics import REGISTRY
+    from tidepool.service.ledger.counters import REGISTRY
     from tidepool.workers.metrics import EngineMetrics
     page = pages[gen.REFERENCE / "metrics.md"]
     names = [c._name for c in REGISTRY._collector_to_names]

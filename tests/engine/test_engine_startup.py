@@ -135,5 +135,5 @@ def test_serve_and_worker_take_the_engine_flags():
     from tidepool.workers.cli import build_parser
     for argv in (["serve"], ["worker", "--kind", "cpu"]):
         args = build_parser().parse_args(argv + ["--kv-blocks", "5", "--max-num-seqs", "2"])
-        from tidepool.workers.commands import engine_overrides
+        from tidepool.workers.engine_commands import engine_overrides
         assert engine_overrides(args) == {"num_kv_blocks": 5, "max_num_seqs": 2}

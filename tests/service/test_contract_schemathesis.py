@@ -20,7 +20,7 @@ from schemathesis.transport.serialization import Binary
 from werkzeug.serving import make_server
 
 from tidepool.service import create_app
-from tidepool.service.ledger.config import Config
+from tidepool.service.ledger.settings import Config
 from tidepool.service.openapi import CROSS_FIELD
 
 from .conftest import ADMIN, Admin

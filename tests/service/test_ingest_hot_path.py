@@ -20,7 +20,7 @@ from tidepool.service import create_app
 from tidepool.service.ledger import jobs, tenants
 from tidepool.service.ledger.dispatch import _lpush
 from tidepool.service.ledger.wire import make_celery, publish_task as _publish_task, task_message
-from tidepool.service.ledger.errors import APIError
+from tidepool.service.protocol.errors import APIError
 from tidepool.service.ledger.models import ApiKey, Job, JobStatus, SlaClass, Tenant, Usage, new_id, utcnow
 from tidepool.service.ledger.quotas import GroupAdmission
 from tidepool.workers import beat

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from tidepool.service.ledger import bodies
+from tidepool.service.protocol import request_bodies as bodies
 from tidepool.service.ledger.models import Batch, BatchStatus, Job, utcnow
 from tidepool.workers import beat
 

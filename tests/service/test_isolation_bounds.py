@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tidepool.service.ledger import bodies
+from tidepool.service.protocol import request_bodies as bodies
 from tidepool.service.api import MAX_JSON_BYTES
 
 from .conftest import ADMIN, Admin

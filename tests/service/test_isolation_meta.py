@@ -119,20 +119,24 @@ def test_service_never_imports_torch(tmp_path):
 
 
 # ---- import direction ---------------------------------------------------------------------------------------------
-# By folder: service/ledger/ is the Flask-free core (models, transitions, admission and quotas, batches, files, the
-# model registry, snapshots, wire format, token stream, settings); the rest of service/ is the Flask shell over it.
-# Workers import service.ledger and nothing else of service; service never imports workers; the engine
+# By folder: service/protocol/ is the wire (the JSON the API takes and gives, as plain Python: no web framework,
+# database, queue or torch, and nothing else of the project); service/ledger/ is the Flask-free core (models,
+# transitions, admission and quotas, batches, files, the model registry, snapshots, the Celery wire format, token
+# stream, settings), which may use the protocol; the rest of service/ is the Flask shell over both. Workers import
+# service.ledger and service.protocol and nothing else of service; service never imports workers; the engine
 # (workers/engine) and the kernels import neither; no module takes part in an import circle. Every `import`
 # statement of every module counts, the ones inside functions too.
 SERVICE, WORKERS, KERNELS = "tidepool.service", "tidepool.workers", "tidepool.kernels"
 ENGINE = "tidepool.workers.engine"
 LEDGER = "tidepool.service.ledger"
+PROTOCOL = "tidepool.service.protocol"
 
 # workers modules that put the web side together with the workers, and so may import any of service; a gpu/cpu
 # worker process imports none of them but the CLI (test_gpu_worker_imports_without_flask)
 COMPOSERS = {
     "tidepool.workers.cli": "the `tidepool` command registers service's subcommands (db, tenants, keys, web)",
-    "tidepool.workers.commands": "the CLI's engine-side subcommands; `tidepool models` holds service's registry commands too",
+    "tidepool.workers.engine_commands": "the CLI's engine-side subcommands; `tidepool models` holds service's registry "
+                                        "commands too",
     "tidepool.workers.embedded": "`tidepool serve`: the API and a worker in one process",
     "tidepool.workers.celery_app": "beat's upkeep tasks run with the app (create_app)",
 }
@@ -248,14 +252,19 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_imports_point_one_way():
     modules = _project_modules()
     assert COMPOSERS.keys() <= modules.keys(), f"listed but missing: {sorted(COMPOSERS.keys() - modules.keys())}"
-    assert LEDGER in modules
+    assert LEDGER in modules and PROTOCOL in modules
     wrong = []
     for name, path in sorted(modules.items()):
         deps = _imports(name, path, modules)
-        if _within(name, LEDGER):
+        if _within(name, PROTOCOL):
+            wrong += [f"{name} imports {d} (the protocol imports no web framework, database, queue, torch, workers, "
+                      "ledger or shell)" for d in deps if _roots([d]) & {*WEB, *LEDGER_AND_QUEUES, "torch"}
+                      or _within(d, WORKERS) or (_within(d, SERVICE) and not _within(d, PROTOCOL))]
+        elif _within(name, LEDGER):
             wrong += [f"{name} imports {d} (the ledger core imports no web framework, torch, workers or the shell)"
                       for d in deps if _roots([d]) & {*WEB, "torch"} or _within(d, WORKERS)
-                      or (_within(d, SERVICE) and not _within(d, LEDGER) and d != SERVICE)]
+                      or (_within(d, SERVICE) and not _within(d, LEDGER) and not _within(d, PROTOCOL)
+                          and d != SERVICE)]
         elif _within(name, SERVICE):
             wrong += [f"{name} imports {d} (service never imports workers)" for d in deps if _within(d, WORKERS)]
         elif _within(name, KERNELS):
@@ -266,8 +275,8 @@ def test_imports_point_one_way():
                       if _within(d, SERVICE) or _roots([d]) & {*WEB, *LEDGER_AND_QUEUES}
                       or (_within(d, WORKERS) and not _within(d, ENGINE) and d != WORKERS)]
         elif _within(name, WORKERS) and name not in COMPOSERS:
-            wrong += [f"{name} imports {d} (workers import only {LEDGER} of service)"
-                      for d in deps if _within(d, SERVICE) and not _within(d, LEDGER)]
+            wrong += [f"{name} imports {d} (workers import only {LEDGER} and {PROTOCOL} of service)"
+                      for d in deps if _within(d, SERVICE) and not _within(d, LEDGER) and not _within(d, PROTOCOL)]
         elif name == "tidepool":
             wrong += [f"tidepool imports {d} at import time (the package root stays free of every part)"
                       for d in _imports(name, path, modules, top_level_only=True) if _within(d, "tidepool")]
@@ -277,7 +286,8 @@ def test_imports_point_one_way():
     # importing the ledger runs service/__init__ first: that must stay as light as the ledger
     wrong += [f"importing service loads {d}" for d in sorted(_import_time_closure(SERVICE, modules))
               if _roots([d]) & {*WEB, "torch"} or _within(d, WORKERS)
-              or (d in modules and _within(d, SERVICE) and not _within(d, LEDGER) and d not in (SERVICE, "tidepool"))]
+              or (d in modules and _within(d, SERVICE) and not _within(d, LEDGER) and not _within(d, PROTOCOL)
+                  and d not in (SERVICE, "tidepool"))]
     assert not wrong, "\n".join(wrong)
 
 
@@ -298,7 +308,7 @@ def test_one_top_level_import_package():
 
 # ---- queries live in the ledger ------------------------------------------------------------------------------------
 # Every statement is built and run in service/ledger/, and every session, connection and transaction mode is set up
-# there (ledger/db.py): the Flask shell and the workers call ledger functions with a session the ledger opened (and
+# there (ledger/database.py): the Flask shell and the workers call ledger functions with a session the ledger opened (and
 # commit it), so a reader finds every query of a table in the ledger module that owns it. Outside the ledger (the
 # rest of service/, workers/, kernels/) a module may import sqlalchemy's exceptions (to catch them), the
 # Session/Engine/Connection types (to annotate) and `event` (to listen), and nothing else of it. migrations/
@@ -332,7 +342,31 @@ def test_queries_live_in_the_ledger():
              if not _within(name, LEDGER) for where in _builds_queries(path)]
     assert not wrong, "built or run outside service/ledger/:\n" + "\n".join(wrong)
     # the rule sees what it is for: the ledger's own modules build queries and open sessions
-    assert _builds_queries(modules[f"{LEDGER}.jobs"]) and _builds_queries(modules[f"{LEDGER}.db"])
+    assert _builds_queries(modules[f"{LEDGER}.jobs"]) and _builds_queries(modules[f"{LEDGER}.database"])
+
+
+# Two modules share a file name only where their folders say which is which: service/api/<resource>.py holds the HTTP
+# routes of a resource, service/ledger/<resource>.py the ledger's operations on it. Every other name is unique across
+# service/, workers/ and kernels/ (packages aside: each has its __init__.py), so a file name finds one module.
+ROUTES_AND_LEDGER = {
+    "batches.py": "/v1/batches routes; validating an input file into jobs, cancelling, finalising",
+    "files.py": "/v1/files routes; the files quota counted with a file's row, expiry",
+    "jobs.py": "/v1/jobs routes; the guarded job state transitions",
+}
+
+
+def test_module_file_names_are_unique():
+    folders: dict[str, list[str]] = {}
+    for top in ("tidepool", "service", "workers", "kernels"):
+        for path in (ROOT / top).rglob("*.py"):
+            if "__pycache__" not in path.parts and path.name != "__init__.py":
+                folders.setdefault(path.name, []).append(path.parent.relative_to(ROOT).as_posix())
+    pair = ["service/api", "service/ledger"]
+    wrong = [f"{name} in {sorted(where)}" for name, where in sorted(folders.items())
+             if len(where) > 1 and not (name in ROUTES_AND_LEDGER and sorted(where) == pair)]
+    wrong += [f"{name} is listed as a routes/ledger pair but is in {sorted(folders.get(name, []))}"
+              for name in ROUTES_AND_LEDGER if sorted(folders.get(name, [])) != pair]
+    assert not wrong, "\n".join(wrong)
 
 
 def test_no_import_circles():
@@ -376,7 +410,7 @@ def test_beat_imports_without_flask(tmp_path):
     import subprocess
     import sys
     code = ("import sys\n"
-            "from tidepool.service.ledger.config import Config\n"
+            "from tidepool.service.ledger.settings import Config\n"
             "from tidepool.workers import beat, celery_app\n"
             f"app = celery_app.make_celery(Config.from_env({{'storage_dir': {str(tmp_path)!r}}}, environ={{}}))\n"
             "assert {'tidepool.sweep', 'tidepool.finalize_batches'} <= set(app.tasks)\n"

@@ -11,7 +11,8 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tidepool.service.ledger import batches as ledger, jobs, logprobs, openai_shapes
+from tidepool.service.ledger import batches as ledger, jobs
+from tidepool.service.protocol import CHAT, COMPLETIONS, logprobs
 from tidepool.service.ledger.models import Batch, Job, JobStatus
 from tidepool.service.ledger import token_stream
 
@@ -32,7 +33,7 @@ def _entries(n_top: int) -> list[dict]:
 
 
 def _top_n(job: Job) -> int:
-    if job.endpoint == openai_shapes.CHAT:
+    if job.endpoint == CHAT:
         return job.request.get("top_logprobs") or 0
     return job.request["logprobs"]
 
@@ -192,11 +193,11 @@ def test_native_job_returns_logprobs_only_when_asked(app, online):
     assert all("logprobs" not in (j["output"] or {}) for j in listed)     # listings never load them
 
 
-@pytest.mark.parametrize("endpoint", [openai_shapes.COMPLETIONS, openai_shapes.CHAT])
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 def test_batch_output_lines_carry_logprobs_when_asked(embedded_app, endpoint):
     client = embedded_app.test_client()
     _, key = Admin(client).tenant()
-    if endpoint == openai_shapes.CHAT:
+    if endpoint == CHAT:
         bodies = [{"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 2},
                   {"messages": [{"role": "user", "content": "b"}]}]
     else:
@@ -221,7 +222,7 @@ def test_batch_output_lines_carry_logprobs_when_asked(embedded_app, endpoint):
                                                                     headers=key).data.splitlines())}
     asked, plain = (lines[k]["response"]["body"]["choices"][0]["logprobs"] for k in ("r0", "r1"))
     assert plain is None
-    if endpoint == openai_shapes.CHAT:
+    if endpoint == CHAT:
         assert [(e["token"], e["logprob"]) for e in asked["content"]] == TOKENS
         assert all(len(e["top_logprobs"]) == 2 and e["bytes"] == list(e["token"].encode()) for e in asked["content"])
     else:
@@ -231,8 +232,8 @@ def test_batch_output_lines_carry_logprobs_when_asked(embedded_app, endpoint):
 
 def test_shapes_are_computed_without_torch():
     entries = _entries(1)
-    assert logprobs.shaped(openai_shapes.CHAT, entries) == {"content": entries}
-    assert logprobs.shaped(openai_shapes.COMPLETIONS, entries[1:], offset=3)["text_offset"] == [3, 5]
+    assert logprobs.shaped(CHAT, entries) == {"content": entries}
+    assert logprobs.shaped(COMPLETIONS, entries[1:], offset=3)["text_offset"] == [3, 5]
     assert logprobs.text_length(entries) == len(TEXT)
-    assert logprobs.requested(openai_shapes.COMPLETIONS, {"logprobs": 0})
-    assert not logprobs.requested(openai_shapes.CHAT, {"logprobs": False, "top_logprobs": 3})
+    assert logprobs.requested(COMPLETIONS, {"logprobs": 0})
+    assert not logprobs.requested(CHAT, {"logprobs": False, "top_logprobs": 3})

@@ -1,4 +1,4 @@
-"""One settings object (service/ledger/config.py's Config): every setting has a variable, a meaning and a default to
+"""One settings object (service/ledger/settings.py's Config): every setting has a variable, a meaning and a default to
 show (the docs' configuration page is generated from them: tests/docs/test_reference.py), and a bad value stops a
 process at start-up with a message naming the variable."""
 import ast
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tidepool.service import create_app
-from tidepool.service.ledger.config import Config, SettingsError, variables
+from tidepool.service.ledger.settings import Config, SettingsError, variables
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +83,7 @@ def test_the_cli_stops_at_start_up_naming_the_variable(tmp_path):
     assert not (tmp_path / "t.db").exists()      # nothing ran
 
 
-# ---- nothing but service/ledger/config.py reads TIDEPOOL_* from the environment -----------------------------------------
+# ---- nothing but service/ledger/settings.py reads TIDEPOOL_* from the environment ------------------------------------
 
 def _is_tidepool_name(node) -> bool:
     """A product variable's name; TIDEPOOL_TEST_* and TIDEPOOL_BENCH_* belong to the test and benchmark harness."""
@@ -134,4 +134,4 @@ def test_only_the_settings_module_reads_tidepool_variables():
             if path == ROOT / "service" / "config.py":
                 continue
             offenders += [f"{path.relative_to(ROOT)}:{n}" for n in environment_reads(path.read_text())]
-    assert offenders == [], f"read TIDEPOOL_* through service.ledger.config.Config instead: {offenders}"
+    assert offenders == [], f"read TIDEPOOL_* through service.ledger.settings.Config instead: {offenders}"

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from tidepool.service.ledger import bodies, structured
-from tidepool.service.ledger.errors import APIError
+from tidepool.service.protocol import CHAT, request_bodies as bodies, structured_output as structured
+from tidepool.service.protocol.errors import APIError
 
 from .conftest import Admin
 
@@ -14,7 +14,7 @@ AUTO = {"tools": [WEATHER], "tool_choice": "auto"}
 
 
 def _check(**body):
-    return bodies.check({"messages": [{"role": "user", "content": "hi"}], **body}, bodies.CHAT,
+    return bodies.check({"messages": [{"role": "user", "content": "hi"}], **body}, CHAT,
                         served_model=None, max_tokens_cap=None)
 
 

@@ -8,7 +8,7 @@ from sqlalchemy import update
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
-from tidepool.service.ledger.db import make_engine
+from tidepool.service.ledger.database import make_engine
 from tidepool.service.ledger.models import Job, JobStatus, utcnow
 from tidepool.workers import beat, broker
 from tidepool.workers.worker import Worker, WorkerConfig

@@ -1,7 +1,7 @@
 """A finished result that cannot be written because the ledger is down (Postgres taken away behind a proxy)
 is written again in place once it is back: the job completes exactly once, on its first attempt, without
 waiting for its lease to lapse and running again."""
-from tidepool.service.ledger.db import make_engine
+from tidepool.service.ledger.database import make_engine
 from tidepool.service.ledger.models import JobStatus
 
 from ..tcp_proxy import TcpProxy

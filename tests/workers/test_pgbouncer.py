@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tidepool.service import migrate
-from tidepool.service.ledger.db import ensure_database
+from tidepool.service.ledger.database import ensure_database
 from tidepool.service.ledger.models import Job, JobStatus, Usage
 
 from .conftest import Stack, free_port

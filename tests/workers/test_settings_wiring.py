@@ -1,13 +1,13 @@
-"""The worker's, the engine's and beat's configs are built from the one settings object (service/ledger/config.py):
+"""The worker's, the engine's and beat's configs are built from the one settings object (service/ledger/settings.py):
 each TIDEPOOL_* value reaches the field it names, and what the docs show as an engine default is the engine's."""
 import dataclasses
 
 import pytest
 
-from tidepool.service.ledger.config import Config, variables
+from tidepool.service.ledger.settings import Config, variables
 from tidepool.workers.celery_app import make_celery
 from tidepool.workers.engine.config import DEFAULT_SLA_TARGETS, EngineConfig
-from tidepool.workers.settings import engine_fields
+from tidepool.workers.config_fields import engine_fields
 from tidepool.workers.worker import WorkerConfig
 
 

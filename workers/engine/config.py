@@ -1,11 +1,11 @@
 """EngineConfig: the engine's knobs. The engine reads no environment variable: the workers build this from the
-settings (service/ledger/config.py via workers/settings.py), tests and benchmarks pass fields directly."""
+settings (service/ledger/settings.py via workers/config_fields.py), tests and benchmarks pass fields directly."""
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tidepool.workers.engine.models.config import load_config
+from tidepool.workers.engine.models.model_config import load_config
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}

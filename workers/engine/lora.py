@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from tidepool.kernels.lora_ops import make_plan, sgmv
-from tidepool.workers.engine.models.config import ModelConfig
+from tidepool.workers.engine.models.model_config import ModelConfig
 from tidepool.workers.engine.openmp import release_team
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from tidepool.kernels.paged_attention import SHORT_CHUNK
 from tidepool.workers.engine import host_pools
 from tidepool.workers.engine.config import EngineConfig
 from tidepool.workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from tidepool.workers.engine.models.config import ModelConfig
+from tidepool.workers.engine.models.model_config import ModelConfig
 from tidepool.workers.engine.models.llama import AttentionContext
 from tidepool.workers.engine.models.loader import load_model
 from tidepool.workers.engine.pooling import PoolingSpec, embed_rows

@@ -11,7 +11,7 @@ from torch import nn
 
 from tidepool.kernels.attention import paged_attention, store_kv
 from tidepool.kernels.layer_ops import rms_norm, rotary, silu_and_mul
-from tidepool.workers.engine.models.config import ModelConfig
+from tidepool.workers.engine.models.model_config import ModelConfig
 
 
 @dataclass

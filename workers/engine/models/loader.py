@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from tidepool.workers.engine.models.config import ModelConfig
+from tidepool.workers.engine.models.model_config import ModelConfig
 from tidepool.workers.engine.models.llama import LlamaForCausalLM
 
 

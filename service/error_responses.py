@@ -5,7 +5,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from werkzeug.exceptions import HTTPException
 
 from .auth import forget
-from .ledger.errors import OUTAGE_RETRY_AFTER, TYPES, APIError
+from .protocol.errors import APIError, OUTAGE_RETRY_AFTER, TYPES
 
 # codes by which the ledger says the request's cached authentication no longer holds
 STALE_AUTH = ("invalid_api_key", "tenant_disabled")

@@ -1,6 +1,6 @@
-"""The worker's and the engine's configs, built from the one settings object (service/ledger/config.py's Config). Neither
-the engine nor the kernels read the environment: what the TIDEPOOL_* engine variables say reaches EngineConfig
-from here, and the worker, serve and run-batch flags are laid over it."""
+"""The worker's and the engine's config fields, built from the one settings object (service/ledger/settings.py's
+Config). Neither the engine nor the kernels read the environment: what the TIDEPOOL_* engine variables say reaches
+EngineConfig from here, and the worker, serve and run-batch flags are laid over it."""
 
 
 def engine_fields(settings, device: str) -> dict:

@@ -1,4 +1,5 @@
-"""The API's error type: an APIError carries the HTTP status and OpenAI's error fields (service.errors renders it)."""
+"""The API's error type: an APIError carries the HTTP status and OpenAI's error fields (service/error_responses.py
+renders it)."""
 
 OUTAGE_RETRY_AFTER = 5   # seconds a client is asked to wait when the database or the broker is unreachable
 

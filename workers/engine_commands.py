@@ -2,7 +2,7 @@
 import json
 import sys
 
-from tidepool.service.ledger.config import engine_flags
+from tidepool.service.ledger.settings import engine_flags
 
 
 def register(sub) -> None:
@@ -107,8 +107,8 @@ def models_pull(args) -> int:
     if args.name in FOLDER_ZIPS:
 
         from tidepool.service.ledger import registry
-        from tidepool.service.ledger.config import Config
-        from tidepool.service.ledger.db import make_engine, session
+        from tidepool.service.ledger.settings import Config
+        from tidepool.service.ledger.database import make_engine, session
         try:
             with session(make_engine(Config.from_env().database_url)) as s:
                 if s.get(registry.Model, args.name) is None:
@@ -134,7 +134,7 @@ def models_list(args) -> int:
 def _models_dir():
     from pathlib import Path
 
-    from tidepool.service.ledger.config import Config
+    from tidepool.service.ledger.settings import Config
     return Path(Config.setting("models_dir"))
 
 
@@ -147,10 +147,10 @@ def run_batch(args) -> int:
     log.info("run-batch: starting (torch, the model, the KV pool and the native kernel load first)")
     import torch
 
-    from tidepool.service.ledger.config import Config
+    from tidepool.service.ledger.settings import Config
     from tidepool.workers.batch_runner import run_batch
     from tidepool.workers.engine import EngineConfig, LLMEngine, LoRARequest
-    from tidepool.workers.settings import engine_fields
+    from tidepool.workers.config_fields import engine_fields
 
     settings = Config.from_env()
     model = args.model or settings.model

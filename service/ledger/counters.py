@@ -45,7 +45,7 @@ def registry_for_scrape() -> CollectorRegistry:
 
 
 def child_exit(server, worker) -> None:
-    """gunicorn hook (`child_exit = service.ledger.metrics.child_exit` in the gunicorn config)."""
+    """gunicorn hook (`child_exit = service.ledger.counters.child_exit` in the gunicorn config)."""
     from prometheus_client import multiprocess
     multiprocess.mark_process_dead(worker.pid)
 

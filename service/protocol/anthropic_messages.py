@@ -1,18 +1,18 @@
 """Anthropic's Messages API as a shape over chat completions: a request becomes a chat body (checked by
-service/bodies.py: the grammar and tool-call paths are the chat ones), a job's result becomes a message with text
-and tool_use blocks. Flask- and torch-free: the online API (service/api/anthropic.py) and message batches share it."""
+service/protocol/request_bodies.py: the grammar and tool-call paths are the chat ones), a job's result becomes a
+message with text and tool_use blocks. Flask- and torch-free: the online API (service/api/anthropic.py) and message
+batches share it."""
 import json
 import re
 
-from . import bodies, structured
-from .endpoints import MESSAGES  # noqa: F401 (anthropic_shapes.MESSAGES for its callers)
+from . import request_bodies as bodies, structured_output as structured
 from .errors import APIError, bad_request
-from .sla import ONLINE_CLASSES
+from .sla_classes import ONLINE_CLASSES
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k", "tools",
           "tool_choice", "metadata", "stream", "service_tier", "sla_class"}
 BATCH_FIELDS = FIELDS - {"stream"}
-# Anthropic's own service_tier values; neither changes the class (service_tier here is OpenAI's, see tiers.py).
+# Anthropic's own service_tier values; neither changes the class (service_tier here is OpenAI's, see sla_classes.py).
 ANTHROPIC_TIERS = ("auto", "standard_only")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 

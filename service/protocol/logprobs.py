@@ -12,7 +12,7 @@ With `echo` (completions), the prompt's tokens come first; the first one's logpr
     /v1/completions       {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}], "text_offset"}
     /v1/chat/completions  {"content": [entry, ...]}
 """
-from .endpoints import CHAT
+from . import CHAT
 
 
 def requested(endpoint: str, body: dict | None) -> bool:

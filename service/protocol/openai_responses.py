@@ -1,13 +1,13 @@
 """OpenAI's Responses API as a shape over chat completions: a request becomes a chat body (checked by
-service/bodies.py, so the grammar and tool-call paths are the chat ones), a job's result becomes a response object
-with `message` and `function_call` output items. Flask- and torch-free: the online API (service/api/responses.py),
-batch result files and `tidepool run-batch` share it."""
+service/protocol/request_bodies.py, so the grammar and tool-call paths are the chat ones), a job's result becomes a
+response object with `message` and `function_call` output items. Flask- and torch-free: the online API
+(service/api/responses.py), batch result files and `tidepool run-batch` share it."""
 import re
 from dataclasses import dataclass, field
 
-from . import bodies, structured
+from . import request_bodies as bodies, structured_output as structured
 from .errors import APIError, bad_request
-from .endpoints import RESPONSES  # noqa: F401 (responses.RESPONSES for its callers)
+
 # The request's own fields; `stream`, `background`, `store`, `previous_response_id`, `service_tier` and
 # `sla_class` are the API's (service/api/responses.py), the rest shape the chat body.
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "text", "tools",
@@ -256,8 +256,8 @@ def renamed(exc: APIError, origin: list[str]) -> APIError:
 
 
 def check(p: Parsed, history, check_chat) -> bodies.Checked:
-    """The chat body checked by check_chat(body) (service.ledger.bodies.check with the caller's limits), its errors named
-    as the Responses fields."""
+    """The chat body checked by check_chat(body) (service.protocol.request_bodies.check with the caller's limits), its
+    errors named as the Responses fields."""
     body, origin = chat_body(p, history)
     try:
         return check_chat(body)

@@ -15,10 +15,9 @@ import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from . import embeddings, structured
+from . import CHAT, COMPLETIONS, EMBEDDINGS
+from . import embeddings, structured_output as structured
 from .errors import APIError, bad_request
-
-from .openai_shapes import CHAT, COMPLETIONS, EMBEDDINGS, ENDPOINTS  # noqa: F401 (bodies.CHAT & co. for callers)
 
 DEFAULT_MAX_TOKENS = {COMPLETIONS: 16, CHAT: 512}
 MAX_OUTPUT_TOKENS = 1 << 20     # max_tokens where the model's context is not known (run-batch checks before loading)

@@ -4,14 +4,14 @@
 name, the parser of its text, a check of its value and a one-line meaning; `Config.from_env()` builds it once at
 start-up and a bad value fails there, naming the variable (SettingsError). The web app's Flask config is this
 object; the worker's WorkerConfig and the engine's EngineConfig are built from it by the workers
-(workers/settings.py), so neither the engine nor the kernels read the environment for Tidepool's knobs. The
+(workers/config_fields.py), so neither the engine nor the kernels read the environment for Tidepool's knobs. The
 documentation's configuration page (docs/reference/configuration.md) is generated from `variables()` by
 docs/gen_reference.py, and tests/docs keep the two equal."""
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from .sla import ONLINE_CLASSES
+from ..protocol.sla_classes import ONLINE_CLASSES
 
 ONLINE_TARGETS = tuple((c, target) for c in ONLINE_CLASSES for target in ("ttft_ms", "itl_ms"))
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -82,7 +82,7 @@ def setting(env: str, default, meaning: str, *, parse=str, check=None, shown: st
     """A field set by the variable `env`: `parse` turns its text into the value (ValueError: a bad value), `check`
     is (predicate, rule) on the value, `shown` the default as the docs state it (else the default itself). `engine`:
     the EngineConfig field of the same name; `flag`: the worker, serve and run-batch command-line flag that wins
-    over the variable (workers/commands.py builds the flags from these fields)."""
+    over the variable (workers/engine_commands.py builds the flags from these fields)."""
     return field(default=default, repr=not secret,
                  metadata={"env": env, "parse": parse, "check": check, "meaning": meaning, "shown": shown,
                            "engine": engine or flag is not None, "flag": flag})
