@@ -87,7 +87,7 @@ def main() -> None:
     url = f"sqlite:///{tmp / 'ledger.db'}"
     migrate.upgrade(url)
     app = create_app({"database_url": url, "redis_url": None, "storage_dir": str(tmp / "s"), "model": args.model})
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         _, key = tenants.create_tenant(s, "bench")
         s.commit()
     worker = Worker(WorkerConfig(model=args.model, database_url=url, device=args.device, name="bench",

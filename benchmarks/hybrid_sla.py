@@ -50,7 +50,7 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
     url = f"sqlite:///{tmp / 'ledger.db'}"
     migrate.upgrade(url)
     app = create_app({"database_url": url, "redis_url": None, "storage_dir": str(tmp / "s"), "model": args.model})
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         _, key = tenants.create_tenant(s, "bench")
         s.commit()
     engine_kw = {"max_num_seqs": args.max_num_seqs}
@@ -98,7 +98,7 @@ def scenario(name, args, offline: bool, realtime: bool, priority: bool = True) -
             prompt = args.rt_body(i) if getattr(args, "rt_body", None) else f"Question {i}: what is up?"
             rt_ids.append(submit("realtime" if priority else "batch", prompt, args.rt_tokens))
     _wait(app, offline_ids + rt_ids)
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         rows = {j.id: j for j in s.scalars(select(Job).where(Job.id.in_(offline_ids + rt_ids)))}
     stats = worker.engine.stats()
     worker.stop()
@@ -233,7 +233,7 @@ def _admit_all(engine, num_seqs: int, patience: int = 8) -> None:
 def _wait(app, ids, timeout=3600):
     end = time.time() + timeout
     while time.time() < end:
-        with Session(app.extensions["tidepool.db"]) as s:
+        with Session(app.services.database) as s:
             left = s.scalar(select(Job.id).where(Job.id.in_(ids), Job.status.in_(
                 (JobStatus.queued, JobStatus.running))).limit(1))
         if left is None:

@@ -1,30 +1,27 @@
 """Admission of the current request's job: one statement counts it against max_queued and the budget, inserts it
 and commits (service.ledger.quotas); on Postgres concurrent requests' statements are grouped (GroupAdmission).
 An online request also holds one of its tenant's concurrency slots until it ends (hold_online_slot)."""
-from flask import current_app, g
+from flask import g
 
+from .app import services
 from .db import autocommit
-from .ledger.quotas import GroupAdmission, Slot, admit_one, hold_slot
+from .ledger.quotas import Slot, admit_one, hold_slot
 
 
 def admit(job) -> str | None:
     """Admit one queued job under the request's API key; returns its xmin on Postgres."""
     key_id = g.get("api_key_id")
-    engine = current_app.extensions["tidepool.db"]
-    if engine.dialect.name != "postgresql":
+    if services().database.dialect.name != "postgresql":
         with autocommit() as conn:
             return admit_one(conn, job, key_id)
-    group = current_app.extensions.get("tidepool.admission")
-    if group is None:
-        group = current_app.extensions.setdefault("tidepool.admission", GroupAdmission())
-    return group.admit(job, key_id, autocommit)
+    return services().admission.admit(job, key_id, autocommit)
 
 
 def hold_online_slot() -> Slot | None:
     """One of the tenant's max_concurrent_requests slots for the current request (429 when none is free). It is
     released when the request ends, whatever the way; a streamed answer takes it over (streaming) and releases it
     when the stream ends or the client goes away."""
-    slot = hold_slot(current_app.extensions["tidepool.slots"], g.quota)
+    slot = hold_slot(services().slots, g.quota)
     if slot is not None:
         g.online_slot = slot
     return slot

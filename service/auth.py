@@ -17,13 +17,15 @@ import functools
 import hmac
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
-from flask import current_app, g, request
+from flask import Flask, current_app, g, request
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
+from .app import services
 from .ledger import keys
 from .db import autocommit
 from .protocol.errors import APIError
@@ -101,11 +103,14 @@ class AuthCache:
         self.entries.pop(prefix, None)
 
 
+_caches: "weakref.WeakKeyDictionary[Flask, AuthCache]" = weakref.WeakKeyDictionary()   # one per app
+
+
 def _cache() -> AuthCache:
-    cache = current_app.extensions.get("tidepool.auth_cache")
+    app = current_app._get_current_object()
+    cache = _caches.get(app)
     if cache is None:
-        ttl = current_app.config["TIDEPOOL"].auth_cache_ttl
-        cache = current_app.extensions.setdefault("tidepool.auth_cache", AuthCache(float(ttl)))
+        cache = _caches.setdefault(app, AuthCache(float(services().config.auth_cache_ttl)))
     return cache
 
 
@@ -225,14 +230,14 @@ def admin_throttled() -> int | None:
     from .ledger.quotas import WINDOW
     now = time.time()
     allowed = current_app.config["TIDEPOOL"].admin_failures_per_minute
-    if current_app.extensions["tidepool.limiter"].hit(_failures_key(), None, allowed - 1, 0, now):
+    if services().limiter.hit(_failures_key(), None, allowed - 1, 0, now):
         return WINDOW - int(now) % WINDOW
     return None
 
 
 def admin_failed() -> None:
     """Count a wrong admin token from this client address."""
-    current_app.extensions["tidepool.limiter"].hit(_failures_key(), None, None, 1, time.time())
+    services().limiter.hit(_failures_key(), None, None, 1, time.time())
 
 
 def admin_required(view):

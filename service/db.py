@@ -1,22 +1,20 @@
-"""Per-request sessions and connections over the ledger's database engine (service.ledger.database builds them)."""
+"""Per-request sessions and connections over the ledger's database engine (the app's services hold it)."""
 from contextlib import AbstractContextManager
 
-from flask import current_app, g
+from flask import g
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.orm import Session
 
+from .app import services
 from .ledger import database as ledger_db
 
 
-def init_app(app, url: str) -> None:
-    engine = ledger_db.make_engine(url)
-    app.extensions["tidepool.db"] = engine
-    app.extensions["tidepool.sessions"] = ledger_db.sessions(engine)
+def init_app(app) -> None:
     app.teardown_appcontext(_close_session)
 
 
 def get_engine() -> Engine:
-    return current_app.extensions["tidepool.db"]
+    return services().database
 
 
 def autocommit() -> AbstractContextManager[Connection]:
@@ -26,7 +24,7 @@ def autocommit() -> AbstractContextManager[Connection]:
 
 def session() -> Session:
     if "db_session" not in g:
-        g.db_session = current_app.extensions["tidepool.sessions"]()
+        g.db_session = services().sessions()
     return g.db_session
 
 

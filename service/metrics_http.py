@@ -6,7 +6,7 @@ import hmac
 import threading
 import time
 
-from flask import Blueprint, Response, current_app, g, request
+from flask import Response, current_app, g, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
@@ -15,8 +15,8 @@ from .ledger import affinity, counters, eta, fair
 from .ledger import database as ledger_db
 from .ledger.counters import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
 from .ledger.models import utcnow
+from .ledger.services import Services
 
-bp = Blueprint("metrics", __name__)
 CACHE_SECONDS = 10.0    # the ledger and broker gauges are recomputed at most this often
 
 
@@ -24,9 +24,9 @@ class LedgerCollector:
     """Gauges read from the ledger and the broker, so every web process reports the same truth; computed at most
     once per CACHE_SECONDS (the queries scan the jobs and batches), the last result served in between."""
 
-    def __init__(self, app):
-        self.app = app
-        self.by_tenant = app.config["TIDEPOOL"].metrics_tenant_labels
+    def __init__(self, services: Services):
+        self.services = services
+        self.by_tenant = services.config.metrics_tenant_labels
         self.lock = threading.Lock()
         self.families: list | None = None
         self.computed = 0.0
@@ -41,14 +41,14 @@ class LedgerCollector:
     def compute(self):
         jobs = GaugeMetricFamily("tidepool:jobs", "Jobs in the ledger by state and SLA class.",
                                  labels=["state", "sla_class"])
-        with ledger_db.session(self.app.extensions["tidepool.db"]) as s:
+        with ledger_db.session(self.services.database) as s:
             for status, sla, n in counters.jobs_by_state(s):
                 jobs.add_metric([status.value, sla.value], n)
         yield jobs
         depth = GaugeMetricFamily("tidepool:queue_depth", "Messages waiting in the broker per model and SLA class "
                                   "(model \"\" when no model is configured).", labels=["model", "sla_class"])
         try:
-            dispatcher, models = self.app.extensions["tidepool.dispatcher"], self.app.extensions["tidepool.registry"]
+            dispatcher, models = self.services.dispatcher, self.services.registry
             names = list(models.entries())
             rows = dispatcher.model_depths(names) if names else \
                 [{"model": "", "sla_class": c, "depth": n} for c, n in dispatcher.queue_depths().items()]
@@ -72,7 +72,7 @@ class LedgerCollector:
                                   else ["sla_class"])
         counts: dict = {}
         latest: dict = {}
-        with ledger_db.session(self.app.extensions["tidepool.db"]) as s:
+        with ledger_db.session(self.services.database) as s:
             now = utcnow()
             for batch, est in eta.in_progress(s, now):
                 key = (batch.tenant_id, batch.sla_class.value) if self.by_tenant else (batch.sla_class.value,)
@@ -104,7 +104,7 @@ class LedgerCollector:
         gap = GaugeMetricFamily("tidepool:fair_service_gap", "Largest difference in weighted service between two "
                                 "backlogged tenants of a class (queue): VTC's fairness bound.", labels=["sla_class"])
         try:
-            dispatcher = self.app.extensions["tidepool.dispatcher"]
+            dispatcher = self.services.dispatcher
             client = dispatcher._direct_client()
             waiting: dict = {}
             for lane, tenants in dispatcher.fair_backlogs().items():
@@ -113,7 +113,7 @@ class LedgerCollector:
                 for tenant_id, n in tenants.items():
                     waiting.setdefault(queue, {}).setdefault(tenant_id, 0)
                     waiting[queue][tenant_id] += n
-            window = self.app.config["TIDEPOOL"].fair_window
+            window = self.services.config.fair_window
             for queue in sorted(set(waiting) | set(fair.known_queues(client) if client is not None else ())):
                 served = fair.services(client, queue, window) if client is not None else {}
                 queued = waiting.get(queue, {})
@@ -141,21 +141,21 @@ def _allowed() -> bool:
                for token in (conf.metrics_token, conf.admin_token) if token)
 
 
-@bp.get("/metrics")
-def metrics():
+def scrape(gauges: LedgerCollector) -> Response:
+    """GET /metrics: the service's counters and this app's ledger gauges."""
     if not _allowed():
         return error_response(401, "/metrics needs 'Authorization: Bearer <token>' with TIDEPOOL_METRICS_TOKEN or "
                                    "the admin token.", "invalid_api_key")
     ledger = CollectorRegistry()
-    ledger.register(current_app.extensions["tidepool.metrics_ledger"])
+    ledger.register(gauges)
     body = generate_latest(registry_for_scrape()) + generate_latest(ledger)
     return Response(body, content_type=CONTENT_TYPE_LATEST)
 
 
 def init_app(app) -> None:
-    app.register_blueprint(bp)
+    gauges = LedgerCollector(app.services)
+    app.add_url_rule("/metrics", "metrics", lambda: scrape(gauges))
     counters.TENANT_LABELS = app.config["TIDEPOOL"].metrics_tenant_labels
-    app.extensions["tidepool.metrics_ledger"] = LedgerCollector(app)
 
     @app.before_request
     def _start_timer():

@@ -782,10 +782,12 @@ def _per_model(schema, model: dict, limits: dict, default: str | None):
 def _served_models(schemas: dict) -> dict:
     """In an app serving models: `model`, where a body names one, is one of the enabled registry names (null or
     absent: the default model), and the token fields are bounded by the model's context and vocabulary."""
-    from flask import current_app, has_app_context
+    from flask import has_app_context
+
+    from .app import services
     if not has_app_context():
         return schemas
-    registry = current_app.extensions["tidepool.registry"]
+    registry = services().registry
     entries = [e for e in registry.entries().values() if e.enabled]
     if not entries:
         return schemas

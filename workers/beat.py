@@ -1,6 +1,6 @@
 """Periodic upkeep that keeps the ledger and the broker consistent: the sweeper and the batch finaliser.
-Plain functions over a service app (ledger engine, dispatcher, storage, redis); `tidepool beat` runs
-them as Celery beat tasks, embedded mode runs them on a thread."""
+Plain functions over a process's services (service/ledger/services.py: ledger database, dispatcher, storage,
+Redis); `tidepool beat` runs them as Celery beat tasks, embedded mode runs them on a thread."""
 import json
 import logging
 import time
@@ -10,6 +10,7 @@ from kombu import Connection
 
 from tidepool.service.ledger import batches, files, jobs
 from tidepool.service.ledger.database import session
+from tidepool.service.ledger.services import Services
 
 log = logging.getLogger(__name__)
 EPOCH_KEY = "tidepool:broker_epoch"
@@ -17,44 +18,40 @@ STALE_VALIDATING = 600.0   # seconds after which a batch still validating is fai
 ORPHAN_GRACE = 10.0   # seconds a taken message may wait for its worker's first heartbeat
 
 
-def _ext(app, name):
-    return app.extensions[f"tidepool.{name}"]
-
-
-def sweep(app, republish_after: float = 30.0, max_attempts: int = 3, visibility_timeout: float | None = None,
-          orphan_grace: float = ORPHAN_GRACE) -> dict:
+def sweep(services: Services, republish_after: float = 30.0, max_attempts: int = 3,
+          visibility_timeout: float | None = None, orphan_grace: float = ORPHAN_GRACE) -> dict:
     """Requeue (or fail) running jobs whose lease lapsed, expire overdue jobs and batches, delete expired files,
     return unacked messages of dead consumers to their queues, and republish what never reached the broker."""
     done = {"reclaimed": 0, "expired": 0, "batches_expired": 0, "batches_failed": 0, "restored_broker": 0, "restored_orphans": 0,
             "republished": 0, "private_drained": 0, "files_expired": 0}
-    with session(_ext(app, "db")) as s:
+    with session(services.database) as s:
         done["reclaimed"] = jobs.reclaim_lapsed(s, max_attempts=max_attempts)
         done["expired"] = jobs.expire_overdue(s)
         done["batches_failed"] = batches.fail_stale_validating(s, timedelta(seconds=STALE_VALIDATING))
         done["batches_expired"] = batches.expire_overdue(s)
         s.commit()
-        done["files_expired"] = files.delete_expired(s, _ext(app, "storage"))
+        done["files_expired"] = files.delete_expired(s, services.storage)
     if visibility_timeout is not None:
-        _restore_visible(app, visibility_timeout)
-    done["restored_orphans"] = restore_orphans(app, grace=orphan_grace)
-    done["private_drained"] = drain_private_queues(app)
-    done["restored_broker"] = _check_broker_epoch(app)
-    done["republished"] = _ext(app, "dispatcher").republish_undispatched(older_than=republish_after)
+        _restore_visible(services, visibility_timeout)
+    done["restored_orphans"] = restore_orphans(services, grace=orphan_grace)
+    done["private_drained"] = drain_private_queues(services)
+    done["restored_broker"] = _check_broker_epoch(services)
+    done["republished"] = services.dispatcher.republish_undispatched(older_than=republish_after)
     if any(done.values()):
         log.info("sweep: %s", done)
     return done
 
 
-def _restore_visible(app, visibility_timeout: float) -> None:
+def _restore_visible(services: Services, visibility_timeout: float) -> None:
     from tidepool.service.ledger.wire import transport_options
-    url = app.config["TIDEPOOL"].broker_url
+    url = services.config.broker_url
     if not url.startswith("redis"):
         return
     with Connection(url, transport_options=transport_options(visibility_timeout)) as conn:
         conn.default_channel.qos.restore_visible(num=1000, interval=1)
 
 
-def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
+def restore_orphans(services: Services, grace: float = ORPHAN_GRACE) -> int:
     """Unacked messages (taken more than `grace` seconds ago) of a worker whose heartbeat is gone, or belongs
     to a later start of a worker of that name, go back to the front of their queues now: a worker killed
     between taking a message and claiming its job would otherwise strand the job until the visibility
@@ -62,7 +59,7 @@ def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
     from tidepool.workers.broker import OWNERS_KEY
     from tidepool.service.ledger.snapshots import Heartbeats
     from tidepool.service.ledger.wire import transport_options
-    client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
+    client, url = services.redis, services.config.broker_url
     if client is None or not url.startswith("redis"):
         return 0
     restored = 0
@@ -95,12 +92,12 @@ def restore_orphans(app, grace: float = ORPHAN_GRACE) -> int:
     return restored
 
 
-def drain_private_queues(app) -> int:
+def drain_private_queues(services: Services) -> int:
     """Messages waiting in the private queue of a worker whose heartbeat is gone (prefix affinity,
     service/ledger/affinity.py) go to the shared queue, where any worker takes them. Runs after restore_orphans, which
     returns a dead worker's unacked messages to the queue they came from, its private one among them."""
     from tidepool.service.ledger import affinity
-    client, url = _ext(app, "redis"), app.config["TIDEPOOL"].broker_url
+    client, url = services.redis, services.config.broker_url
     if client is None or not url.startswith("redis"):
         return 0
     moved = affinity.drain_dead(client)
@@ -109,26 +106,26 @@ def drain_private_queues(app) -> int:
     return moved
 
 
-def _check_broker_epoch(app) -> int:
+def _check_broker_epoch(services: Services) -> int:
     """A Redis without persistence that restarted has lost its queues: the epoch key is gone with them.
     Then every queued job is republished (duplicates of messages that survived are dropped at claim)."""
-    client = _ext(app, "redis")
+    client = services.redis
     if client is None or not client.set(EPOCH_KEY, str(time.time()), nx=True):
         return 0
-    with session(_ext(app, "db")) as s:
+    with session(services.database) as s:
         n = jobs.undispatch_all(s)
         s.commit()
     if n:
         log.warning("broker epoch missing (new or restarted broker): republishing %d queued jobs", n)
-        _ext(app, "dispatcher").republish_undispatched(older_than=0)
+        services.dispatcher.republish_undispatched(older_than=0)
     return n
 
 
-def finalize_batches(app) -> int:
+def finalize_batches(services: Services) -> int:
     """Write output and error files for every batch whose jobs are all terminal."""
-    storage, model = _ext(app, "storage"), app.config["TIDEPOOL"].served_model_name
+    storage, model = services.storage, services.config.served_model_name
     closed = 0
-    with session(_ext(app, "db")) as s:
+    with session(services.database) as s:
         for batch_id in batches.open_ids(s):
             batch = batches.locked(s, batch_id)
             if batch is not None and batches.finalize(s, storage, batch, model):
@@ -137,12 +134,12 @@ def finalize_batches(app) -> int:
     return closed
 
 
-def run_forever(app, interval: float = 5.0, stop=None, **sweep_kwargs) -> None:
+def run_forever(services: Services, interval: float = 5.0, stop=None, **sweep_kwargs) -> None:
     """Embedded mode: the same upkeep on a thread."""
     while stop is None or not stop.is_set():
         try:
-            sweep(app, **sweep_kwargs)
-            finalize_batches(app)
+            sweep(services, **sweep_kwargs)
+            finalize_batches(services)
         except Exception:
             log.exception("upkeep failed; retrying")
         if stop is not None:

@@ -1,24 +1,17 @@
 """Beat's Celery app: service/ledger/wire.py's, with reliability settings shared with the workers' consumers, and
-the beat schedule
-(sweeper, batch finaliser) whose tasks run on the `maintenance` queue of `tidepool beat`.
+the beat schedule (sweeper, batch finaliser) whose tasks run on the `maintenance` queue of `tidepool beat`, over the
+ledger's services (service/ledger/services.py) built from the settings: beat never imports Flask.
 
 Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|deferrable) are consumed
 by the gpu/cpu workers (workers/worker.py), not by a Celery worker pool: they pull offline queues only
 when their engine has room, which a prefetching Celery consumer cannot express."""
+import functools
+
 from celery import Celery
 from kombu import Queue
 
 from tidepool.service.ledger.settings import Config
-
-_flask_app = None
-
-
-def _app():
-    global _flask_app
-    if _flask_app is None:
-        from tidepool.service import create_app
-        _flask_app = create_app()
-    return _flask_app
+from tidepool.service.ledger.services import Services
 
 
 def make_celery(cfg: Config | None = None) -> Celery:
@@ -38,16 +31,21 @@ def make_celery(cfg: Config | None = None) -> Celery:
                                  "options": {"expires": every * 2}},
         })
 
+    @functools.cache
+    def services() -> Services:
+        """Built at the first task, straight from the settings (no Flask app)."""
+        return Services.from_config(cfg)
+
     @app.task(name="tidepool.sweep")
     def sweep_task():
         from tidepool.workers import beat
-        return beat.sweep(_app(), republish_after=cfg.republish_after, max_attempts=cfg.max_attempts,
+        return beat.sweep(services(), republish_after=cfg.republish_after, max_attempts=cfg.max_attempts,
                           visibility_timeout=cfg.visibility_timeout)
 
     @app.task(name="tidepool.finalize_batches")
     def finalize_task():
         from tidepool.workers import beat
-        return beat.finalize_batches(_app())
+        return beat.finalize_batches(services())
 
     return app
 

@@ -36,12 +36,12 @@ def _secret_file(path: Path, make) -> str:
     return value
 
 
-def _default_key(app, var: Path) -> str:
+def _default_key(database, var: Path) -> str:
     """The `default` tenant and an API key for it, created on first run and kept in var/."""
     from tidepool.service.ledger import tenants
     from tidepool.service.ledger.database import session
     key_file = var / "default_api_key"
-    with session(app.extensions["tidepool.db"]) as s:
+    with session(database) as s:
         tenant_id = tenants.id_by_name(s, "default")
         if tenant_id is None:
             _, key = tenants.create_tenant(s, "default", actor="serve")
@@ -81,7 +81,7 @@ def main(args) -> int:
     app = create_app(cfg)
     if token_file is not None:       # the token is the one kept in var/: the sign-in page says where
         app.config["TIDEPOOL_ADMIN_TOKEN_FILE"] = str(token_file)
-    key = _default_key(app, var)
+    key = _default_key(app.services.database, var)
 
     device = args.device or default_device()
     cfgs = []
@@ -92,8 +92,8 @@ def main(args) -> int:
     # the model registry: filled at the first start (the default model and TIDEPOOL_MODELS_DIR's folders); every
     # other enabled hot or warm model whose weights fit the device gets a worker of its own
     from tidepool.workers.model_workers import other_model_configs, register_first_start
-    register_first_start(app.extensions["tidepool.db"], cfg)
-    cfgs += other_model_configs(app.extensions["tidepool.db"], cfg, device, args.engine,
+    register_first_start(app.services.database, cfg)
+    cfgs += other_model_configs(app.services.database, cfg, device, args.engine,
                                 base_name=f"embedded-{role('gpu', device)}")
     on_cpu = [c for c in cfgs if c.device == "cpu"]
     for c in on_cpu if len(on_cpu) > 1 else ():     # their KV pools split the host's one budget evenly
@@ -110,7 +110,7 @@ def main(args) -> int:
             w.stepper = stepper
     stop = threading.Event()
     threads = [threading.Thread(target=w.run, name=w.cfg.name, daemon=True) for w in workers]
-    threads.append(threading.Thread(target=beat.run_forever, args=(app,), daemon=True,
+    threads.append(threading.Thread(target=beat.run_forever, args=(app.services,), daemon=True,
                                     kwargs={"interval": 2.0, "stop": stop, "republish_after": 5.0}))
     for t in threads:
         t.start()

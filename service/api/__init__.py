@@ -14,10 +14,6 @@ def cfg() -> Config:
     return current_app.config["TIDEPOOL"]
 
 
-def ext(name: str):
-    return current_app.extensions[f"tidepool.{name}"]
-
-
 def ts(value: datetime | None) -> int | None:
     return int(value.timestamp()) if value is not None else None
 

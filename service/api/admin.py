@@ -7,7 +7,8 @@ from ..auth import admin_required
 from ..db import session
 from ..protocol.errors import bad_request, not_found
 from ..ledger.models import SLA_CLASSES, AuditLog, Batch, Job, JobStatus, Quota, Tenant
-from . import cfg, ext, json_body, limit_arg, page, ts
+from . import cfg, json_body, limit_arg, page, ts
+from ..app import services
 from .batches import batch_json
 from .jobs import job_json, list_args
 
@@ -159,7 +160,7 @@ def queue_depths():
     """Depth per class queue of the default model (`queues`), and per (model, SLA class) with whether a live
     worker consumes that queue (`models`): jobs of a model nobody serves wait there, never failed. Both count
     the jobs routed to a worker's private queue (prefix affinity), which `private` lists one by one."""
-    dispatcher = ext("dispatcher")
+    dispatcher = services().dispatcher
     private = [{"queue": name, "shared": shared, "worker": worker, "depth": depth}
                for name, depth in sorted(dispatcher.private_depths().items())
                for shared, worker in [affinity.split_private(name)]]
@@ -173,17 +174,17 @@ def model_queues() -> list[dict]:
     import time
 
     from ..ledger.snapshots import SNAPSHOT_TTL, Heartbeats
-    names = list(ext("registry").entries())
+    names, client = list(services().registry.entries()), services().redis
     now = time.time()
-    served = {q for hb in Heartbeats(ext("redis")).read() if now - hb.get("at", 0) <= SNAPSHOT_TTL
-              for q in hb.get("queues", [])} | registry.hosted_queues(ext("redis"), SNAPSHOT_TTL, now)
-    return [{**row, "served": row["queue"] in served} for row in ext("dispatcher").model_depths(names)]
+    served = {q for hb in Heartbeats(client).read() if now - hb.get("at", 0) <= SNAPSHOT_TTL
+              for q in hb.get("queues", [])} | registry.hosted_queues(client, SNAPSHOT_TTL, now)
+    return [{**row, "served": row["queue"] in served} for row in services().dispatcher.model_depths(names)]
 
 
 # ---- models ------------------------------------------------------------------------------------------------
 
 def _entry(name: str) -> registry.Entry:
-    entry = ext("registry").get(name)
+    entry = services().registry.get(name)
     if entry is None:
         raise not_found("model", name)
     return entry
@@ -196,7 +197,7 @@ def _fresh(name: str) -> dict:
 @bp.get("/models")
 @admin_required
 def list_models():
-    return {"object": "list", "data": [registry.entry_json(e) for e in ext("registry").entries().values()]}
+    return {"object": "list", "data": [registry.entry_json(e) for e in services().registry.entries().values()]}
 
 
 @bp.post("/models")
@@ -224,7 +225,7 @@ def get_model(name):
 def update_model(name):
     """Retier ({"tier": "hot"|"warm"|"cold"}), enable or disable ({"enabled": bool}), or re-point ({"source"})."""
     s = session()
-    registry.update(s, name, json_body(), default=ext("registry").get(name))
+    registry.update(s, name, json_body(), default=services().registry.get(name))
     s.commit()
     return _fresh(name)
 
@@ -250,7 +251,7 @@ def grant_model(tenant_id):
 def revoke_model(tenant_id, name):
     _tenant(tenant_id)
     s = session()
-    quota = registry.revoke(s, tenant_id, name, list(ext("registry").entries()))
+    quota = registry.revoke(s, tenant_id, name, list(services().registry.entries()))
     s.commit()
     return tenants.quota_json(quota)
 
@@ -282,7 +283,7 @@ def register_adapter():
     base = body.get("base_model")
     s = session()
     row = adapters.register(s, body.get("name"), base, body.get("source"),
-                            ext("registry").get(base) if isinstance(base, str) else None,
+                            services().registry.get(base) if isinstance(base, str) else None,
                             cfg().max_lora_rank or adapters.DEFAULT_MAX_LORA_RANK, body.get("tenant_id"),
                             body.get("pinned", False), body.get("enabled", True))
     s.commit()

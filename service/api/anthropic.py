@@ -16,7 +16,8 @@ from ..db import session
 from ..error_responses import error_body
 from ..protocol.errors import APIError, bad_request
 from ..ledger.models import Batch, BatchStatus, File, Job, JobStatus, SlaClass, new_id, utcnow
-from . import MAX_JSON_BYTES, cfg, ext, json_body, owned
+from . import MAX_JSON_BYTES, cfg, json_body, owned
+from ..app import services
 from .openai_compat import _job_error, event_stream, first_event, online_class, submit
 from .streams import text_deltas
 
@@ -30,11 +31,12 @@ CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 def _checked(body: dict, fields=shapes.FIELDS):
     """(checked chat body, model entry) of a Messages request, or its 4xx."""
     chat, origin = shapes.to_chat(body, fields)
-    model = ext("registry").resolve(g.quota, body.get("model"))
-    ext("registry").check_endpoint(model, MESSAGES)
+    models = services().registry
+    model = models.resolve(g.quota, body.get("model"))
+    models.check_endpoint(model, MESSAGES)
     checked = shapes.check(chat, origin, lambda c: bodies.check(
         c, CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
-        context_len=ext("registry").context_len(model), count_tokens=ext("registry").token_counter(model)))
+        context_len=models.context_len(model), count_tokens=models.token_counter(model)))
     return checked, model
 
 
@@ -198,7 +200,7 @@ def _write_requests(storage, file_id: str) -> int:
 def create_batch():
     quota, conf = g.quota, cfg()
     quotas.check_class(quota, SlaClass.batch.value)
-    s, storage, now = session(), ext("storage"), utcnow()
+    s, storage, now = session(), services().storage, utcnow()
     file_id = new_id("file-")
     size = _write_requests(storage, file_id)
     batch = Batch(id=new_id("msgbatch_"), tenant_id=g.tenant.id, endpoint=MESSAGES, input_file_id=file_id,
@@ -207,8 +209,8 @@ def create_batch():
     try:
         errors, created = ledger.load_jobs(s, storage, batch, quota, served_model=conf.served_model_name,
                                            max_lines=MAX_BATCH_REQUESTS, chunk_size=conf.batch_chunk_size,
-                                           cache_group=g.tenant.prefix_cache_group, models=ext("registry"),
-                                           route=ext("dispatcher").queue, key_id=g.get("api_key_id"))
+                                           cache_group=g.tenant.prefix_cache_group, models=services().registry,
+                                           route=services().dispatcher.queue, key_id=g.get("api_key_id"))
     except APIError:
         s.rollback()
         storage.delete(file_id)
@@ -233,7 +235,7 @@ def create_batch():
         raise
     batch.status, batch.in_progress_at, batch.total = BatchStatus.in_progress, utcnow(), len(created)
     s.commit()
-    ext("dispatcher").publish(created)
+    services().dispatcher.publish(created)
     return _batch_json(batch)
 
 
@@ -264,7 +266,7 @@ def get_batch(batch_id):
 def cancel_batch(batch_id):
     s, batch = session(), _message_batch(batch_id)
     if batch.status in (BatchStatus.validating, BatchStatus.in_progress) and ledger.cancel(s, batch):
-        ledger.finalize(s, ext("storage"), batch, cfg().served_model_name)
+        ledger.finalize(s, services().storage, batch, cfg().served_model_name)
         s.commit()
     return _batch_json(batch)
 
@@ -287,7 +289,7 @@ def batch_results(batch_id):
     if PROCESSING.get(batch.status) is not None:
         raise APIError(409, f"Message batch '{batch_id}' is still processing; its results are available once it "
                             "has ended.", "batch_not_ended")
-    model, sessions = cfg().served_model_name, ext("sessions")
+    model, sessions = cfg().served_model_name, services().sessions
 
     def lines():
         """A page of results at a time, each read in its own short session that is closed (its connection back in
@@ -318,5 +320,5 @@ def delete_batch(batch_id):
     files = ledger.remove(s, batch)
     s.commit()
     for f in files:
-        ext("storage").delete(f)
+        services().storage.delete(f)
     return {"id": batch_id, "type": "message_batch_deleted"}

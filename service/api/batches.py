@@ -7,7 +7,8 @@ from ..auth import tenant_required
 from ..db import session
 from ..protocol.errors import APIError, bad_request, not_found
 from ..ledger.models import OFFLINE_CLASSES, Batch, BatchStatus, File, SlaClass, new_id, utcnow
-from . import cfg, ext, json_body, limit_arg, owned, page, ts
+from . import cfg, json_body, limit_arg, owned, page, ts
+from ..app import services
 
 bp = Blueprint("batches", __name__)
 FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "sla_class"}
@@ -66,10 +67,10 @@ def create_batch():
                   completion_window="24h", sla_class=SlaClass(sla), status=BatchStatus.validating, metadata_=metadata,
                   total=0, completed=0, failed=0, created_at=now, expires_at=ledger.default_expiry(now))
     try:   # the batch is committed with its jobs, or failed, never left validating: a crash leaves no row
-        errors, created = ledger.load_jobs(s, ext("storage"), batch, quota, served_model=conf.served_model_name,
+        errors, created = ledger.load_jobs(s, services().storage, batch, quota, served_model=conf.served_model_name,
                                            max_lines=conf.max_batch_lines, chunk_size=conf.batch_chunk_size,
-                                           cache_group=g.tenant.prefix_cache_group, models=ext("registry"),
-                                           route=ext("dispatcher").queue, key_id=g.get("api_key_id"))
+                                           cache_group=g.tenant.prefix_cache_group, models=services().registry,
+                                           route=services().dispatcher.queue, key_id=g.get("api_key_id"))
     except APIError as exc:  # budget or max_queued: the batch fails as a whole
         errors, created = [{"code": exc.code, "message": exc.message, "param": None, "line": None}], []
     if errors:
@@ -80,7 +81,7 @@ def create_batch():
         return batch_json(batch)
     batch.status, batch.in_progress_at, batch.total = BatchStatus.in_progress, utcnow(), len(created)
     s.commit()
-    ext("dispatcher").publish(created)
+    services().dispatcher.publish(created)
     return batch_json(batch)
 
 
@@ -106,6 +107,6 @@ def cancel_batch(batch_id):
     if batch.status not in (BatchStatus.validating, BatchStatus.in_progress) or not ledger.cancel(s, batch):
         raise APIError(409, f"Batch '{batch_id}' is {batch.status.value} and cannot be cancelled.",
                        "batch_not_cancellable")
-    ledger.finalize(s, ext("storage"), batch, cfg().served_model_name)
+    ledger.finalize(s, services().storage, batch, cfg().served_model_name)
     s.commit()
     return batch_json(batch)

@@ -12,7 +12,8 @@ from ..protocol.request_bodies import bad_text
 from ..db import session
 from ..protocol.errors import APIError, bad_request, not_found
 from ..ledger.models import File, new_id, utcnow
-from . import cfg, ext, limit_arg, owned, page, ts
+from . import cfg, limit_arg, owned, page, ts
+from ..app import services
 
 bp = Blueprint("files", __name__)
 PURPOSES = ("batch",)
@@ -55,7 +56,7 @@ def upload_file():
     if not (request.mimetype or "").startswith("multipart/form-data"):
         raise APIError(415, "Upload the file as multipart/form-data with fields 'file' and 'purpose'.",
                        "unsupported_media_type")
-    quotas.check_rate(ext("limiter"), g.quota, 0)     # an upload is a request like any other
+    quotas.check_rate(services().limiter, g.quota, 0)     # an upload is a request like any other
     purpose = request.form.get("purpose")
     if purpose not in PURPOSES:
         raise bad_request(f"'purpose' must be one of {list(PURPOSES)}.", "purpose")
@@ -72,7 +73,7 @@ def upload_file():
     room = kept.room(s, g.quota)
     s.rollback()      # (a read: nothing held while the bytes arrive)
     file_id = new_id("file-")
-    storage = ext("storage")
+    storage = services().storage
     if room is not None and room < limit:
         size = storage.save(file_id, upload.stream, room, _storage_full(room))
     else:
@@ -112,7 +113,7 @@ def get_file(file_id):
 @tenant_required
 def file_content(file_id):
     f = own_file(file_id)
-    return send_file(ext("storage").path(f.id), mimetype="application/jsonl", as_attachment=True,
+    return send_file(services().storage.path(f.id), mimetype="application/jsonl", as_attachment=True,
                      download_name=safe_filename(f.filename))
 
 
@@ -123,5 +124,5 @@ def delete_file(file_id):
     s = session()
     s.delete(f)
     s.commit()
-    ext("storage").delete(f.id)
+    services().storage.delete(f.id)
     return {"id": f.id, "object": "file", "deleted": True}

@@ -8,7 +8,8 @@ from ..ledger.database import ping
 from ..error_responses import error_response
 from ..openapi import spec
 from ..ledger.snapshots import SnapshotStore
-from . import cfg, ext
+from . import cfg
+from ..app import services
 
 bp = Blueprint("health", __name__)
 
@@ -27,11 +28,11 @@ def readyz():
     except Exception as exc:
         checks["database"] = f"error: {type(exc).__name__}"
     try:
-        client = ext("redis")
+        client = services().redis
         if client is not None:
             client.ping()
         else:
-            ext("dispatcher").ping()
+            services().dispatcher.ping()
         checks["broker"] = "ok"
     except Exception as exc:
         checks["broker"] = f"error: {type(exc).__name__}"
@@ -45,7 +46,7 @@ def readyz():
 def _engine_check() -> str:
     """ok once a worker serving this model has its engine up (workers publish snapshots only after loading)."""
     try:
-        snaps = SnapshotStore(ext("redis")).read()
+        snaps = SnapshotStore(services().redis).read()
     except Exception as exc:
         return f"error: {type(exc).__name__}"
     model = cfg().model

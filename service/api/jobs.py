@@ -15,7 +15,8 @@ from ..db import session
 from ..protocol.errors import APIError, bad_request, not_found
 from ..ledger.logging import log_job
 from ..ledger.models import SLA_CLASSES, Job, JobStatus, SlaClass, new_id, utcnow
-from . import MAX_JSON_BYTES, cfg, ext, json_body, limit_arg, owned, page, ts
+from . import MAX_JSON_BYTES, cfg, json_body, limit_arg, owned, page, ts
+from ..app import services
 
 bp = Blueprint("jobs", __name__)
 MAX_PAGE = 100   # jobs in one page of a listing (OpenAI's lists stop at 100)
@@ -93,13 +94,14 @@ def create_job():
     if "input" in body and ("prompt" in body or "messages" in body):
         raise bad_request("Send one of 'input' (embeddings), 'prompt' or 'messages'.", "input")
     endpoint = EMBEDDINGS if "input" in body else CHAT if "messages" in body else COMPLETIONS
-    model = adapters.resolve(session(), ext("registry"), quota, g.tenant.id, body.get("model"))  # 404/403
-    ext("registry").check_endpoint(model, endpoint)
+    models = services().registry
+    model = adapters.resolve(session(), models, quota, g.tenant.id, body.get("model"))  # 404/403
+    models.check_endpoint(model, endpoint)
     checked = bodies.check(body, endpoint, served_model=None,
                            max_tokens_cap=quota.max_tokens_per_request, extra_allowed=bodies.NATIVE_EXTRA,
-                           context_len=ext("registry").context_len(model), vocab_size=ext("registry").vocab_size(model),
-                           embed_model=ext("registry").embed_model(model),
-                           count_tokens=ext("registry").token_counter(model))
+                           context_len=models.context_len(model), vocab_size=models.vocab_size(model),
+                           embed_model=models.embed_model(model),
+                           count_tokens=models.token_counter(model))
     sla = sla_classes.sla_class(body.get("service_tier"), body.get("sla_class"),
                           g.tenant.default_sla_class or "interactive" if body.get("service_tier") == "auto"
                           else "interactive")
@@ -125,7 +127,7 @@ def create_job():
               status=JobStatus.queued, endpoint=endpoint, request=checked.body, metadata_=metadata, idempotency_key=key,
               request_hash=request_hash, estimated_tokens=checked.estimated_tokens, deadline=deadline, attempts=0,
               created_at=now, queued_at=now)
-    quotas.check_rate(ext("limiter"), quota, checked.estimated_tokens)
+    quotas.check_rate(services().limiter, quota, checked.estimated_tokens)
     try:
         # Counts the job against max_queued and reserves its tokens against the monthly budget (checking, in
         # the database, that the key is live and the tenant enabled) and inserts it; committed before this returns. On Postgres one statement, shared with
@@ -142,8 +144,8 @@ def create_job():
         raise
     prefix = affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, endpoint, checked.body)
     fair_meta = fair.meta(g.tenant.id, g.tenant.weight, deadline, checked.estimated_tokens)
-    if ext("dispatcher").publish_one(job.id, ext("dispatcher").queue(sla, model.name), xmin, prefix=prefix,
-                                     fair=fair_meta):
+    dispatcher = services().dispatcher
+    if dispatcher.publish_one(job.id, dispatcher.queue(sla, model.name), xmin, prefix=prefix, fair=fair_meta):
         job.dispatched_at = utcnow()
     log_job("job.queued", job)
     return job_json(job), 202

@@ -19,7 +19,8 @@ from ..auth import tenant_required
 from ..protocol.errors import APIError, bad_request
 from ..ledger.models import ONLINE_CLASSES, TERMINAL, Job, JobStatus, SlaClass, new_id, utcnow
 from ..db import session
-from . import MAX_JSON_BYTES, cfg, ext, json_body
+from . import MAX_JSON_BYTES, cfg, json_body
+from ..app import services
 
 bp = Blueprint("openai", __name__)
 FLEX = SlaClass.batch.value   # service_tier "flex": the batch class, served online
@@ -28,7 +29,7 @@ log = logging.getLogger("tidepool.online")
 
 
 def _hub():
-    return token_stream.for_redis(ext("redis"))
+    return token_stream.for_redis(services().redis)
 
 
 @bp.get("/v1/models")
@@ -37,20 +38,20 @@ def list_models():
     """Exactly the models the calling tenant may use: enabled, and on its allow-list (if it has one); then its
     LoRA adapters and the shared ones it may use, each with its base model as `parent`."""
     allowed = g.quota.allowed_models if g.quota is not None else None
-    return {"object": "list", "data": [registry.public_json(e) for e in ext("registry").allowed(g.quota)]
+    return {"object": "list", "data": [registry.public_json(e) for e in services().registry.allowed(g.quota)]
             + [adapters.public_json(a) for a in adapters.usable(session(), g.tenant.id, allowed)]}
 
 
 @bp.get("/v1/models/<model_id>")
 @tenant_required
 def get_model(model_id):
-    adapter = adapters.visible(session(), g.tenant.id, model_id) if ext("registry").get(model_id) is None else None
+    adapter = adapters.visible(session(), g.tenant.id, model_id) if services().registry.get(model_id) is None else None
     if adapter is not None:     # another tenant's adapter is not visible: it falls through to the 404 below
         allowed = g.quota.allowed_models if g.quota is not None else None
         if adapter in adapters.usable(session(), g.tenant.id, allowed):
             return adapters.public_json(adapter)
         raise APIError(403, f"This tenant may not use the model '{model_id}'.", "model_not_allowed", "model")
-    entry = ext("registry").resolve(g.quota, model_id)
+    entry = services().registry.resolve(g.quota, model_id)
     if entry.name is None:      # no model configured or registered at all
         raise APIError(404, f"The model '{model_id}' does not exist.", "model_not_found", "model")
     return registry.public_json(entry)
@@ -75,10 +76,11 @@ def create_embeddings():
     marks = {"recv": time.time()}
     body = json_body(MAX_JSON_BYTES)
     sla = online_class(body.pop("service_tier", None), body.pop("sla_class", None))
-    model = ext("registry").resolve(g.quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
-    ext("registry").check_endpoint(model, EMBEDDINGS)
+    models = services().registry
+    model = models.resolve(g.quota, body.get("model"))    # 404 unknown, 403 disabled or not allowed
+    models.check_endpoint(model, EMBEDDINGS)
     checked = bodies.check(body, EMBEDDINGS, served_model=None, max_tokens_cap=None,
-                           embed_model=ext("registry").embed_model(model))
+                           embed_model=models.embed_model(model))
     job, waiter = submit(checked, sla, model, marks)
     try:
         final = waiter.finish()
@@ -104,11 +106,12 @@ def _serve(endpoint: str):
     if not isinstance((options or {}).get("include_usage"), (bool, type(None))):
         raise bad_request("'stream_options.include_usage' must be a boolean.", "stream_options.include_usage")
     sla = online_class(body.pop("service_tier", None), body.pop("sla_class", None))
-    model = adapters.resolve(session(), ext("registry"), g.quota, g.tenant.id, body.get("model"))  # 404/403
-    ext("registry").check_endpoint(model, endpoint)
+    models = services().registry
+    model = adapters.resolve(session(), models, g.quota, g.tenant.id, body.get("model"))  # 404/403
+    models.check_endpoint(model, endpoint)
     checked = bodies.check(body, endpoint, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
-                           context_len=ext("registry").context_len(model), vocab_size=ext("registry").vocab_size(model),
-                           count_tokens=ext("registry").token_counter(model))
+                           context_len=models.context_len(model), vocab_size=models.vocab_size(model),
+                           count_tokens=models.token_counter(model))
     if stream and (checked.body.get("best_of") or 1) > (checked.body.get("n") or 1):
         raise bad_request("'best_of' above 'n' cannot be streamed (the best are known only at the end).", "best_of")
     job, waiter = submit(checked, sla, model, marks)
@@ -145,7 +148,7 @@ def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, 
     hidden: the job is not readable through /v1/jobs (a Responses request with `store: false`)."""
     marks = marks if marks is not None else {"recv": time.time()}
     slot = admission.hold_online_slot() if wait else None     # an answer waited for holds a web thread
-    quotas.check_rate(ext("limiter"), g.quota, checked.estimated_tokens)
+    quotas.check_rate(services().limiter, g.quota, checked.estimated_tokens)
     marks["valid"] = time.time()
     now = utcnow()
     job = Job(id=new_id("job_"), tenant_id=g.tenant.id, sla_class=SlaClass(sla), model=model.name,
@@ -155,8 +158,9 @@ def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, 
     xmin = admission.admit(job)    # counted against max_queued and the budget, inserted and committed: one statement
     marks["insert"] = time.time()
     sub = _hub().subscribe(job.id) if wait else None      # before dispatch, so no event can be missed
-    published = ext("dispatcher").publish_one(
-        job.id, ext("dispatcher").queue(sla, model.name), xmin,    # a chat's history
+    dispatcher = services().dispatcher
+    published = dispatcher.publish_one(
+        job.id, dispatcher.queue(sla, model.name), xmin,    # a chat's history
         prefix=affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, checked.endpoint, checked.body),
         fair=fair.meta(g.tenant.id, g.tenant.weight, None, checked.estimated_tokens))
     if published and not wait:
@@ -165,7 +169,7 @@ def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, 
     if not wait:
         return job, None
     conf = cfg()
-    return job, _Waiter(ext("sessions"), sub, job.id, conf.online_timeout, marks,
+    return job, _Waiter(services().sessions, sub, job.id, conf.online_timeout, marks,
                         start_within=conf.flex_timeout if sla == FLEX else None, slot=slot)
 
 
@@ -285,7 +289,7 @@ class _Waiter:
 
 def _forget_refused(job_id: str) -> None:
     try:
-        with ext("sessions")() as s:
+        with services().sessions() as s:
             if transitions.forget_refused(s, job_id):
                 s.commit()
     except (OperationalError, InterfaceError):   # ledger down: the failed job stays, as before

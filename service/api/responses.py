@@ -13,7 +13,8 @@ from ..auth import tenant_required
 from ..db import session
 from ..protocol.errors import APIError, bad_request
 from ..ledger.models import Job, JobStatus, StoredResponse, new_id
-from . import MAX_JSON_BYTES, ext, json_body, limit_arg, owned
+from . import MAX_JSON_BYTES, json_body, limit_arg, owned
+from ..app import services
 from .openai_compat import _job_error, event_stream, first_event, online_class, submit
 from .streams import text_deltas
 
@@ -58,11 +59,12 @@ def create_response():
     sla = online_class(body.get("service_tier"), body.get("sla_class"))
     prev = body.get("previous_response_id")
     history = _history(prev) if prev else None
-    model = ext("registry").resolve(g.quota, body.get("model"))
-    ext("registry").check_endpoint(model, CHAT)
+    models = services().registry
+    model = models.resolve(g.quota, body.get("model"))
+    models.check_endpoint(model, CHAT)
     checked = shapes.check(parsed, history, lambda chat: bodies.check(
         chat, CHAT, served_model=None, max_tokens_cap=g.quota.max_tokens_per_request,
-        context_len=ext("registry").context_len(model), count_tokens=ext("registry").token_counter(model)))
+        context_len=models.context_len(model), count_tokens=models.token_counter(model)))
     job, waiter = submit(checked, sla, model, wait=not background, hidden=not store)
     response_id = shapes.response_id(job.id)
     kw = dict(background=background, store=store, previous_response_id=prev)

@@ -2,7 +2,8 @@
 and a misfit is shown with the reason), see them all, pin or unpin, enable or disable."""
 from flask import flash, redirect, render_template, request, url_for
 
-from ..api import cfg, ext
+from ..api import cfg
+from ..app import services
 from ..db import session as db
 from ..ledger import adapters
 from ..protocol.errors import APIError
@@ -13,7 +14,7 @@ ACTOR = "panel"
 
 def _page(form: dict | None = None, errors: dict | None = None, status: int = 200):
     return render_template("adapters.html", adapters=adapters.listing(db()),
-                           models=[e.name for e in ext("registry").entries().values() if e.name],
+                           models=[e.name for e in services().registry.entries().values() if e.name],
                            form=form or {}, errors=errors or {}), status
 
 
@@ -28,7 +29,8 @@ def register_adapter():
     pinned = request.form.get("pinned") == "1"
     s = db()
     try:
-        adapters.register(s, form["name"], form["base_model"], form["source"], ext("registry").get(form["base_model"]),
+        base = services().registry.get(form["base_model"])
+        adapters.register(s, form["name"], form["base_model"], form["source"], base,
                           cfg().max_lora_rank or adapters.DEFAULT_MAX_LORA_RANK, form["tenant_id"] or None, pinned,
                           actor=ACTOR)
         s.commit()

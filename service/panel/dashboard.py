@@ -6,7 +6,7 @@ from flask import current_app, render_template, request
 
 from tidepool.service.ledger.snapshots import SNAPSHOT_TTL, Heartbeats, SnapshotStore
 
-from ..api import ext
+from ..app import services
 from ..db import session as db
 from ..ledger import counters
 from ..ledger.models import SLA_CLASSES, utcnow
@@ -68,7 +68,7 @@ _last_totals: dict[str, tuple[float, int]] = {}  # worker → (at, total generat
 
 
 def snapshot_store() -> SnapshotStore:
-    return SnapshotStore(current_app.extensions["tidepool.redis"])
+    return SnapshotStore(services().redis)
 
 
 def _from_heartbeat(hb: dict) -> dict | None:
@@ -89,7 +89,7 @@ def _from_heartbeat(hb: dict) -> dict | None:
 def worker_snapshots() -> list[dict]:
     """Snapshots published through workers.metrics, plus the heartbeats of workers that publish none."""
     snaps = {s["worker"]: s for s in snapshot_store().read()}
-    beats = Heartbeats(current_app.extensions["tidepool.redis"]).read()
+    beats = Heartbeats(services().redis).read()
     now = utcnow().timestamp()
     for hb in beats:
         snap = _from_heartbeat(hb)
@@ -105,7 +105,7 @@ def dashboard_json() -> dict:
         jobs[sla.value][status.value] = n
     errors = []
     try:
-        queues = {c: 0 for c in SLA_CLASSES} | ext("dispatcher").queue_depths()
+        queues = {c: 0 for c in SLA_CLASSES} | services().dispatcher.queue_depths()
     except Exception as exc:
         queues, errors = None, [f"Broker unreachable: {type(exc).__name__}"]
     try:

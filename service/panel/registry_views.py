@@ -3,7 +3,7 @@ revoke it, and see each model's queues (depth per SLA class, and whether a live 
 from flask import flash, redirect, render_template, request, url_for
 
 from ..ledger import registry
-from ..api import ext
+from ..app import services
 from ..api.admin import model_queues
 from ..db import session as db
 from ..protocol.errors import APIError
@@ -14,7 +14,7 @@ ACTOR = "panel"
 
 
 def _page(form: dict | None = None, errors: dict | None = None, status: int = 200):
-    entries = list(ext("registry").entries().values())
+    entries = list(services().registry.entries().values())
     try:
         queues = model_queues()
     except Exception as exc:   # broker down: the registry is still shown
@@ -58,7 +58,7 @@ def update_model():
         values["enabled"] = request.form["enabled"] == "1"
     s = db()
     try:
-        registry.update(s, name, values, actor=ACTOR, default=ext("registry").get(name))
+        registry.update(s, name, values, actor=ACTOR, default=services().registry.get(name))
         s.commit()
     except APIError as exc:
         s.rollback()
@@ -78,10 +78,10 @@ def grant_model():
     try:
         if s.get(Tenant, tenant_id) is None:
             raise APIError(404, "Choose a tenant.", "not_found", "tenant_id")
-        if ext("registry").get(name) is None:
+        if services().registry.get(name) is None:
             raise APIError(404, "Choose a registered model.", "not_found", "model")
         if action == "revoke":
-            registry.revoke(s, tenant_id, name, list(ext("registry").entries()), actor=ACTOR)
+            registry.revoke(s, tenant_id, name, list(services().registry.entries()), actor=ACTOR)
         else:
             registry.grant(s, tenant_id, name, actor=ACTOR)
         s.commit()

@@ -7,7 +7,8 @@ from werkzeug.exceptions import HTTPException
 
 from ..ledger import batches as ledger, eta, jobs as transitions, keys as credentials, pages, tenants
 from ..protocol import embeddings
-from ..api import cfg, ext
+from ..api import cfg
+from ..app import services
 from ..auth import admin_failed, admin_throttled
 from ..db import session as db
 from ..protocol.errors import APIError
@@ -400,7 +401,7 @@ def cancel_batch(batch_id):
     if b.status not in (BatchStatus.validating, BatchStatus.in_progress) or not ledger.cancel(s, b):
         flash(f"The batch is {b.status.value} and cannot be cancelled.", "error")
         return redirect(url_for("panel.batch_page", batch_id=batch_id))
-    ledger.finalize(s, ext("storage"), b, cfg().served_model_name)
+    ledger.finalize(s, services().storage, b, cfg().served_model_name)
     s.commit()
     log.info("batch cancelled", extra={"event": "batch.cancelled", "batch_id": b.id, "tenant": b.tenant_id,
                                        "sla_class": b.sla_class.value, "actor": ACTOR})
@@ -415,7 +416,7 @@ def download_file(file_id):
     if f is None:
         abort(404, f"No file with id {file_id}.")
     try:
-        path = ext("storage").path(file_id)
+        path = services().storage.path(file_id)
     except ValueError:
         abort(404, f"No file with id {file_id}.")
     if not path.exists():

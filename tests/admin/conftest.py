@@ -39,7 +39,7 @@ def app(pg_url, tmp_path, admin_redis):
     redis.Redis.from_url(admin_redis).flushdb()
     app = make_app(pg_url, tmp_path, admin_redis)
     yield app
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def live(pg_databases, tmp_path_factory, admin_redis):
     yield app, base, Api(base)
     server.shutdown()
     thread.join(5)
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
     pg_databases.drop(url)
 
 

@@ -16,7 +16,7 @@ from .conftest import ADMIN, shot
 
 
 def _db(app):
-    return app.extensions["tidepool.sessions"]()
+    return app.services.sessions()
 
 
 def _run_job(app, job_id, prompt_tokens=5, completion_tokens=7):

@@ -57,7 +57,7 @@ def test_service_metrics_move_when_jobs_run(client, app, monkeypatch):
         value(before, "tidepool:http_requests_total", route="/v1/jobs", method="POST", status="202") + 1
     assert value(page, "tidepool:http_request_duration_seconds_count", route="/v1/jobs") >= 2
 
-    with app.extensions["tidepool.sessions"]() as s:
+    with app.services.sessions() as s:
         token = transitions.start(s, job["id"], "gpu0").lease_token
         s.commit()
         page = scrape(client)
@@ -249,7 +249,7 @@ def test_metrics_token_when_configured(pg_url, tmp_path, admin_redis, monkeypatc
         r = client.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
         assert r.status_code == 200 and "tidepool:http_requests_total" in r.text
     finally:
-        app.extensions["tidepool.db"].dispose()
+        app.services.database.dispose()
 
 
 def test_http_requests_are_logged_as_json(client):
@@ -323,7 +323,7 @@ def test_metrics_need_a_token_by_default(pg_url, tmp_path, admin_redis):
                 r = client.get("/metrics", headers={"Authorization": f"Bearer {token}"})
                 assert r.status_code == 200 and "tidepool:http_requests_total" in r.text
         finally:
-            app.extensions["tidepool.db"].dispose()
+            app.services.database.dispose()
 
 
 def test_http_series_have_bounded_labels(client):
@@ -374,12 +374,12 @@ def test_no_tenant_or_batch_ids_as_labels_unless_opted_in(client, pg_url, tmp_pa
         assert value(page, "tidepool:quota_rejections_total", tenant=tenant_id, reason="max_queued") == 1
         assert ("tidepool:batches_at_risk", frozenset({("tenant", tenant_id), ("sla_class", "batch")})) in page
     finally:
-        opted.extensions["tidepool.db"].dispose()
+        opted.services.database.dispose()
 
 
 def test_scrapes_in_quick_succession_run_the_ledger_queries_once(client, app):
     from sqlalchemy import event
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     statements = []
     assert client.get("/metrics", headers=BEARER).status_code == 200
     listen = lambda *args: statements.append(args[2])     # noqa: E731

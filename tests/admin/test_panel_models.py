@@ -73,7 +73,7 @@ def test_models_page_end_to_end(page, live):
     page.select_option("#grant-model", "beta")
     page.click("#grant-button")
     assert _flash(page) == "'beta' granted to the tenant."
-    with app.extensions["tidepool.sessions"]() as s:
+    with app.services.sessions() as s:
         assert s.get(Quota, tenant_id).allowed_models == ["beta", "gamma"]
 
     # a job for a model no worker serves waits, and the page says so
@@ -84,7 +84,7 @@ def test_models_page_end_to_end(page, live):
     shot(page, "models")
     assert not page.js_errors
 
-    with app.extensions["tidepool.sessions"]() as s:
+    with app.services.sessions() as s:
         audit = [(a.actor, a.action, a.target) for a in s.scalars(select(AuditLog).order_by(AuditLog.id))
                  if a.action.startswith("model.")]
     assert audit == [("panel", "model.register", "beta"), ("panel", "model.retier", "beta"),

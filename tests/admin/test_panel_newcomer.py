@@ -29,7 +29,7 @@ def test_new_tenant_and_key_post_redirect_get(client):
 
 def test_finished_batch_without_errors_says_none(client, app):
     sign_in(client)
-    with app.extensions["tidepool.sessions"]() as s:
+    with app.services.sessions() as s:
         tenant, _ = tenants.create_tenant(s, "files")
         done = Batch(tenant_id=tenant.id, endpoint="/v1/completions", input_file_id="file-x", completion_window="24h",
                      sla_class=SlaClass.batch, status=BatchStatus.completed, output_file_id=None)
@@ -55,7 +55,7 @@ def test_dashboard_charts_are_seeded_from_the_ledger(client, app):
     from tidepool.service.ledger.models import Job, JobStatus, utcnow
     sign_in(client)
     now = utcnow()
-    with app.extensions["tidepool.sessions"]() as s:
+    with app.services.sessions() as s:
         tenant, _ = tenants.create_tenant(s, "seeded")
         for i, (sla, ago) in enumerate([(SlaClass.realtime, 30), (SlaClass.realtime, 31), (SlaClass.batch, 100)]):
             finished = now - timedelta(seconds=ago)

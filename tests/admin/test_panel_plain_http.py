@@ -26,4 +26,4 @@ def test_no_warning_where_the_cookie_survives(client, pg_url, tmp_path, admin_re
     try:
         assert 'id="plain-http"' not in insecure.test_client().get("/admin/login", base_url=PLAIN).text
     finally:
-        insecure.extensions["tidepool.db"].dispose()
+        insecure.services.database.dispose()

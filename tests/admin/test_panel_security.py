@@ -38,7 +38,7 @@ def test_form_without_csrf_token_is_rejected(client, app):
         assert r.status_code == 400 and "CSRF check failed" in r.text
     r = client.post("/admin/login", data={"token": ADMIN}, base_url=HTTPS)
     assert r.status_code == 400  # sign-in is a form too
-    with app.extensions["tidepool.sessions"]() as s:
+    with app.services.sessions() as s:
         assert s.scalar(select(func.count()).select_from(Tenant)) == 0
     r = client.post("/admin/tenants", data={"name": "real", "weight": "1", "csrf_token": csrf}, base_url=HTTPS)
     assert r.status_code == 303     # post/redirect/get
@@ -92,7 +92,7 @@ def test_dashboard_reads_worker_heartbeats(client, app):
 
     from tidepool.service.ledger.snapshots import Heartbeats
     sign_in(client)
-    r = app.extensions["tidepool.redis"]
+    r = app.services.redis
     beat = {"name": "gpu-7", "device": "cuda", "at": time.time() - 1,
             "engine": {"running": 5, "waiting": 1, "kv_cache_usage": 0.5, "preemptions": 2,
                        "prefix_cache_queries": 10, "prefix_cache_hits": 5, "total_generation_tokens": 100}}
@@ -142,7 +142,7 @@ def test_a_throttled_address_locks_out_no_one_else(pg_url, tmp_path, admin_redis
         assert _login(admin, ADMIN, "198.51.100.7").status_code == 302
         assert admin.get("/admin/tenants", base_url=HTTPS).status_code == 200
     finally:
-        app.extensions["tidepool.db"].dispose()
+        app.services.database.dispose()
 
 
 def test_without_trusted_proxies_a_forwarded_address_is_not_believed(client):
@@ -173,7 +173,7 @@ def test_wrong_admin_bearer_tokens_are_throttled_per_address(pg_url, tmp_path, a
                                                      "Authorization": f"Bearer {ADMIN}"})
         assert r.status_code == 200
     finally:
-        app.extensions["tidepool.db"].dispose()
+        app.services.database.dispose()
 
 
 def test_a_copied_cookie_signs_in_nothing_after_sign_out(app):

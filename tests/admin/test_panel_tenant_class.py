@@ -12,7 +12,7 @@ HTTPS = "https://localhost"
 
 
 def _tenant(app, name: str) -> Tenant:
-    with app.extensions["tidepool.sessions"]() as s:
+    with app.services.sessions() as s:
         return s.scalar(select(Tenant).where(Tenant.name == name))
 
 
@@ -88,7 +88,7 @@ def test_edit_default_class_validates_and_audits(client, app):
         assert r.status_code == 400 and "CSRF check failed" in r.text
     assert _tenant(app, "acme").default_sla_class is None
 
-    with app.extensions["tidepool.sessions"]() as s:
+    with app.services.sessions() as s:
         changes = s.scalars(select(AuditLog.details).where(AuditLog.action == "tenant.update",
                                                            AuditLog.target == tenant_id).order_by(AuditLog.id)).all()
     assert [c["default_sla_class"] for c in changes] == ["interactive", None]

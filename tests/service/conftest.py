@@ -43,7 +43,7 @@ def redis_client(redis_url):
 
 
 def _dispose(app):
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def pytest_generate_tests(metafunc):

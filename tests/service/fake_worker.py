@@ -12,8 +12,8 @@ from tidepool.service.ledger.models import Job, JobStatus
 
 class FakeWorker:
     def __init__(self, app, tenant_id: str | None = None, output: str = "Hello"):
-        self.engine = app.extensions["tidepool.db"]
-        self.hub = token_stream.for_redis(app.extensions["tidepool.redis"])
+        self.engine = app.services.database
+        self.hub = token_stream.for_redis(app.services.redis)
         self.tenant_id, self.output = tenant_id, output
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.run, daemon=True)

@@ -39,7 +39,7 @@ def setup(sqlite_url, tmp_path):
     app = create_app({"database_url": sqlite_url, "redis_url": None, "storage_dir": str(tmp_path / "storage"),
                       "admin_token": ADMIN, "model": str(base), "max_lora_rank": 8})
     yield app, app.test_client(), Admin(app.test_client()), tmp_path
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def test_register_list_refuse_and_visibility(setup):

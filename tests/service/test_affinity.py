@@ -106,7 +106,7 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
     from tidepool.service.ledger import tenants
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
                       "model": str(tmp_path / "served"), "admin_token": ADMIN})
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         tenant, key = tenants.create_tenant(s, "aff", 1.0)
         s.commit()
         tenant_id = tenant.id
@@ -127,7 +127,7 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
                                                             "completion_window": "24h"}).get_json()
     assert b["status"] == "in_progress", b
     assert redis_client.llen(private_queue("batch", "w1")) == 5
-    app.extensions["tidepool.dispatcher"].affinity = False
+    app.services.dispatcher.affinity = False
     r = client.post("/v1/jobs", json={"prompt": SYSTEM, "max_tokens": 2, "sla_class": "batch"}, headers=headers)
     assert r.status_code == 202 and redis_client.llen("batch") == 2
     # the message names the queue it sits in (a restore after a crash returns it there)
@@ -140,7 +140,7 @@ def test_dispatcher_routes_jobs_and_batch_lines_by_prefix(pg_url, redis_url, red
                                 "depth": 5}]
     assert 'tidepool:queue_depth{model="served",sla_class="batch"} 7.0' in client.get(
         "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def test_prefix_memory_is_bounded_newest_first():

@@ -27,7 +27,7 @@ def _finished_batch(app) -> tuple[str, dict]:
     b = client.post("/v1/batches", json={"input_file_id": f, "endpoint": "/v1/completions",
                                          "completion_window": "24h"}, headers=key).get_json()
     assert b["status"] == "in_progress", b
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         for job_id in s.scalars(select(Job.id).where(Job.batch_id == b["id"])).all():
             lease = jobs.start(s, job_id, "w").lease_token
             assert jobs.complete(s, job_id, lease, output="o", output_token_ids=[1], prompt_tokens=1,
@@ -38,16 +38,16 @@ def _finished_batch(app) -> tuple[str, dict]:
 
 def _outputs(app, batch_id: str) -> tuple[Batch, int, int]:
     """The batch, the batch_output File rows written for it and the files in storage."""
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         batch = s.get(Batch, batch_id)
         rows = s.scalar(select(func.count()).select_from(File).where(File.purpose == "batch_output"))
-    stored = sum(1 for p in app.extensions["tidepool.storage"].root.rglob("*") if p.is_file())
+    stored = sum(1 for p in app.services.storage.root.rglob("*") if p.is_file())
     return batch, rows, stored - 1      # the input file
 
 
 def _stale(app, batch_id: str) -> tuple[Session, Batch]:
     """A session holding the batch as read now, its read transaction over (as a request that read it earlier)."""
-    s = Session(app.extensions["tidepool.db"], expire_on_commit=False)
+    s = Session(app.services.database, expire_on_commit=False)
     batch = s.get(Batch, batch_id)
     s.commit()
     return s, batch
@@ -58,11 +58,11 @@ def test_a_cancel_that_read_the_batch_before_the_finaliser_closed_it_changes_not
     batch_id, _ = _finished_batch(app)
     s, stale = _stale(app, batch_id)
     assert stale.status == BatchStatus.in_progress
-    assert beat.finalize_batches(app) == 1                # the finaliser commits first
+    assert beat.finalize_batches(app.services) == 1                # the finaliser commits first
     with s:
         assert not ledger.cancel(s, stale)               # the cancel's guarded transition finds it completed
         assert stale.status == BatchStatus.completed      # ... and the caller sees what it is now
-        assert not ledger.finalize(s, app.extensions["tidepool.storage"], stale)
+        assert not ledger.finalize(s, app.services.storage, stale)
         s.commit()
     batch, rows, stored = _outputs(app, batch_id)
     assert (batch.status, batch.cancelling_at, batch.cancelled_at) == (BatchStatus.completed, None, None)
@@ -76,7 +76,7 @@ def test_a_finaliser_that_read_the_batch_before_the_cancel_closed_it_changes_not
     r = app.test_client().post(f"/v1/batches/{batch_id}/cancel", headers=key)     # the cancel commits first
     assert r.status_code == 200 and r.get_json()["status"] == "cancelled", r.get_json()
     with s:
-        assert not ledger.finalize(s, app.extensions["tidepool.storage"], stale)
+        assert not ledger.finalize(s, app.services.storage, stale)
         s.commit()
     batch, rows, stored = _outputs(app, batch_id)
     assert (batch.status, batch.completed_at, batch.output_file_id) == \
@@ -90,7 +90,7 @@ def test_the_finaliser_committing_inside_a_cancel_request_makes_it_a_409(app, mo
     cancel = ledger.cancel
 
     def finaliser_first(s, batch):
-        assert beat.finalize_batches(app) == 1
+        assert beat.finalize_batches(app.services) == 1
         return cancel(s, batch)
 
     monkeypatch.setattr(ledger, "cancel", finaliser_first)

@@ -161,7 +161,7 @@ def live(sqlite_url, tmp_path):
     yield f"http://127.0.0.1:{server.server_port}", key["Authorization"].removeprefix("Bearer ")
     server.shutdown()
     thread.join(5)
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
     Channel.queues.clear()
 
 

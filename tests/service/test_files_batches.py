@@ -24,7 +24,7 @@ def _client(app, live_server, **quota):
 
 
 def _count_jobs(app):
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         return s.scalar(select(func.count()).select_from(Job))
 
 
@@ -46,7 +46,7 @@ def test_files_and_batch_lifecycle_with_openai_client(app, live_server, redis_cl
     assert [b.id for b in oa.batches.list()] == [batch.id]
 
     # a worker completes one job and fails one; cancelling the batch cancels the last and finalises
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         ids = s.scalars(select(Job.id).where(Job.batch_id == batch.id).order_by(Job.custom_id)).all()
         lease = jobs.start(s, ids[0], "w").lease_token
         jobs.complete(s, ids[0], lease, output="hello", output_token_ids=[1], prompt_tokens=3, completion_tokens=1,
@@ -133,7 +133,7 @@ def test_fifty_thousand_line_batch_is_accepted(app, live_server, redis_client):
     b = oa.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
     assert b.status == "in_progress" and b.request_counts.total == 50_000
     assert _count_jobs(app) == 50_000 and redis_client.llen("batch") == 50_000
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         assert s.scalar(select(func.count()).select_from(Job).where(Job.dispatched_at.is_(None))) == 0
     too_many = data + "\n" + _line(50_000, url="/v1/completions", prompt=[1], max_tokens=1)
     f2 = oa.files.create(file=("big2.jsonl", io.BytesIO(too_many.encode())), purpose="batch")
@@ -150,8 +150,8 @@ def test_finalize_waits_for_running_jobs(embedded_app, tmp_path):
                     headers=key).get_json()
     b = client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
                                          "completion_window": "24h"}, headers=key).get_json()
-    storage = embedded_app.extensions["tidepool.storage"]
-    with Session(embedded_app.extensions["tidepool.db"]) as s:
+    storage = embedded_app.services.storage
+    with Session(embedded_app.services.database) as s:
         batch = s.get(Batch, b["id"])
         a, c = s.scalars(select(Job.id).where(Job.batch_id == batch.id).order_by(Job.custom_id)).all()
         lease = jobs.start(s, a, "w").lease_token

@@ -22,12 +22,12 @@ def test_flex_request_nobody_starts_is_withdrawn_with_a_429(sqlite_url, tmp_path
             r = client.post(path, json={**body, "service_tier": "flex"}, headers=key)     # no worker runs here
             assert r.status_code == 429, r.get_json()
             assert r.get_json()["error"]["code"] == "resource_unavailable" and int(r.headers["Retry-After"]) >= 1
-        with Session(app.extensions["tidepool.db"]) as s:
+        with Session(app.services.database) as s:
             jobs = s.scalars(select(Job).where(Job.tenant_id == tenant_id)).all()
             assert [(j.sla_class.value, j.status) for j in jobs] == [("batch", JobStatus.cancelled)] * 2
             t = s.get(Tenant, tenant_id)
             assert (t.queued_count, t.running_count, t.budget_reserved) == (0, 0, 0)
             assert s.scalar(select(Usage).where(Usage.tenant_id == tenant_id)) is None
     finally:
-        app.extensions["tidepool.db"].dispose()
+        app.services.database.dispose()
         Channel.queues.clear()

@@ -43,7 +43,7 @@ def _sql(pg_url: str, sql: str, *params):
 
 
 def _row(app, job_id: str) -> Job:
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         return s.get(Job, job_id)
 
 
@@ -79,7 +79,7 @@ def test_direct_publish_writes_what_kombus_producer_writes(redis_url, redis_clie
 
 @pytest.mark.production_shape
 def test_dispatched_at_is_recorded_after_the_response_in_one_statement(app, client, admin, redis_client):
-    marks = app.extensions["tidepool.dispatcher"].marks
+    marks = app.services.dispatcher.marks
     marks.background = False
     _, key = admin.tenant()
     responses = [client.post("/v1/jobs", json=PROMPT, headers=key).get_json() for _ in range(5)]
@@ -89,7 +89,7 @@ def test_dispatched_at_is_recorded_after_the_response_in_one_statement(app, clie
     assert all(_row(app, i).dispatched_at is None for i in ids)         # not yet recorded
     assert marks.flush() == 5 and marks.flushed == 5
     assert all(_row(app, i).dispatched_at is not None for i in ids)
-    assert app.extensions["tidepool.dispatcher"].republish_undispatched(older_than=0) == 0
+    assert app.services.dispatcher.republish_undispatched(older_than=0) == 0
 
 
 def test_background_flusher_records_marks_on_its_own(app, client, admin):
@@ -105,12 +105,12 @@ def test_background_flusher_records_marks_on_its_own(app, client, admin):
 def test_a_late_mark_never_hides_a_job_a_worker_handed_back(app, client, admin, redis_client):
     """Whatever a worker did to a job between its publish and the mark wins: a job it sent back for
     republishing (throttled, or failed for a retry) stays undispatched, so the sweeper republishes it."""
-    marks = app.extensions["tidepool.dispatcher"].marks
+    marks = app.services.dispatcher.marks
     marks.background = False
     _, key = admin.tenant()
     throttled, running, retried, untouched = (client.post("/v1/jobs", json=PROMPT, headers=key).get_json()["id"]
                                               for _ in range(4))
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     with Session(engine) as s:
         # what workers/worker.py does when jobs.start says "throttled": hand it back to the sweeper
         s.execute(update(Job).where(Job.id == throttled, Job.status == JobStatus.queued).values(dispatched_at=None))
@@ -122,7 +122,7 @@ def test_a_late_mark_never_hides_a_job_a_worker_handed_back(app, client, admin, 
     assert _row(app, throttled).dispatched_at is None and _row(app, retried).dispatched_at is None
     assert _row(app, running).dispatched_at is not None and _row(app, untouched).dispatched_at is not None
     redis_client.delete("interactive")
-    assert app.extensions["tidepool.dispatcher"].republish_undispatched(older_than=0) == 2
+    assert app.services.dispatcher.republish_undispatched(older_than=0) == 2
     assert sorted(_queue(redis_client)) == sorted([throttled, retried])
 
 
@@ -130,7 +130,7 @@ _CRASH = """
 import os, signal, sys
 from tidepool.service import create_app
 app = create_app({"database_url": sys.argv[1], "redis_url": sys.argv[2], "storage_dir": sys.argv[3]})
-app.extensions["tidepool.dispatcher"].marks.background = False
+app.services.dispatcher.marks.background = False
 r = app.test_client().post("/v1/jobs", json={"prompt": "Hello", "max_tokens": 8},
                            headers={"Authorization": "Bearer " + sys.argv[4]})
 assert r.status_code == 202, r.get_json()
@@ -142,7 +142,7 @@ os.kill(os.getpid(), signal.SIGKILL)  # after the 202 and the publish, before di
 def test_a_crash_before_the_mark_costs_one_duplicate_message_and_still_one_completion(
         pg_url, redis_url, redis_client, tmp_path):
     app = _app(pg_url, redis_url, tmp_path)
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     with Session(engine) as s:
         tenant, key = tenants.create_tenant(s, "crash")
         s.commit()
@@ -154,7 +154,7 @@ def test_a_crash_before_the_mark_costs_one_duplicate_message_and_still_one_compl
     job = _row(app, job_id)
     assert job.status == JobStatus.queued and job.dispatched_at is None       # accepted and durable
     assert _queue(redis_client) == [job_id]                                    # published
-    assert beat.sweep(app, republish_after=0)["republished"] == 1              # the sweeper's duplicate
+    assert beat.sweep(app.services, republish_after=0)["republished"] == 1              # the sweeper's duplicate
     assert _queue(redis_client) == [job_id, job_id]
     # Both messages reach workers. workers/worker.py claims a message with jobs.start (a guarded
     # queued -> running UPDATE) and acks it without running anything when that returns no lease.
@@ -240,7 +240,7 @@ def _admit_concurrently(group, engine, jobs_, key_id):
 
 @pytest.mark.production_shape
 def test_concurrent_submissions_share_one_statement_and_commit(app):
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     tenant_id, key_id, _ = _tenant(engine)
     group = GroupAdmission()
     batch = [_job(tenant_id) for _ in range(6)]
@@ -258,7 +258,7 @@ def test_concurrent_submissions_share_one_statement_and_commit(app):
 
 @pytest.mark.production_shape
 def test_a_refused_group_is_admitted_job_by_job_in_arrival_order(app):
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     tenant_id, key_id, _ = _tenant(engine, max_queued=3)
     group = GroupAdmission()
     batch = [_job(tenant_id) for _ in range(6)]
@@ -272,7 +272,7 @@ def test_a_refused_group_is_admitted_job_by_job_in_arrival_order(app):
 
 @pytest.mark.production_shape
 def test_a_duplicate_idempotency_key_in_a_group_fails_only_its_own_job(app):
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     tenant_id, key_id, _ = _tenant(engine)
     group = GroupAdmission()
     batch = [_job(tenant_id), _job(tenant_id, "k1"), _job(tenant_id), _job(tenant_id, "k1")]
@@ -284,7 +284,7 @@ def test_a_duplicate_idempotency_key_in_a_group_fails_only_its_own_job(app):
 
 @pytest.mark.production_shape
 def test_a_revoked_key_or_disabled_tenant_admits_nothing(app):
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     url = app.config["TIDEPOOL"].database_url
     tenant_id, key_id, _ = _tenant(engine)
     _sql(url, "UPDATE api_keys SET revoked_at = now() WHERE id = %s", key_id)
@@ -314,7 +314,7 @@ def test_many_concurrent_submissions_respect_max_queued_exactly(app):
     for t in threads:
         t.join()
     assert sorted(results) == [202] * 17 + [429] * 23
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         assert s.query(Job).filter_by(tenant_id=tenant_id).count() == 17
         assert s.get(Tenant, tenant_id).queued_count == 17
 
@@ -341,7 +341,7 @@ def test_revoke_and_disable_through_this_process_take_effect_at_once(pg_url, red
     assert client.get("/v1/jobs", headers=key).status_code == 403
     assert client.post(f"/v1/admin/tenants/{tenant_id}/enable", headers=admin.headers).status_code == 200
     assert client.get("/v1/jobs", headers=key).status_code == 200
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def _until(status_of, expected, limit):
@@ -370,10 +370,10 @@ def test_a_key_revoked_by_another_process_creates_no_job_and_is_refused_within_t
     r = client.post("/v1/jobs", json=PROMPT, headers=key)      # the admission statement checks the key itself
     assert r.status_code == 401 and r.get_json()["error"]["code"] == "invalid_api_key"
     assert client.get("/v1/jobs", headers=key).status_code == 401   # ... and dropped the cached entry
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         assert s.query(Job).count() == 1
     assert time.monotonic() - revoked < TTL
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def test_reads_see_another_process_revoking_or_disabling_within_the_ttl(pg_url, redis_url, tmp_path):
@@ -392,7 +392,7 @@ def test_reads_see_another_process_revoking_or_disabling_within_the_ttl(pg_url, 
     assert client.get("/v1/jobs", headers=key).status_code == 200
     _sql(pg_url, "UPDATE tenants SET disabled = true WHERE id = %s", tenant_id)
     assert _until(lambda: client.get("/v1/jobs", headers=key).status_code, 403, TTL + 0.5) <= TTL + 0.1
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def test_max_queued_lowered_by_another_process_holds_at_once(pg_url, redis_url, tmp_path):
@@ -404,7 +404,7 @@ def test_max_queued_lowered_by_another_process_holds_at_once(pg_url, redis_url, 
     r = client.post("/v1/jobs", json=PROMPT, headers=key)
     assert r.status_code == 429 and r.get_json()["error"]["code"] == "max_queued"
     assert "at most 2 queued" in r.get_json()["error"]["message"]
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 # ---- pooled connections ----------------------------------------------------------------------------------
@@ -413,7 +413,7 @@ def test_max_queued_lowered_by_another_process_holds_at_once(pg_url, redis_url, 
 def test_pooled_connections_the_server_closed_are_replaced_before_use(app, client, admin, pg_url):
     _, key = admin.tenant()
     assert client.post("/v1/jobs", json=PROMPT, headers=key).status_code == 202
-    app.extensions["tidepool.dispatcher"].marks.flush()
+    app.services.dispatcher.marks.flush()
     db = pg_url.rsplit("/", 1)[1]
     killed = _sql(pg_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                           "WHERE datname = %s AND pid <> pg_backend_pid()", db)

@@ -16,7 +16,7 @@ def _revoke_behind_the_cache(app, key: dict) -> None:
     """Revoke the key in the database only, as another web process does: this process's cached authentication
     (TIDEPOOL_AUTH_CACHE_TTL) still says it is live."""
     prefix = "_".join(key["Authorization"].split()[1].split("_")[:2])
-    with app.extensions["tidepool.db"].begin() as conn:
+    with app.services.database.begin() as conn:
         conn.execute(text("UPDATE api_keys SET revoked_at = CURRENT_TIMESTAMP WHERE prefix = :p"), {"p": prefix})
 
 
@@ -28,7 +28,7 @@ def test_a_revoked_key_creates_no_message_batch(any_app):
     r = client.post("/v1/messages/batches", json={"requests": [{"custom_id": "a", "params": MESSAGE}]},
                     headers=key)
     assert r.status_code == 401 and r.get_json()["error"]["type"] == "authentication_error", r.get_json()
-    with Session(any_app.extensions["tidepool.db"]) as s:
+    with Session(any_app.services.database) as s:
         assert s.scalar(select(func.count()).select_from(Batch).where(Batch.tenant_id == tenant_id)) == 0
         assert s.scalar(select(func.count()).select_from(Job).where(Job.tenant_id == tenant_id)) == 0
 

@@ -44,7 +44,7 @@ def test_a_web_process_dying_while_validating_leaves_no_batch(any_app, monkeypat
     with pytest.raises(Killed):
         client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
                                          "completion_window": "24h"}, headers=key)
-    with Session(app.extensions["tidepool.db"]) as s:      # what another process sees
+    with Session(app.services.database) as s:      # what another process sees
         assert s.scalar(select(func.count()).select_from(Batch)) == 0
         assert s.scalar(select(func.count()).select_from(Job)) == 0
     monkeypatch.setattr(bodies, "check", real)
@@ -59,7 +59,7 @@ def test_beat_fails_a_batch_left_validating(app):
     file_id = _upload(client, key, 1)
     b = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
                                          "completion_window": "24h"}, headers=key).get_json()
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     with Session(engine) as s:    # as an older server left it, an hour ago
         stuck = Batch(tenant_id=tenant_id, endpoint="/v1/completions", input_file_id=file_id, completion_window="24h",
                       sla_class="batch", status=BatchStatus.validating, total=0, completed=0, failed=0,
@@ -70,7 +70,7 @@ def test_beat_fails_a_batch_left_validating(app):
         s.add_all([stuck, fresh])
         s.commit()
         stuck_id, fresh_id = stuck.id, fresh.id
-    assert beat.sweep(app)["batches_failed"] == 1
+    assert beat.sweep(app.services)["batches_failed"] == 1
     got = client.get(f"/v1/batches/{stuck_id}", headers=key).get_json()
     assert got["status"] == "failed" and got["errors"]["data"][0]["code"] == "validation_interrupted"
     assert client.get(f"/v1/batches/{fresh_id}", headers=key).get_json()["status"] == "validating"

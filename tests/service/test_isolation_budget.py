@@ -17,12 +17,12 @@ EACH = 102
 
 
 def _reserved(app, tenant_id) -> int:
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         return s.get(Tenant, tenant_id).budget_reserved
 
 
 def _accepted_tokens(app, tenant_id) -> int:
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         return s.scalar(select(func.coalesce(func.sum(Job.estimated_tokens), 0)).where(Job.tenant_id == tenant_id))
 
 
@@ -71,7 +71,7 @@ def test_reservations_are_settled_or_released_when_jobs_finish(any_app):
     tenant_id, key = Admin(client).tenant(monthly_token_budget=1000)
     ids = [client.post("/v1/jobs", json=BODY, headers=key).get_json()["id"] for _ in range(9)]
     assert client.post("/v1/jobs", json=BODY, headers=key).status_code == 429
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     with Session(engine) as s:
         token = jobs.start(s, ids[0], "w").lease_token              # completes using 11 of its 101
         assert jobs.complete(s, ids[0], token, output="x", output_token_ids=[1], prompt_tokens=1,
@@ -114,7 +114,7 @@ def test_an_admission_waiting_on_a_completion_sees_its_usage(app):
     client = app.test_client()
     tenant_id, key = Admin(client).tenant(monthly_token_budget=1000)
     job_id = client.post("/v1/jobs", json=BODY, headers=key).get_json()["id"]
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     with Session(engine) as s:
         token = jobs.start(s, job_id, "w").lease_token
         s.commit()
@@ -139,11 +139,11 @@ def test_a_new_month_starts_from_zero(any_app):
     app = any_app
     client = app.test_client()
     tenant_id, key = Admin(client).tenant(monthly_token_budget=1000)
-    with Session(app.extensions["tidepool.db"]) as s:      # last month's usage filled the budget
+    with Session(app.services.database) as s:      # last month's usage filled the budget
         s.execute(update(Tenant).where(Tenant.id == tenant_id).values(budget_period="2000-01", budget_used=10 ** 6))
         s.commit()
     job_id = client.post("/v1/jobs", json=BODY, headers=key).get_json()["id"]
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         token = jobs.start(s, job_id, "w").lease_token
         jobs.complete(s, job_id, token, output="x", output_token_ids=[1], prompt_tokens=1, completion_tokens=9,
                       finish_reason="stop")

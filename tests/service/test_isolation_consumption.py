@@ -68,7 +68,7 @@ def test_message_batch_results_hold_no_connection_while_the_client_reads(any_app
     batch = client.post("/v1/messages/batches", json={"requests": reqs}, headers=key).get_json()
     ended = client.post(f"/v1/messages/batches/{batch['id']}/cancel", headers=key).get_json()
     assert ended["processing_status"] == "ended", ended
-    engine = any_app.extensions["tidepool.db"]
+    engine = any_app.services.database
     r = client.get(f"/v1/messages/batches/{batch['id']}/results", headers=key, buffered=False)
     pages = iter(r.response)
     first = next(pages)
@@ -124,7 +124,7 @@ def test_message_batch_bodies_are_checked_as_they_stream(any_app):
     r = client.post("/v1/messages/batches", data=b"{}", content_type="application/json", headers=key,
                     environ_overrides={"CONTENT_LENGTH": str((256 << 20) + 1)})     # refused on its stated length
     assert r.status_code == 413 and r.get_json()["error"]["type"] == "request_too_large"
-    storage = any_app.extensions["tidepool.storage"].root
+    storage = any_app.services.storage.root
     assert not [p for p in storage.rglob("*") if p.is_file()]      # nothing refused left bytes behind
     assert client.post("/v1/messages/batches", json={"requests": [ok]}, headers=key).status_code == 200
 
@@ -136,7 +136,7 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 
 def _queued_job(app, tenant_id: str, timeout: float = 10.0) -> str:
     """The id of the tenant's queued job, once its request has submitted it."""
-    engine, deadline = app.extensions["tidepool.db"], time.monotonic() + timeout
+    engine, deadline = app.services.database, time.monotonic() + timeout
     while time.monotonic() < deadline:
         with Session(engine) as s:
             job_id = s.scalar(select(Job.id).where(Job.tenant_id == tenant_id, Job.status == JobStatus.queued))
@@ -153,7 +153,7 @@ def _open_stream(app, tenant_id, key):
         "/v1/chat/completions", json={**CHAT, "stream": True}, headers=key, buffered=False)))
     t.start()
     job_id = _queued_job(app, tenant_id)
-    hub = token_stream.for_redis(app.extensions["tidepool.redis"])
+    hub = token_stream.for_redis(app.services.redis)
     while t.is_alive():      # (until the request has subscribed: an event before that is not heard)
         hub.publish(job_id, {"t": "tok", "d": "He", "p": 0})
         t.join(0.05)
@@ -166,7 +166,7 @@ def test_a_tenant_cannot_hold_more_online_requests_than_its_cap(any_app):
     429 with Retry-After, in each API's error shape; the slot is free again when the client goes away."""
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant(max_concurrent_requests=1)
-    slots = any_app.extensions["tidepool.slots"]
+    slots = any_app.services.slots
     stream, job_id = _open_stream(any_app, tenant_id, key)
     assert next(iter(stream.response)).startswith(b"data: ")
     assert slots.active(tenant_id, time.time()) == 1
@@ -180,7 +180,7 @@ def test_a_tenant_cannot_hold_more_online_requests_than_its_cap(any_app):
         assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=other).status_code == 200
     stream.close()                                  # the client goes away mid-stream
     assert slots.active(tenant_id, time.time()) == 0
-    with Session(any_app.extensions["tidepool.db"]) as s:
+    with Session(any_app.services.database) as s:
         assert s.get(Job, job_id).status == JobStatus.cancelled
     with FakeWorker(any_app, tenant_id):
         assert client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=key).status_code == 200
@@ -192,7 +192,7 @@ def test_a_tenant_cannot_hold_more_online_requests_than_its_cap(any_app):
 def test_every_exit_path_frees_the_slot(any_app):
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant(max_concurrent_requests=1, max_queued=0, requests_per_minute=1000)
-    slots = any_app.extensions["tidepool.slots"]
+    slots = any_app.services.slots
     r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, headers=key)
     assert r.status_code == 429 and r.get_json()["error"]["code"] == "max_queued"     # refused after the slot
     client.patch(f"/v1/admin/tenants/{tenant_id}/quota", json={"max_queued": None, "tokens_per_minute": 1},
@@ -232,7 +232,7 @@ def test_redis_slots_are_leases_a_dead_process_gives_back(redis_client):
 # ---- uploads -------------------------------------------------------------------------------------------------
 
 def _stored(app) -> set:
-    return {p.name for p in app.extensions["tidepool.storage"].root.rglob("*") if p.is_file()}
+    return {p.name for p in app.services.storage.root.rglob("*") if p.is_file()}
 
 
 def test_uploads_count_against_the_tenants_files_and_bytes(any_app):
@@ -299,10 +299,10 @@ def test_an_upload_that_expires_is_deleted_by_beat(any_app):
                 {"expires_after[seconds]": "3600"}):
         r = _upload(client, key, b"{}\n", **bad)
         assert r.status_code == 400 and r.get_json()["error"]["param"].startswith("expires_after["), bad
-    assert beat.sweep(any_app)["files_expired"] == 0
-    with any_app.extensions["tidepool.db"].begin() as conn:       # an hour later
+    assert beat.sweep(any_app.services)["files_expired"] == 0
+    with any_app.services.database.begin() as conn:       # an hour later
         conn.execute(text("UPDATE files SET expires_at = created_at WHERE id = :id"), {"id": f["id"]})
-    assert beat.sweep(any_app)["files_expired"] == 1
+    assert beat.sweep(any_app.services)["files_expired"] == 1
     assert client.get(f"/v1/files/{f['id']}", headers=key).status_code == 404
     assert _stored(any_app) == {keep["id"]}
 
@@ -342,13 +342,13 @@ def test_with_the_models_tokenizer_the_prompt_is_counted_exactly(sqlite_url, tmp
         assert exact + 4 < 400 < len(english.encode())
         r = client.post("/v1/jobs", json={"prompt": english, "max_tokens": 4}, headers=key)
         assert r.status_code == 202, r.get_json()
-        with Session(app.extensions["tidepool.db"]) as s:
+        with Session(app.services.database) as s:
             assert s.get(Job, r.get_json()["id"]).estimated_tokens == exact + 4
         assert len(tokenizer.encode(CJK + CJK, add_special_tokens=False).ids) + 4 > 400
         r = client.post("/v1/jobs", json={"prompt": CJK + CJK, "max_tokens": 4}, headers=key)
         assert r.status_code == 400 and r.get_json()["error"]["code"] == "request_too_large"
     finally:
-        app.extensions["tidepool.db"].dispose()
+        app.services.database.dispose()
 
 
 def test_json_bodies_are_bounded_per_route(any_app):

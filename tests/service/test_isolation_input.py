@@ -67,7 +67,7 @@ def test_nul_in_query_parameters_and_ids_is_400(any_app):
 def test_an_upload_named_with_nul_writes_no_bytes(any_app, tmp_path):
     client = any_app.test_client()
     _, key = Admin(client).tenant()
-    storage = any_app.extensions["tidepool.storage"].root
+    storage = any_app.services.storage.root
     r = client.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(b"x" * 1000), "a\x00b.jsonl")},
                     headers=key, content_type="multipart/form-data")
     assert r.status_code == 400 and r.get_json()["error"]["param"] == "file"

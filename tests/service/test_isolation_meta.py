@@ -60,7 +60,7 @@ def test_health_and_readiness(client, tmp_path, pg_url, redis_url):
     assert client.get("/healthz").get_json() == {"status": "ok"}
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path),
                       "model": str(tmp_path / "models" / "m1")})
-    store = SnapshotStore(app.extensions["tidepool.redis"])
+    store = SnapshotStore(app.services.redis)
     store.clear()
     r = app.test_client().get("/readyz")       # no worker has its engine up yet
     assert r.status_code == 503 and "engine no worker with its engine up yet for m1" in r.get_json()["error"]["message"]
@@ -70,12 +70,12 @@ def test_health_and_readiness(client, tmp_path, pg_url, redis_url):
     r = app.test_client().get("/readyz")
     assert r.status_code == 200 and r.get_json()["checks"] == {"database": "ok", "broker": "ok", "engine": "ok"}
     store.clear()
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
     from tidepool.service import create_app
     down = create_app({"database_url": pg_url, "redis_url": "redis://127.0.0.1:1/0", "storage_dir": str(tmp_path)})
     r = down.test_client().get("/readyz")
     assert r.status_code == 503 and "broker" in r.get_json()["error"]["message"]
-    down.extensions["tidepool.db"].dispose()
+    down.services.database.dispose()
 
 
 def test_unknown_route_and_method_are_openai_shaped(client):
@@ -105,7 +105,7 @@ def test_cli_db_tenants_keys(tmp_path, monkeypatch, capsys):
     c = app.test_client()
     assert c.get("/v1/jobs", headers={"Authorization": f"Bearer {created['api_key']}"}).status_code == 200
     assert c.get("/v1/jobs", headers={"Authorization": f"Bearer {key['api_key']}"}).status_code == 401
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def test_service_never_imports_torch(tmp_path):
@@ -138,7 +138,6 @@ COMPOSERS = {
     "tidepool.workers.engine_commands": "the CLI's engine-side subcommands; `tidepool models` holds service's registry "
                                         "commands too",
     "tidepool.workers.embedded": "`tidepool serve`: the API and a worker in one process",
-    "tidepool.workers.celery_app": "beat's upkeep tasks run with the app (create_app)",
 }
 WEB = ("flask", "werkzeug")
 LEDGER_AND_QUEUES = ("sqlalchemy", "alembic", "psycopg", "celery", "kombu", "redis")
@@ -404,16 +403,22 @@ def test_gpu_worker_imports_without_flask():
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def test_beat_imports_without_flask(tmp_path):
-    """`tidepool beat` imports its Celery app, the schedule's tasks and the upkeep they run without Flask (the tasks
-    still build the service app when they run: workers/celery_app.py)."""
+def test_beat_runs_without_flask(tmp_path):
+    """`tidepool beat` imports its Celery app, and its tasks sweep and finalise over services built from the settings
+    (service/ledger/services.py), without ever importing Flask."""
     import subprocess
     import sys
     code = ("import sys\n"
+            "from tidepool.service import migrate\n"
             "from tidepool.service.ledger.settings import Config\n"
             "from tidepool.workers import beat, celery_app\n"
-            f"app = celery_app.make_celery(Config.from_env({{'storage_dir': {str(tmp_path)!r}}}, environ={{}}))\n"
+            f"cfg = Config.from_env({{'storage_dir': {str(tmp_path)!r}, "
+            f"'database_url': 'sqlite:///{tmp_path}/beat.db'}}, environ={{}})\n"
+            "migrate.upgrade(cfg.database_url)\n"
+            "app = celery_app.make_celery(cfg)\n"
             "assert {'tidepool.sweep', 'tidepool.finalize_batches'} <= set(app.tasks)\n"
+            "assert set(app.tasks['tidepool.sweep']()) >= {'reclaimed', 'republished', 'files_expired'}\n"
+            "assert app.tasks['tidepool.finalize_batches']() == 0\n"
             "web = sorted(m for m in sys.modules if m.split('.')[0] in ('flask', 'werkzeug'))\n"
             "assert not web, web\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)

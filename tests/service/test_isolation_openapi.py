@@ -224,7 +224,7 @@ def served(pg_url, redis_url, tmp_path):
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "storage"),
                       "admin_token": ADMIN, "model": str(folder), "online_timeout": 0.05})
     yield app.test_client(), app.test_client().get("/openapi.json").get_json()
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 SERVED = [   # (path, body, the status without a worker: 202 queued, 504 accepted and waited for a worker)

@@ -32,9 +32,9 @@ def outage(pg_url, redis_url, tmp_path):
                       "storage_dir": str(tmp_path / "storage"), "auth_cache_ttl": 0})
     direct = create_engine(pg_url)
     _, key = Admin(app.test_client()).tenant()
-    yield app, proxy, direct, key, token_stream.for_redis(app.extensions["tidepool.redis"])
+    yield app, proxy, direct, key, token_stream.for_redis(app.services.redis)
     proxy.stop()
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
     direct.dispose()
 
 

@@ -22,7 +22,7 @@ def redis_outage(pg_url, redis_url, tmp_path):
                       "admin_token": ADMIN, "storage_dir": str(tmp_path / "storage")})
     yield app, proxy
     proxy.stop()
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def test_rate_limits_fail_open_within_a_bound_while_redis_is_down(redis_outage):

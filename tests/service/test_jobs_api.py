@@ -162,7 +162,7 @@ def test_served_model_name_is_checked(pg_url, redis_url, tmp_path):
     assert client.post("/v1/jobs", json={**PROMPT, "model": "SmolLM2-135M"}, headers=key).status_code == 202
     r = client.post("/v1/jobs", json={**PROMPT, "model": "gpt-4"}, headers=key)
     assert r.status_code == 404 and r.get_json()["error"]["code"] == "model_not_found"   # unknown: 404
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def test_admin_api_needs_the_admin_token(client, admin):

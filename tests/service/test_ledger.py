@@ -21,7 +21,7 @@ def test_deadlines_expire_queued_jobs(any_app):
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant()
     late, fine = _submit(client, key, 2, deadline=(utcnow() + timedelta(hours=1)).isoformat())
-    with Session(any_app.extensions["tidepool.db"]) as s:
+    with Session(any_app.services.database) as s:
         s.execute(update(Job).where(Job.id == late).values(deadline=utcnow() - timedelta(seconds=1)))
         assert jobs.start(s, late, "w").reason == "expired"
         assert jobs.expire_overdue(s) == 0
@@ -40,7 +40,7 @@ def test_a_deadline_already_past_is_accepted_and_expires_the_job_unrun(any_app):
     (by_text,) = _submit(client, key, deadline="2001-02-03T04:05:06.5+01:00")
     (by_number,) = _submit(client, key, deadline=0)
     assert client.get(f"/v1/jobs/{by_text}", headers=key).get_json()["deadline"] == 981169506
-    with Session(any_app.extensions["tidepool.db"]) as s:
+    with Session(any_app.services.database) as s:
         assert jobs.start(s, by_text, "w").reason == "expired"
         assert jobs.expire_overdue(s) == 1
         s.commit()
@@ -52,7 +52,7 @@ def test_lapsed_leases_are_requeued_then_failed(any_app):
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant()
     (job_id,) = _submit(client, key)
-    with Session(any_app.extensions["tidepool.db"]) as s:
+    with Session(any_app.services.database) as s:
         for attempt in (1, 2):
             lease = jobs.start(s, job_id, f"w{attempt}", lease_seconds=-1).lease_token
             assert lease and jobs.reclaim_lapsed(s, max_attempts=2) == 1
@@ -69,11 +69,11 @@ def test_cancel_a_running_job_frees_the_running_slot(any_app):
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant(max_running=1)
     a, b = _submit(client, key, 2)
-    with Session(any_app.extensions["tidepool.db"]) as s:
+    with Session(any_app.services.database) as s:
         lease = jobs.start(s, a, "w").lease_token
         s.commit()
     assert client.post(f"/v1/jobs/{a}/cancel", headers=key).get_json()["status"] == "cancelled"
-    with Session(any_app.extensions["tidepool.db"]) as s:
+    with Session(any_app.services.database) as s:
         assert not jobs.renew_lease(s, a, lease)  # the worker learns the job is gone
         assert jobs.start(s, b, "w").lease_token
         s.commit()
@@ -89,10 +89,10 @@ def test_expired_batch_finalizes_as_expired(embedded_app):
                     headers=key).get_json()["id"]
     b = client.post("/v1/batches", json={"input_file_id": f, "endpoint": "/v1/completions",
                                          "completion_window": "24h"}, headers=key).get_json()
-    with Session(embedded_app.extensions["tidepool.db"]) as s:
+    with Session(embedded_app.services.database) as s:
         batch = s.get(Batch, b["id"])
         ledger.expire(s, batch)
-        assert ledger.finalize(s, embedded_app.extensions["tidepool.storage"], batch)
+        assert ledger.finalize(s, embedded_app.services.storage, batch)
         s.commit()
     done = client.get(f"/v1/batches/{b['id']}", headers=key).get_json()
     assert done["status"] == "expired" and done["output_file_id"] is None and done["error_file_id"]
@@ -105,7 +105,7 @@ def test_a_tenants_rows_by_id_and_by_page(any_app):
     client = any_app.test_client()
     (mine, _), (theirs, _) = Admin(client).tenant(), Admin(client).tenant()
     day = utcnow().replace(hour=0, minute=0, second=0, microsecond=0)
-    with Session(any_app.extensions["tidepool.db"]) as s:
+    with Session(any_app.services.database) as s:
         for n, (file_id, tenant_id) in enumerate([("file-a", mine), ("file-b", mine), ("file-c", mine),
                                                    ("file-d", theirs)]):
             s.add(File(id=file_id, tenant_id=tenant_id, purpose="batch" if n else "batch_output", filename="f",

@@ -42,7 +42,7 @@ class FakeWorker:
     """Serves one online job at a time: streams all but the last token, then completes from the ledger."""
 
     def __init__(self, app, redis_client):
-        self.engine = app.extensions["tidepool.db"]
+        self.engine = app.services.database
         self.redis = redis_client
         self.hub = token_stream.for_redis(redis_client)
         self.stop = threading.Event()
@@ -179,7 +179,7 @@ def test_native_job_returns_logprobs_only_when_asked(app, online):
     with_lp = client.post("/v1/jobs", json={"prompt": "hi", "logprobs": 1}, headers=key).get_json()["id"]
     without = client.post("/v1/jobs", json={"messages": [{"role": "user", "content": "hi"}]},
                           headers=key).get_json()["id"]
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
     with Session(engine) as s:
         for job_id, entries in ((with_lp, _entries(1)), (without, None)):
             lease = jobs.start(s, job_id, "w").lease_token
@@ -208,14 +208,14 @@ def test_batch_output_lines_carry_logprobs_when_asked(embedded_app, endpoint):
                     headers=key).get_json()
     b = client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": endpoint,
                                          "completion_window": "24h"}, headers=key).get_json()
-    with Session(embedded_app.extensions["tidepool.db"]) as s:
+    with Session(embedded_app.services.database) as s:
         batch = s.get(Batch, b["id"])
         ids = s.scalars(select(Job.id).where(Job.batch_id == batch.id).order_by(Job.custom_id)).all()
         for job_id, entries in zip(ids, (_entries(2), None)):
             lease = jobs.start(s, job_id, "w").lease_token
             jobs.complete(s, job_id, lease, output=TEXT, output_token_ids=[1, 2, 3], prompt_tokens=1,
                           completion_tokens=3, finish_reason="length", logprobs=entries)
-        assert ledger.finalize(s, embedded_app.extensions["tidepool.storage"], batch)
+        assert ledger.finalize(s, embedded_app.services.storage, batch)
         s.commit()
     out_id = client.get(f"/v1/batches/{b['id']}", headers=key).get_json()["output_file_id"]
     lines = {o["custom_id"]: o for o in map(json.loads, client.get(f"/v1/files/{out_id}/content",

@@ -35,7 +35,7 @@ def two(pg_url, redis_url, tmp_path):
                                               "tier": "warm"}, headers=admin.headers)
     assert r.status_code == 201, r.get_json()
     yield app, client, admin
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def _ids(client, key):
@@ -83,7 +83,7 @@ def test_admin_registers_retiers_disables_and_grants_with_audit(two):
     assert r.status_code == 200 and r.get_json()["allowed_models"] == ["alpha", "beta", "later"]
     _error(client.post(f"/v1/admin/tenants/{tenant_id}/models", json={"model": "a b"}, headers=h), 400, "invalid_value")
 
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         actions = [(a.action, a.target) for a in s.scalars(select(AuditLog).order_by(AuditLog.id))]
     assert [a for a in actions if a[0].startswith("model.")] == [
         ("model.register", "beta"), ("model.retier", "beta"), ("model.disable", "beta"),
@@ -158,12 +158,12 @@ def test_jobs_wait_in_their_models_queue_visible_and_republished_there(two):
 
     # a lost publish is republished to the job's own model queue
     broker.delete("batch@beta", "interactive")
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         s.execute(update(Job).values(dispatched_at=None))
         s.commit()
-    assert app.extensions["tidepool.dispatcher"].republish_undispatched(older_than=0) == 2
+    assert app.services.dispatcher.republish_undispatched(older_than=0) == 2
     assert broker.llen("interactive") == 1 and broker.llen("batch@beta") == 1
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         assert s.get(Job, b["id"]).status.value == "queued"
 
 
@@ -182,5 +182,5 @@ def test_cli_registers_lists_and_retiers(two, pg_url, tmp_path, monkeypatch, cap
     assert main(["models", "registry"]) == 0
     listed = {m["id"]: m for m in json.loads(capsys.readouterr().out.strip().splitlines()[-1])}
     assert (listed["delta"]["tier"], listed["delta"]["enabled"]) == ("hot", False) and "beta" in listed
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         assert [a.actor for a in s.scalars(select(AuditLog).where(AuditLog.target == "delta"))] == ["cli"] * 3

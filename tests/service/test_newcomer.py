@@ -34,13 +34,13 @@ def test_models_list_has_a_created_time(pg_url, redis_url, tmp_path):
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "s"),
                       "model": str(model)})
     try:
-        with app.extensions["tidepool.sessions"]() as s:
+        with app.services.sessions() as s:
             _, key = tenants.create_tenant(s, "models")
             s.commit()
         data = app.test_client().get("/v1/models", headers={"Authorization": f"Bearer {key}"}).get_json()["data"]
         assert data == [{"id": "m1", "object": "model", "created": 1_700_000_000, "owned_by": "tidepool"}]
     finally:
-        app.extensions["tidepool.db"].dispose()
+        app.services.database.dispose()
 
 
 def test_max_tokens_past_the_context_is_a_400(pg_url, redis_url, tmp_path):
@@ -52,7 +52,7 @@ def test_max_tokens_past_the_context_is_a_400(pg_url, redis_url, tmp_path):
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path / "s"),
                       "model": str(model)})
     try:
-        with app.extensions["tidepool.sessions"]() as s:
+        with app.services.sessions() as s:
             _, key = tenants.create_tenant(s, "ctx")
             s.commit()
         client, auth = app.test_client(), {"Authorization": f"Bearer {key}"}
@@ -75,4 +75,4 @@ def test_max_tokens_past_the_context_is_a_400(pg_url, redis_url, tmp_path):
         r = client.post("/v1/jobs", headers=auth, json={"messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 202 and r.get_json()["request"]["max_tokens"] == 255    # default fits the context
     finally:
-        app.extensions["tidepool.db"].dispose()
+        app.services.database.dispose()

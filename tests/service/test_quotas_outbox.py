@@ -48,7 +48,7 @@ def test_monthly_budget(client, admin, app):
     r = client.post("/v1/jobs", json=PROMPT, headers=key)
     assert r.status_code == 202
     job_id = r.get_json()["id"]
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         token = jobs.start(s, job_id, "w1").lease_token
         assert jobs.complete(s, job_id, token, output="x", output_token_ids=[1], prompt_tokens=600,
                              completion_tokens=391, finish_reason="length")
@@ -75,7 +75,7 @@ def test_concurrent_submissions_respect_max_queued(any_app):
     for t in threads:
         t.join()
     assert sorted(results) == [202] * 5 + [429] * 7
-    with Session(app.extensions["tidepool.db"]) as s:
+    with Session(app.services.database) as s:
         assert s.query(Job).filter_by(tenant_id=tenant_id).count() == 5
         assert s.get(Tenant, tenant_id).queued_count == 5
     # cancelling one frees a slot
@@ -88,7 +88,7 @@ def test_transitions_are_guarded_and_max_running_holds(any_app):
     client = any_app.test_client()
     tenant_id, key = Admin(client).tenant(max_running=1)
     a, b = (client.post("/v1/jobs", json=PROMPT, headers=key).get_json()["id"] for _ in range(2))
-    with Session(any_app.extensions["tidepool.db"]) as s:
+    with Session(any_app.services.database) as s:
         lease = jobs.start(s, a, "w1").lease_token
         assert lease and jobs.start(s, a, "w2").reason == "not_queued"
         assert jobs.start(s, b, "w2").reason == "throttled"
@@ -139,23 +139,23 @@ def test_sweeper_republishes_a_lost_publish(pg_url, redis_url, redis_client, tmp
     r = client.post("/v1/jobs", json=PROMPT, headers=key)
     assert r.status_code == 202 and r.get_json()["dispatched_at"] is None  # committed, publish lost
     job_id = r.get_json()["id"]
-    broken.extensions["tidepool.db"].dispose()
+    broken.services.database.dispose()
 
     app = create_app({"database_url": pg_url, "redis_url": redis_url, "storage_dir": str(tmp_path)})
-    dispatcher = app.extensions["tidepool.dispatcher"]
+    dispatcher = app.services.dispatcher
     assert dispatcher.republish_undispatched(older_than=3600) == 0  # too young: a publish may be in flight
     assert dispatcher.republish_undispatched(older_than=0) == 1
     assert _queued_job_ids(redis_client, "interactive") == [job_id]
     assert dispatcher.republish_undispatched(older_than=0) == 0  # now recorded as dispatched
     assert _queued_job_ids(redis_client, "interactive") == [job_id]
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 def test_embedded_mode_publishes_in_process(embedded_app):
     client = embedded_app.test_client()
     _, key = Admin(client).tenant()
     client.post("/v1/jobs", json=PROMPT, headers=key)
-    depths = embedded_app.extensions["tidepool.dispatcher"].queue_depths()
+    depths = embedded_app.services.dispatcher.queue_depths()
     assert depths["interactive"] == 1 and depths["batch"] == 0
 
 

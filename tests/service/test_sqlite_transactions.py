@@ -16,7 +16,7 @@ from .conftest import Admin
 
 
 def _path(app) -> str:
-    return app.extensions["tidepool.db"].url.database
+    return app.services.database.url.database
 
 
 def write_lock_is_free(path: str) -> bool:
@@ -33,7 +33,7 @@ def write_lock_is_free(path: str) -> bool:
 
 
 def test_reads_take_no_lock_and_the_first_write_takes_it(embedded_app):
-    engine, path = embedded_app.extensions["tidepool.db"], _path(embedded_app)
+    engine, path = embedded_app.services.database, _path(embedded_app)
     Admin(embedded_app.test_client()).tenant("reader")
     with Session(engine) as s:
         tenant = s.scalar(select(Tenant).where(Tenant.name == "reader"))
@@ -47,7 +47,7 @@ def test_reads_take_no_lock_and_the_first_write_takes_it(embedded_app):
 def test_a_read_then_write_transaction_survives_a_concurrent_commit(embedded_app):
     """What BEGIN IMMEDIATE at the start was for: a transaction that read before another connection committed
     must not fail with SQLITE_BUSY_SNAPSHOT when it then writes."""
-    engine = embedded_app.extensions["tidepool.db"]
+    engine = embedded_app.services.database
     Admin(embedded_app.test_client()).tenant("racer")
     with Session(engine) as s, Session(engine) as other:
         tenant = s.scalar(select(Tenant).where(Tenant.name == "racer"))
@@ -59,7 +59,7 @@ def test_a_read_then_write_transaction_survives_a_concurrent_commit(embedded_app
 
 
 def test_locking_reads_take_the_write_lock(embedded_app):
-    engine, path = embedded_app.extensions["tidepool.db"], _path(embedded_app)
+    engine, path = embedded_app.services.database, _path(embedded_app)
     with Session(engine) as s:
         s.execute(select(Tenant).with_for_update()).all()
         assert not write_lock_is_free(path)
@@ -92,7 +92,7 @@ def test_batch_lines_are_validated_without_the_write_lock(embedded_app, lock_see
                                                       "endpoint": "/v1/chat/completions", "completion_window": "24h"})
     assert r.status_code == 200 and r.get_json()["status"] == "in_progress", r.get_json()
     assert lock_seen_during_validation == [True, True, True]
-    with Session(embedded_app.extensions["tidepool.db"]) as s:
+    with Session(embedded_app.services.database) as s:
         assert len(s.scalars(select(Job).where(Job.batch_id == r.get_json()["id"])).all()) == 3
 
 

@@ -52,7 +52,7 @@ class Stack:
         self.storage = str(tmp / "storage")
         self.app = create_app({"database_url": db_url, "redis_url": redis_url, "storage_dir": self.storage,
                                "model": model, "admin_token": "admin"})
-        self.engine = self.app.extensions["tidepool.db"]
+        self.engine = self.app.services.database
         self.procs: list[subprocess.Popen] = []
         self.server = None
         self.url = None

@@ -38,7 +38,7 @@ def test_a_shared_prefix_group_goes_to_the_worker_holding_it(stack):
     assert {j.worker for j in st.jobs(Job.id.in_(group))} == {holder}
     # the group's prompts found the prefix in the holder's KV cache (the next heartbeat carries its stats)
     st.wait(lambda: st.heartbeat(holder)["engine"]["prefix_cache_hits"] > hits_before, 15, "prefix-cache hits")
-    assert st.app.extensions["tidepool.dispatcher"].router.counts["private"] >= 8
+    assert st.app.services.dispatcher.router.counts["private"] >= 8
     ledger_check(st.engine, set(group + others + [first]))
 
 

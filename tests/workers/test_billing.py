@@ -33,7 +33,7 @@ class Served:
     def __init__(self, db_url: str, broker: str | None, model: str, tmp):
         self.app = create_app({"database_url": db_url, "redis_url": broker, "storage_dir": str(tmp / "storage"),
                                "model": model, "admin_token": "admin"})
-        self.db = self.app.extensions["tidepool.db"]
+        self.db = self.app.services.database
         self.worker = Worker(WorkerConfig(model=model, database_url=db_url, broker_url=broker or "memory://",
                                           redis_url=broker, device="cpu", name=f"bill-{uuid.uuid4().hex[:6]}",
                                           check_interval=0.05))

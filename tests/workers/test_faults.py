@@ -28,7 +28,7 @@ def _counters(st: Stack, tenant_id: str) -> tuple[int, int]:
 
 def _sweep_until(st: Stack, cond, timeout=60, **kwargs):
     def step():
-        beat.sweep(st.app, republish_after=0, **kwargs)
+        beat.sweep(st.app.services, republish_after=0, **kwargs)
         return cond()
     return st.wait(step, timeout, "sweeper recovery", every=0.5)
 
@@ -49,7 +49,7 @@ def _unfinished(st: Stack, ids) -> list:
 def test_kill_9_with_jobs_in_flight_then_restart_completes_each_once(stack):
     st = stack
     tenant_id, key = st.tenant()
-    beat.sweep(st.app)                               # first sweep: broker epoch recorded
+    beat.sweep(st.app.services)                               # first sweep: broker epoch recorded
     ids = st.submit(key, 24, **LONG)                 # queued first: the worker takes them all at once
     worker = st.worker("crash-1", TIDEPOOL_LEASE_SECONDS=2, TIDEPOOL_MAX_NUM_SEQS=32)
     try:
@@ -123,7 +123,7 @@ def test_cpu_worker_takes_deferrable_only(stack):
     st.wait(lambda: _all_completed(st, deferrable), 60, "deferrable done")
     assert {j.worker for j in st.jobs(Job.id.in_(deferrable))} == {"cpu-1"}
     assert st.jobs(Job.id.in_(interactive))[0].status == JobStatus.queued
-    assert st.app.extensions["tidepool.dispatcher"].queue_depths()["interactive"] == 1
+    assert st.app.services.dispatcher.queue_depths()["interactive"] == 1
 
 
 @pytest.fixture
@@ -153,7 +153,7 @@ def test_redis_restart_mid_run_loses_no_accepted_job(pg_url, tiny_model, tmp_pat
     try:
         tenant_id, key = st.tenant()
         other_id, other_key = st.tenant()             # two tenants: the fair take sorts them apart
-        beat.sweep(st.app)                            # broker epoch recorded
+        beat.sweep(st.app.services)                            # broker epoch recorded
         st.worker("restart-1", TIDEPOOL_MAX_NUM_SEQS=4, TIDEPOOL_LOW_WATER=1)
         # 24 jobs for 4 seats: several waves must still wait in the broker when the first completion is seen,
         # even when the tiny model finishes waves between two polls (12 x 40 tokens left none once, on a fast CPU)

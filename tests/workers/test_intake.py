@@ -51,7 +51,7 @@ def _lapse(st, job_id: str) -> None:
     with Session(st.engine) as s:
         s.execute(update(Job).where(Job.id == job_id).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
         s.commit()
-    done = beat.sweep(st.app, republish_after=0)
+    done = beat.sweep(st.app.services, republish_after=0)
     assert done["reclaimed"] == 1 and done["republished"] == 1, done
 
 
@@ -62,7 +62,7 @@ class Killed(BaseException):
 def test_a_message_taken_by_a_worker_killed_before_it_claims_returns_to_the_queue(stack, monkeypatch):
     st = stack
     _, key = st.tenant()
-    beat.sweep(st.app)                          # broker epoch recorded: a later sweep republishes nothing
+    beat.sweep(st.app.services)                          # broker epoch recorded: a later sweep republishes nothing
     [job_id] = st.submit(key, 1, prompt="taken", max_tokens=2)
     w = _worker(st, "taker")
 
@@ -79,7 +79,7 @@ def test_a_message_taken_by_a_worker_killed_before_it_claims_returns_to_the_queu
     assert _job(st, job_id).status == JobStatus.queued
 
     # the sweeper returns a dead consumer's unacked messages to their queues; the next worker claims it
-    assert beat.sweep(st.app, visibility_timeout=0)["republished"] == 0
+    assert beat.sweep(st.app.services, visibility_timeout=0)["republished"] == 0
     w2 = _worker(st, "next")
     try:
         assert w2.pull()

@@ -42,17 +42,17 @@ def _complete_on_a_new_worker(st, job_id):
 def test_the_message_of_a_worker_whose_heartbeat_is_gone_returns_at_once(stack):
     st = stack
     _, key = st.tenant()
-    beat.sweep(st.app)                        # broker epoch recorded
+    beat.sweep(st.app.services)                        # broker epoch recorded
     [job_id] = st.submit(key, 1, prompt="stranded", max_tokens=2, ignore_eos=True)
     _kill_between_take_and_claim(st, "taker")
     assert st.redis.hlen("unacked") == 1 and st.redis.hlen(OWNERS_KEY) == 1
     assert _job(st, job_id).status == JobStatus.queued
 
     # the heartbeat is still there (it lapses a few seconds after the kill): nothing is touched
-    assert beat.sweep(st.app, orphan_grace=0)["restored_orphans"] == 0
+    assert beat.sweep(st.app.services, orphan_grace=0)["restored_orphans"] == 0
     assert st.redis.hlen("unacked") == 1
     st.redis.delete(HEARTBEAT_KEY.format("taker"))   # its TTL ran out
-    done = beat.sweep(st.app, orphan_grace=0)
+    done = beat.sweep(st.app.services, orphan_grace=0)
     assert (done["restored_orphans"], done["republished"]) == (1, 0)
     assert st.redis.llen("interactive") == 1 and not st.redis.hlen("unacked") and not st.redis.hlen(OWNERS_KEY)
     _complete_on_a_new_worker(st, job_id)
@@ -61,14 +61,14 @@ def test_the_message_of_a_worker_whose_heartbeat_is_gone_returns_at_once(stack):
 def test_a_restart_under_the_same_name_does_not_keep_the_old_messages(stack):
     st = stack
     _, key = st.tenant()
-    beat.sweep(st.app)
+    beat.sweep(st.app.services)
     [job_id] = st.submit(key, 1, prompt="same name", max_tokens=2, ignore_eos=True)
     _kill_between_take_and_claim(st, "w1")
     time.sleep(0.01)
     again = _worker(st, "w1")                 # restarted with the same TIDEPOOL_WORKER_NAME
     try:
         again._heartbeat()
-        assert beat.sweep(st.app, orphan_grace=0)["restored_orphans"] == 1
+        assert beat.sweep(st.app.services, orphan_grace=0)["restored_orphans"] == 1
     finally:
         _close(again)
     _complete_on_a_new_worker(st, job_id)
@@ -77,19 +77,19 @@ def test_a_restart_under_the_same_name_does_not_keep_the_old_messages(stack):
 def test_messages_of_live_workers_and_fresh_takes_are_left_alone(stack):
     st = stack
     _, key = st.tenant()
-    beat.sweep(st.app)
+    beat.sweep(st.app.services)
     st.submit(key, 2, prompt="live", max_tokens=2)
     w = _worker(st, "alive")
     try:
         assert w.pull()
         assert st.redis.hlen(OWNERS_KEY) == 2
         # no heartbeat yet, but taken within the grace period
-        assert beat.sweep(st.app)["restored_orphans"] == 0
+        assert beat.sweep(st.app.services)["restored_orphans"] == 0
         w._heartbeat()
-        assert beat.sweep(st.app, orphan_grace=0)["restored_orphans"] == 0
+        assert beat.sweep(st.app.services, orphan_grace=0)["restored_orphans"] == 0
         _run_engine(w)
         w.finish_done()                      # acked: their owner records are dropped by the next sweep
-        beat.sweep(st.app, orphan_grace=0)
+        beat.sweep(st.app.services, orphan_grace=0)
         assert not st.redis.hlen(OWNERS_KEY) and not st.redis.hlen("unacked")
     finally:
         _close(w)

@@ -189,7 +189,7 @@ def test_a_message_delivered_twice_completes_once(st):
     tenant_id, key = st.tenant()
     job = requests.post(f"{st.url}/v1/jobs", headers={"Authorization": f"Bearer {key}"},
                      json={"prompt": "twice", "max_tokens": 4, "sla_class": "interactive"}).json()
-    with st.app.extensions["tidepool.celery"].producer_or_acquire() as producer:
+    with st.app.services.celery.producer_or_acquire() as producer:
         for _ in range(2):
             _publish_task(producer, job["id"], "interactive")
     st.wait(lambda: st.jobs(Job.id == job["id"])[0].status.value == "completed", 30, "completion")
@@ -225,7 +225,7 @@ def test_a_lapsed_lease_on_a_live_worker_reruns_the_job_once(st):
     with Session(st.engine) as s:       # what the sweeper does when a lease lapses, then republishes at once
         assert jobs.fail(s, job_id, s.get(Job, job_id).lease_token, {"code": "lease_expired"}, retry=True)
         s.commit()
-    assert st.app.extensions["tidepool.dispatcher"].republish_undispatched(older_than=0) == 1
+    assert st.app.services.dispatcher.republish_undispatched(older_than=0) == 1
     row = st.wait(lambda: (j := st.jobs(Job.id == job_id)[0]).status.value == "completed" and j, 60, "rerun")
     assert row.attempts == 2 and row.completion_tokens == 1000
     with Session(st.engine) as s:

@@ -105,7 +105,7 @@ def test_a_worker_killed_between_two_chunks_leaves_each_job_completed_once(stack
     with Session(st.engine) as s:
         s.execute(update(Job).where(Job.id.in_(rest)).values(lease_expires_at=utcnow() - timedelta(seconds=1)))
         s.commit()
-    assert beat.sweep(st.app, republish_after=0, visibility_timeout=0)["reclaimed"] == len(rest)
+    assert beat.sweep(st.app.services, republish_after=0, visibility_timeout=0)["reclaimed"] == len(rest)
     w2 = _worker(st, "w2")
     try:
         _take_all(w2)

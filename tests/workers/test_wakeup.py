@@ -42,21 +42,21 @@ def test_publishing_rings_workers_in_this_process(pg_url, tmp_path):
     rung = threading.Event()
     doorbell.register(rung)
     try:
-        assert app.extensions["tidepool.dispatcher"].publish([("job_x", "realtime")]) == 1
+        assert app.services.dispatcher.publish([("job_x", "realtime")]) == 1
         assert rung.is_set()
     finally:
         doorbell.unregister(rung)
     rung.clear()
-    app.extensions["tidepool.dispatcher"].publish([("job_y", "realtime")])
+    app.services.dispatcher.publish([("job_y", "realtime")])
     assert not rung.is_set()                         # unregistered: no longer rung
-    app.extensions["tidepool.db"].dispose()
+    app.services.database.dispose()
 
 
 @pytest.mark.parametrize("path", ["publish_one", "publish"])
 def test_publishing_rings_the_redis_doorbell(pg_url, tmp_path, redis_url, path):
     flush_redis(redis_url)
     app = _app(pg_url, tmp_path, redis_url)
-    dispatcher = app.extensions["tidepool.dispatcher"]
+    dispatcher = app.services.dispatcher
     rung, stop = threading.Event(), threading.Event()
     listener = doorbell.listen(redis_url, rung, stop)
     try:
@@ -71,5 +71,5 @@ def test_publishing_rings_the_redis_doorbell(pg_url, tmp_path, redis_url, path):
     finally:
         stop.set()
         listener.join(5)
-        app.extensions["tidepool.db"].dispose()
+        app.services.database.dispose()
         flush_redis(redis_url)
