@@ -252,7 +252,7 @@ def _stop(procs):
 def _env(args, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIDEPOOL_")}
     env.update(TIDEPOOL_MODEL=str(Path(args.model).resolve()), TIDEPOOL_LOG_LEVEL="INFO",
-               TIDEPOOL_KV_BLOCKS=str(args.kv_blocks), PYTHONPATH=str(ROOT))
+               TIDEPOOL_NUM_KV_BLOCKS=str(args.kv_blocks), PYTHONPATH=str(ROOT))
     env.update(extra)
     return env
 

@@ -111,7 +111,7 @@ class Run:
             log = open(self.tmp / f"{name}.log", "w")
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tidepool.workers.cli", "worker", "--kind", "gpu", "--device", "cpu"], cwd=self.tmp,
-                env=self.env(TIDEPOOL_WORKER_NAME=name, TIDEPOOL_KV_BLOCKS=kv_blocks), stdout=log,
+                env=self.env(TIDEPOOL_WORKER_NAME=name, TIDEPOOL_NUM_KV_BLOCKS=kv_blocks), stdout=log,
                 stderr=subprocess.STDOUT))
         wait(lambda: all(self.beat(n).get("engine") for n in names) or any(p.poll() is not None for p in self.procs),
              300, "workers up")
@@ -142,8 +142,8 @@ def scenario(name: str, run: Run, app, key: str, lines: bytes, n: int, workers: 
 
     from tidepool.service.ledger.models import Job, JobStatus
     run.workers(workers, kv_blocks)
-    app.extensions["tidepool.dispatcher"].affinity = affinity
-    router = app.extensions["tidepool.dispatcher"].router
+    app.services.dispatcher.affinity = affinity
+    router = app.services.dispatcher.router
     if router is not None:
         router.placed.clear()
         router.read_at = float("-inf")
@@ -154,7 +154,7 @@ def scenario(name: str, run: Run, app, key: str, lines: bytes, n: int, workers: 
     b = client.post("/v1/batches", headers=headers, json={"input_file_id": f["id"], "endpoint": "/v1/completions",
                                                           "completion_window": "24h"}).get_json()
     assert b["status"] == "in_progress", b
-    engine = app.extensions["tidepool.db"]
+    engine = app.services.database
 
     def done() -> int:
         with Session(engine) as s:
@@ -181,7 +181,7 @@ def scenario(name: str, run: Run, app, key: str, lines: bytes, n: int, workers: 
         spread: dict[str, set] = {}      # group -> the workers its lines ran on
         for custom_id, worker in s.execute(select(Job.custom_id, Job.worker).where(Job.batch_id == b["id"])):
             spread.setdefault(custom_id.split("-")[0], set()).add(worker)
-    router = app.extensions["tidepool.dispatcher"].router
+    router = app.services.dispatcher.router
     routed = dict(router.counts) if router is not None and affinity else {}
     if router is not None:
         router.counts = {k: 0 for k in router.counts}
@@ -251,7 +251,7 @@ def main():
         app = create_app({"database_url": db_url, "redis_url": redis_url, "storage_dir": str(tmp / "storage"),
                           "model": model, "admin_token": "bench"})
         from sqlalchemy.orm import Session
-        with Session(app.extensions["tidepool.db"]) as s:
+        with Session(app.services.database) as s:
             _, key = tenants.create_tenant(s, "bench", 1.0)
             s.commit()
         run = Run(args, db_url, redis_url, model, tmp)
@@ -284,7 +284,7 @@ def main():
         if run is not None and run.procs:
             run.stop()
         if app is not None:
-            app.extensions["tidepool.db"].dispose()
+            app.services.database.dispose()
         rproc.kill()
         rproc.wait()
         with psycopg.connect(admin, autocommit=True) as conn:

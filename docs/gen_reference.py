@@ -33,10 +33,12 @@ def _header(source: str) -> str:
 
 # -- configuration ----------------------------------------------------------------------------------------------
 def configuration() -> str:
-    from tidepool.service.ledger.settings import OTHER_VARIABLES, variables
+    from tidepool.service.ledger.settings import OTHER_VARIABLES, RENAMED, variables
 
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     rows += [f"| `{env}` | {shown} | {meaning} |" for env, shown, meaning in variables() + OTHER_VARIABLES]
+    renamed = ["| old name | set instead |", "|---|---|"]
+    renamed += [f"| `{old}` | `{new}` |" for old, new in RENAMED.items()]
     return "\n".join([
         _header("service/ledger/settings.py"),
         "# Configuration",
@@ -48,7 +50,17 @@ def configuration() -> str:
         "and `tidepool run-batch`; the command-line flag shown beside a setting wins over its variable (see the "
         "[CLI reference](cli.md)).",
         "",
+        "A setting has one name: its variable is `TIDEPOOL_` and the field's name in capitals, its flag `--` and "
+        "the field's name with dashes (`num_kv_blocks`: `TIDEPOOL_NUM_KV_BLOCKS`, `--num-kv-blocks`).",
+        "",
         *rows,
+        "",
+        "## Renamed variables",
+        "",
+        "A variable set under its old name is not ignored: it stops every process at start-up with a line naming "
+        "the new one.",
+        "",
+        *renamed,
         ""])
 
 
@@ -73,6 +85,7 @@ def _cell(text) -> str:
 def cli() -> str:
     import argparse as ap
 
+    from tidepool.service.ledger.settings import engine_flags
     from tidepool.workers.cli import build_parser
 
     parser = build_parser()
@@ -80,8 +93,8 @@ def cli() -> str:
            "# Command line", "",
            "One command, `tidepool`, installed with the package (`.venv/bin/tidepool` after `make install`). Every "
            "`TIDEPOOL_*` variable is checked before any subcommand starts (see [Configuration](configuration.md)). "
-           "Engine flags (`--kv-blocks`, `--max-num-seqs`, `--max-num-batched-tokens`, `--max-model-len`) fall back "
-           "to their variable, then to the engine's default.", "",
+           f"Engine flags ({', '.join(f'`{flag}`' for flag, *_ in engine_flags())}) fall back to their variable, then "
+           "to the engine's default.", "",
            "| command | what it does |", "|---|---|"]
     leaves = list(_leaves(parser, ["tidepool"]))
     for words, sub, text in leaves:
@@ -305,8 +318,8 @@ def metrics() -> str:
         migrate.upgrade(url)
         app = create_app({"database_url": url, "storage_dir": tmp, "redis_url": None})
         with app.app_context():
-            ledger = list(LedgerCollector(app).collect())
-        app.extensions["tidepool.db"].dispose()
+            ledger = list(LedgerCollector(app.services).collect())
+        app.services.database.dispose()
     web = _families(_registered(REGISTRY)) + _families(ledger)
     engine = _families(_registered(EngineMetrics(registry=CollectorRegistry()).registry))
     host = _families(_registered(ModelHost([], None, None, registry=CollectorRegistry()).registry))

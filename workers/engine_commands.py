@@ -67,18 +67,14 @@ def register_processes(sub) -> None:
 
 # Engine knobs shared by worker, serve and run-batch: flag, else its setting (variable), else the engine's default.
 def add_engine_flags(p) -> None:
-    for flag, _, env, meaning in engine_flags():
-        p.add_argument(flag, type=int, default=None, help=f"{meaning}; default ${env}")
+    for flag, field, env, meaning in engine_flags():
+        p.add_argument(flag, dest=field, type=int, default=None, help=f"{meaning}; default ${env}")
 
 
 def engine_overrides(args) -> dict:
     """EngineConfig fields the flags set (laid over the settings' engine fields); unset ones are left out."""
-    out = {}
-    for flag, field, _, _ in engine_flags():
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
-        if value is not None:
-            out[field] = value
-    return out
+    return {field: getattr(args, field) for _, field, _, _ in engine_flags()
+            if getattr(args, field, None) is not None}
 
 
 def _run(module: str, func: str, args) -> int:

@@ -313,7 +313,7 @@ def main(args) -> int:
         cfg = WorkerConfig.from_env(kind=kind, device=dev, settings=settings)
         if len(pairs) > 1 and kind == "cpu" and settings.worker_name:
             cfg.name = f"{settings.worker_name}-deferrable"       # TIDEPOOL_WORKER_NAME names the gpu worker
-        cfg.engine.update(getattr(args, "engine", None) or {})     # --kv-blocks etc. over the TIDEPOOL_* knobs
+        cfg.engine.update(getattr(args, "engine", None) or {})     # --num-kv-blocks etc. over the TIDEPOOL_* knobs
         log.info("worker %s: loading %s on %s (the engine is ready when the next line says so)", cfg.name,
                  cfg.model, cfg.device, extra={"worker": cfg.name, "event": "worker.loading"})
         started = time.perf_counter()

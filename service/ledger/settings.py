@@ -2,7 +2,10 @@
 
 `Config` is one typed, checked dataclass. Each field that a variable sets carries, in its metadata, the variable's
 name, the parser of its text, a check of its value and a one-line meaning; `Config.from_env()` builds it once at
-start-up and a bad value fails there, naming the variable (SettingsError). The web app's Flask config is this
+start-up and a bad value fails there, naming the variable (SettingsError). A setting has one spelling: field
+`lease_seconds` is variable `TIDEPOOL_LEASE_SECONDS` and, where a command-line flag sets it, `--lease-seconds`
+(tests/service/test_settings.py checks it); a variable set under a name in RENAMED stops the process, naming the
+new one. The web app's Flask config is this
 object; the worker's WorkerConfig and the engine's EngineConfig are built from it by the workers
 (workers/config_fields.py), so neither the engine nor the kernels read the environment for Tidepool's knobs. The
 documentation's configuration page (docs/reference/configuration.md) is generated from `variables()` by
@@ -79,16 +82,21 @@ PORT = (lambda v: 0 <= v < 65536, "must be a port number (0 turns it off)")
 
 def setting(env: str, default, meaning: str, *, parse=str, check=None, shown: str | None = None,
             secret: bool = False, engine: bool = False, flag: str | None = None):
-    """A field set by the variable `env`: `parse` turns its text into the value (ValueError: a bad value), `check`
-    is (predicate, rule) on the value, `shown` the default as the docs state it (else the default itself). `engine`:
-    the EngineConfig field of the same name; `flag`: the worker, serve and run-batch command-line flag that wins
-    over the variable (workers/engine_commands.py builds the flags from these fields)."""
+    """A field set by the variable `env` (`TIDEPOOL_` and the field's name): `parse` turns its text into the value
+    (ValueError: a bad value), `check` is (predicate, rule) on the value, `shown` the default as the docs state it
+    (else the default itself). `engine`: the EngineConfig field of the same name; `flag` (`--` and the field's name,
+    dashed): the worker, serve and run-batch command-line flag that wins over the variable (workers/engine_commands.py
+    builds the flags from these fields)."""
     return field(default=default, repr=not secret,
                  metadata={"env": env, "parse": parse, "check": check, "meaning": meaning, "shown": shown,
                            "engine": engine or flag is not None, "flag": flag})
 
 
 INT, FLOAT = _number(int), _number(float)
+
+# Variables that were renamed to their field's name: set under the old name, they stop the process (not ignored).
+RENAMED = {"TIDEPOOL_KV_BLOCKS": "TIDEPOOL_NUM_KV_BLOCKS",
+           "TIDEPOOL_MAX_BATCHED_TOKENS": "TIDEPOOL_MAX_NUM_BATCHED_TOKENS"}
 
 
 def _check(f, value) -> None:
@@ -175,12 +183,12 @@ class Config:
     beat_schedule: str = setting("TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule", "Celery beat's schedule file")
     # ---- engine: EngineConfig fields; unset, the engine's own default applies (`shown` states it and
     # tests/workers/test_settings_wiring.py checks that); the worker, serve and run-batch flags win over them 
-    num_kv_blocks: int | None = setting("TIDEPOOL_KV_BLOCKS", None, "KV pool size in blocks", parse=INT,
+    num_kv_blocks: int | None = setting("TIDEPOOL_NUM_KV_BLOCKS", None, "KV pool size in blocks", parse=INT,
                                         check=POSITIVE, shown="sized from `max_num_seqs` × `max_model_len`, capped "
-                                        "by memory", flag="--kv-blocks")
+                                        "by memory", flag="--num-kv-blocks")
     max_num_seqs: int | None = setting("TIDEPOOL_MAX_NUM_SEQS", None, "Sequences in one batch",
                                        parse=INT, check=POSITIVE, shown="`256`", flag="--max-num-seqs")
-    max_num_batched_tokens: int | None = setting("TIDEPOOL_MAX_BATCHED_TOKENS", None, "Tokens in one engine step",
+    max_num_batched_tokens: int | None = setting("TIDEPOOL_MAX_NUM_BATCHED_TOKENS", None, "Tokens in one engine step",
                                                  parse=INT, check=POSITIVE, shown="`2048`",
                                                  flag="--max-num-batched-tokens")
     max_model_len: int | None = setting("TIDEPOOL_MAX_MODEL_LEN", None, "Longest prompt + output; the API also "
@@ -306,8 +314,12 @@ class Config:
     @classmethod
     def env_values(cls, environ=None) -> dict:
         """The fields the environment sets, parsed and checked (no side effects: the CLI calls it before any
-        command); SettingsError names the first variable with a bad value. An empty variable counts as unset."""
+        command); SettingsError names the first variable with a bad value, or set under its old name (RENAMED). An
+        empty variable counts as unset."""
         environ = os.environ if environ is None else environ
+        for old, new in RENAMED.items():
+            if (environ.get(old) or "").strip():
+                raise SettingsError(f"{old} is now called {new}: set {new} instead")
         values = {}
         for f in fields(cls):
             env = f.metadata.get("env")

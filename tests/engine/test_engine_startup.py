@@ -117,11 +117,12 @@ def test_run_batch_takes_the_engine_flags(tiny_model_dir, tmp_path, caplog, caps
     src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                                "body": {"prompt": "hi", "max_tokens": 3}}) + "\n")
     if env:
-        monkeypatch.setenv("TIDEPOOL_KV_BLOCKS", "9")
+        monkeypatch.setenv("TIDEPOOL_NUM_KV_BLOCKS", "9")
         monkeypatch.setenv("TIDEPOOL_MAX_NUM_SEQS", "3")
         flags = []
     else:
-        flags = ["--kv-blocks", "9", "--max-num-seqs", "3", "--max-num-batched-tokens", "64", "--max-model-len", "48"]
+        flags = ["--num-kv-blocks", "9", "--max-num-seqs", "3", "--max-num-batched-tokens", "64",
+                 "--max-model-len", "48"]
     assert main(["run-batch", "-i", str(src), "-o", str(dst), "--model", tiny_model_dir("llama-gqa"),
                  "--no-progress", *flags]) == 0
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["completed"] == 1
@@ -134,6 +135,6 @@ def test_run_batch_takes_the_engine_flags(tiny_model_dir, tmp_path, caplog, caps
 def test_serve_and_worker_take_the_engine_flags():
     from tidepool.workers.cli import build_parser
     for argv in (["serve"], ["worker", "--kind", "cpu"]):
-        args = build_parser().parse_args(argv + ["--kv-blocks", "5", "--max-num-seqs", "2"])
+        args = build_parser().parse_args(argv + ["--num-kv-blocks", "5", "--max-num-seqs", "2"])
         from tidepool.workers.engine_commands import engine_overrides
         assert engine_overrides(args) == {"num_kv_blocks": 5, "max_num_seqs": 2}

@@ -1,7 +1,9 @@
 """One settings object (service/ledger/settings.py's Config): every setting has a variable, a meaning and a default to
-show (the docs' configuration page is generated from them: tests/docs/test_reference.py), and a bad value stops a
-process at start-up with a message naming the variable."""
+show (the docs' configuration page is generated from them: tests/docs/test_reference.py), and one spelling (its
+variable and flag say its field's name); a bad value stops a process at start-up with a message naming the variable."""
+import argparse
 import ast
+import dataclasses
 import os
 import re
 import subprocess
@@ -11,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tidepool.service import create_app
-from tidepool.service.ledger.settings import Config, SettingsError, variables
+from tidepool.service.ledger.settings import RENAMED, Config, SettingsError, variables
+from tidepool.workers.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,11 +47,53 @@ def test_values_are_typed_and_empty_means_unset(tmp_path):
     cfg = Config.from_env({"storage_dir": str(tmp_path)}, environ={
         "TIDEPOOL_VISIBILITY_TIMEOUT": "120", "TIDEPOOL_LOW_WATER": "2", "TIDEPOOL_INSECURE_COOKIES": "1",
         "TIDEPOOL_LOG_LEVEL": "debug", "TIDEPOOL_SLA_REALTIME_ITL_MS": "80", "TIDEPOOL_METRICS_PORT": "0",
-        "TIDEPOOL_KV_BLOCKS": "", "TIDEPOOL_ONLINE_RESERVE": "0.25",
+        "TIDEPOOL_NUM_KV_BLOCKS": "", "TIDEPOOL_ONLINE_RESERVE": "0.25",
         "TIDEPOOL_DATABASE_URL": f"sqlite:///{tmp_path}/t.db"})
     assert (cfg.visibility_timeout, cfg.low_water, cfg.insecure_cookies, cfg.log_level) == (120.0, 2, True, "DEBUG")
     assert cfg.metrics_port == 0 and cfg.num_kv_blocks is None and cfg.sla_overrides() == {"realtime": {"itl_ms": 80.0}}
     assert cfg.engine_fields() == {"online_reserve": 0.25}     # unset ones are left to the engine
+
+
+# ---- one spelling per setting: field x_y, variable TIDEPOOL_X_Y, flag --x-y ------------------------------------------
+
+def _options(parser, words=("tidepool",)):
+    """(command words, action) for every argument of every subcommand of `parser`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, (*words, name))
+        elif not isinstance(action, argparse._HelpAction):
+            yield " ".join(words), action
+
+
+def test_a_setting_has_one_spelling():
+    settings = {f.name: f.metadata for f in dataclasses.fields(Config) if "env" in f.metadata}
+    wrong = [f"{name}: {m['env']}" for name, m in settings.items() if m["env"] != f"TIDEPOOL_{name.upper()}"]
+    wrong += [f"{name}: {m['flag']}" for name, m in settings.items()
+              if m["flag"] not in (None, "--" + name.replace("_", "-"))]
+    # a command-line option sets a setting when its value lands in the field's name or it falls back to a variable
+    setting_options = set()
+    for command, action in _options(build_parser()):
+        falls_back = re.findall(r"\$(TIDEPOOL_\w+)", action.help or "")
+        if action.dest not in settings and not falls_back:
+            continue
+        setting_options.add(action.dest)
+        spelled = "--" + action.dest.replace("_", "-")
+        if action.option_strings != [spelled] or falls_back != [f"TIDEPOOL_{action.dest.upper()}"]:
+            wrong.append(f"{command} {'/'.join(action.option_strings) or action.dest}: {falls_back}")
+    assert not wrong, wrong
+    assert {"model", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"} <= setting_options
+
+
+def test_a_renamed_variable_stops_the_process_naming_the_new_one(tmp_path):
+    names = {env for env, _, _ in variables()}
+    assert set(RENAMED.values()) <= names and not set(RENAMED) & names
+    for old, new in RENAMED.items():
+        with pytest.raises(SettingsError, match=f"^{old} is now called {new}"):
+            Config.from_env({"storage_dir": str(tmp_path)}, environ={old: "64", new: "64"})
+    blank = Config.from_env({"storage_dir": str(tmp_path), "database_url": f"sqlite:///{tmp_path}/t.db"},
+                            environ={old: " " for old in RENAMED})     # empty counts as unset, as everywhere
+    assert blank.num_kv_blocks is None
 
 
 def test_overrides_in_code_are_checked_too(tmp_path):

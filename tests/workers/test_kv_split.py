@@ -153,5 +153,5 @@ def test_a_worker_serves_only_models_whose_weights_and_floor_pool_fit(tiny_model
     assert weights_only <= budget
     assert fitting_models(entries, "tiny", budget) == ["tiny"]
     assert fitting_models(entries, "tiny", least["tiny"] + least["qwen"]) == ["tiny", "qwen"]
-    # an operator's fixed pool (--kv-blocks) is the floor
+    # an operator's fixed pool (--num-kv-blocks) is the floor
     assert fitting_models(entries, "tiny", budget, engine_overrides={"num_kv_blocks": 1}) == ["tiny", "qwen"]

@@ -20,7 +20,7 @@ def test_the_docs_show_the_engines_own_defaults():
     shown = {env: text for env, text, _ in variables()}
     engine = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
     assert shown["TIDEPOOL_MAX_NUM_SEQS"] == f"`{engine['max_num_seqs']}`"
-    assert shown["TIDEPOOL_MAX_BATCHED_TOKENS"] == f"`{engine['max_num_batched_tokens']}`"
+    assert shown["TIDEPOOL_MAX_NUM_BATCHED_TOKENS"] == f"`{engine['max_num_batched_tokens']}`"
     assert shown["TIDEPOOL_CAPACITY_POLICY"] == f"`{engine['capacity_policy']}`"
     assert shown["TIDEPOOL_ONLINE_RESERVE"] == f"`{engine['online_reserve']}`"
     assert shown["TIDEPOOL_OFFLINE_FLOOR"] == f"`{engine['offline_floor']}`"
@@ -31,9 +31,15 @@ def test_the_docs_show_the_engines_own_defaults():
             assert shown[f"TIDEPOOL_SLA_{cls.upper()}_{target.upper()}"] == f"GPU {gpu:g}, CPU {cpu:g}"
 
 
+def test_an_engine_setting_is_the_engine_config_field_of_its_name():
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    settings = [f.name for f in dataclasses.fields(Config) if f.metadata.get("engine")]
+    assert "num_kv_blocks" in settings and not [name for name in settings if name not in engine]
+
+
 def test_the_worker_config_comes_from_the_settings(tmp_path):
     s = _settings(tmp_path, TIDEPOOL_MODEL=tmp_path / "m", TIDEPOOL_LEASE_SECONDS=7, TIDEPOOL_VISIBILITY_TIMEOUT=99,
-                  TIDEPOOL_LOW_WATER=2, TIDEPOOL_WORKER_NAME="w-7", TIDEPOOL_METRICS_PORT=0, TIDEPOOL_KV_BLOCKS=12,
+                  TIDEPOOL_LOW_WATER=2, TIDEPOOL_WORKER_NAME="w-7", TIDEPOOL_METRICS_PORT=0, TIDEPOOL_NUM_KV_BLOCKS=12,
                   TIDEPOOL_CAPACITY_POLICY="no_evict", TIDEPOOL_SLA_REALTIME_ITL_MS=75, TIDEPOOL_OFFLINE_FLOOR=0.3)
     cfg = WorkerConfig.from_env(kind="cpu", device="cpu", settings=s)
     assert (cfg.model, cfg.lease_seconds, cfg.visibility_timeout, cfg.low_water, cfg.name, cfg.metrics_port) == \
