@@ -3,13 +3,12 @@
 `Config` is one typed, checked dataclass. Each field that a variable sets carries, in its metadata, the variable's
 name, the parser of its text, a check of its value and a one-line meaning; `Config.from_env()` builds it once at
 start-up and a bad value fails there, naming the variable (SettingsError). A setting has one spelling: field
-`lease_seconds` is variable `TIDEPOOL_LEASE_SECONDS` and, where a command-line flag sets it, `--lease-seconds`
+`num_kv_blocks` is variable `TIDEPOOL_NUM_KV_BLOCKS` and, where a command-line flag sets it, `--num-kv-blocks`
 (tests/service/test_settings.py checks it); a variable set under a name in RENAMED stops the process, naming the
-new one. The web app's Flask config is this
-object; the worker's WorkerConfig and the engine's EngineConfig are built from it by the workers
-(workers/config_fields.py), so neither the engine nor the kernels read the environment for Tidepool's knobs. The
-documentation's configuration page (docs/reference/configuration.md) is generated from `variables()` by
-docs/gen_reference.py, and tests/docs keep the two equal."""
+new one. The web app's Flask config is this object; the worker's WorkerConfig and the engine's EngineConfig are built
+from it by the workers (workers/config_fields.py), so neither the engine nor the kernels read the environment for
+Tidepool's knobs. The documentation's configuration page (docs/reference/configuration.md) is generated from
+`variables()` by docs/gen_reference.py, and tests/docs keep the two equal."""
 import os
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
