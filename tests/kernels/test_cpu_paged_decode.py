@@ -270,7 +270,7 @@ def test_a_background_build_ends_with_its_process(tmp_path):
     cxx.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho $$ > "$0.pid"\nexec sleep 60\n')
     cxx.chmod(0o755)
     cache = tmp_path / "cache"
-    script = ("import sys, time\nfrom kernels import cpu_ops\n"
+    script = ("import sys, time\nfrom tidepool.kernels import cpu_ops\n"
               f"cpu_ops.configure(enabled=True, cache_dir={str(cache)!r})\n"
               "assert cpu_ops.prepare(background=True) == 'building'\n"
               "while not cpu_ops._compiling: time.sleep(0.05)\n")
