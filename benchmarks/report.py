@@ -45,6 +45,8 @@ SECTIONS = [
         ("first_start", "first_start.py", "First start: what a new user waits for", "CPU"),
     ]),
     ("The service", [
+        ("offline_http", "offline_http.py", "Offline work through the front door: engine, run-batch, serve, "
+         "production shape", "PostgreSQL binaries, redis-server"),
         ("fairness", "fairness.py", "Fair intake against FIFO", "Postgres, redis-server"),
         ("prefix_affinity", "prefix_affinity.py", "Prefix-affinity routing", "Postgres, redis-server"),
         ("service_ingest", "service_ingest.py", "Job submission rate and a 50,000-line batch", "Postgres, Redis"),
