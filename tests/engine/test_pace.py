@@ -5,13 +5,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from tidepool.workers.engine.pace import IDLE_GAPS, OWED_CAP_S, PACE_CREDIT, Pace
+from tidepool.workers.engine.pace import IDLE_GAPS, OWED_CAP_S, PACE_CREDIT, QUIET_S, Pace
 from tidepool.workers.engine.sampling_params import SamplingParams
 from tidepool.workers.engine.sequence import Sequence
 
 # 10 ms a step, 1 ms a new token, no context cost
 COST = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0)
 TARGETS = {"realtime": {"ttft_ms": 200.0, "itl_ms": 50.0}, "interactive": {"ttft_ms": 1000.0, "itl_ms": 100.0}}
+
+
+def expecting_online(pace: Pace) -> Pace:
+    """A pace that saw online work a moment ago (not quiet): steps without online work get the idle cap."""
+    pace.step([seq(sla_class="realtime")], [], now=0.0)
+    return pace
 
 
 def seq(prompt=8, sla_class="batch", tenant="a", out=0, first_token_s=None, lora=None, pooling=None):
@@ -130,15 +136,31 @@ def test_a_step_with_online_work_closes_its_online_part_at_the_first_offline_can
 
 def test_without_online_work_a_step_is_capped_unless_the_device_is_too_slow_for_the_cap():
     pace = Pace(COST, TARGETS)
-    step = pace.step([seq(out=1) for _ in range(10)], [], now=0.0)
+    pace.step([seq(sla_class="realtime")], [], now=0.0)               # online work was here a moment ago
+    step = pace.step([seq(out=1) for _ in range(10)], [], now=1.0)
     assert step.room is None and step.idle_limit_s == step.limit == pytest.approx(0.100)
     assert step.bound(seq(40), first=False) == (pytest.approx(0.100), pytest.approx(0.090))
-    slow = pace.step([seq(out=1) for _ in range(95)], [], now=0.0)     # one token each: 105 ms > the cap
+    slow = pace.step([seq(out=1) for _ in range(95)], [], now=1.0)     # one token each: 105 ms > the cap
     assert slow.idle_limit_s is None and slow.bound(seq(40), first=False) == (None, 0.0)
 
 
+def test_a_quiet_engine_bounds_offline_steps_by_the_token_budget_alone():
+    """No online work since start, or for QUIET_S: no idle cap (offline steps as large as the budget allows);
+    any online sequence, running or waiting, ends the quiet spell for QUIET_S."""
+    pace = Pace(COST, TARGETS)
+    offline = [seq(out=1) for _ in range(10)]
+    assert pace.quiet(0.0)
+    step = pace.step(offline, [], now=0.0)
+    assert step.idle_limit_s is None and step.bound(seq(40), first=False) == (None, 0.0)
+    pace.step(offline, [seq(sla_class="interactive")], now=5.0)      # an online arrival, still waiting
+    assert not pace.quiet(5.0) and not pace.quiet(5.0 + QUIET_S - 0.01)
+    assert pace.step(offline, [], now=6.0).idle_limit_s == pytest.approx(0.100)
+    assert pace.quiet(5.0 + QUIET_S)
+    assert pace.step(offline, [], now=5.0 + QUIET_S).idle_limit_s is None
+
+
 def test_offline_embedding_inputs_fill_a_step_only_up_to_the_tightest_pace():
-    step = Pace(COST, TARGETS).step([], [], now=0.0)         # no online work: the idle cap, 100 ms
+    step = expecting_online(Pace(COST, TARGETS)).step([], [], now=0.0)     # no online work: the idle cap
     assert step.bound(seq(30, pooling=object()), first=False)[0] == 0.050
     assert step.bound(seq(30, pooling=object(), sla_class="realtime"), first=False)[0] == 0.100
 
@@ -160,7 +182,8 @@ def test_a_first_token_step_starts_one_tenants_prompts_within_the_idle_cap():
 
 
 def test_each_lora_adapter_is_paid_once_a_step():
-    pace = Pace(SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0, per_adapter=0.020), TARGETS)
+    pace = expecting_online(Pace(SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0, per_adapter=0.020),
+                                 TARGETS))
     step = pace.step([], [], now=0.0)
     step.add(seq(10, lora="x"), 10, new=True)
     step.add(seq(10, lora="x"), 10, new=True)

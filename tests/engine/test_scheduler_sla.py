@@ -48,6 +48,12 @@ class Sim:
         self.now += 0.05
         return batch
 
+    def expect_online(self):
+        """A realtime request comes and goes: the engine is no longer quiet (Pace.quiet) for QUIET_S."""
+        rt = self.add(4, 1, "realtime", tenant="probe")
+        while not rt.is_finished:
+            self.step()
+
     def offline_tokens(self, batch):
         return sum(n for s, n in zip(batch.seqs, batch.num_new_tokens) if not s.is_online)
 
@@ -56,6 +62,7 @@ def test_realtime_first_token_step_carries_no_offline_work_and_full_budget_retur
     sim = Sim(max_num_seqs=64, budget=256, targets=LOOSE)
     for _ in range(60):
         sim.add(100, 50)
+    sim.expect_online()
     full = sim.step()
     assert full.time_limit_s is None and full.num_tokens == 90         # offline alone: two 50 ms gaps (100 ms)
     rt = sim.add(8, 3, "realtime")
@@ -184,6 +191,7 @@ def test_without_online_work_a_step_leaves_a_new_arrival_its_ttft():
     step, then gets one of its own, <= itl) can still meet its ttft, and waits no longer than two of its token
     gaps: steps stay within ttft - itl (150 ms) and IDLE_GAPS x itl (100 ms)."""
     sim = Sim(max_num_seqs=64, budget=256)
+    sim.expect_online()
     for _ in range(60):
         sim.add(100, 50)
     wave = sim.step()
@@ -195,6 +203,7 @@ def test_without_online_work_a_step_leaves_a_new_arrival_its_ttft():
     assert rt in batch.seqs and batch.idle_limit_s is None and sim.offline_tokens(batch) == 0
     # Small decode steps are left alone: the cap only cuts steps that would stall an arrival.
     calm = Sim(max_num_seqs=8, budget=256)
+    calm.expect_online()
     for _ in range(8):
         calm.add(4, 20)
     calm.step()
@@ -426,6 +435,7 @@ def test_no_evict_admits_only_what_can_finish_and_never_preempts():
 
 def test_offline_work_never_takes_the_reserved_seats_or_blocks():
     sim = Sim(num_blocks=40, block_size=4, max_num_seqs=10, reserve_seats=2, reserve_blocks=8)
+    sim.expect_online()
     for _ in range(20):
         sim.add(10, 30)
     for _ in range(30):
@@ -435,6 +445,29 @@ def test_offline_work_never_takes_the_reserved_seats_or_blocks():
     rt = sim.add(10, 3, "realtime")
     batch = sim.step()
     assert rt in batch.seqs and not batch.preempted      # online gets in without displacing anyone
+
+
+def test_a_quiet_engine_lends_the_reserved_seats_and_an_online_arrival_takes_one_back():
+    """No online work since start: offline work takes every seat (never the reserved blocks); the engine's stats
+    say so to the worker's intake. An online arrival takes a seat from the latest offline sequence (suspended,
+    keeping its blocks), and no offline sequence takes a reserved seat again until the engine is quiet again."""
+    sim = Sim(num_blocks=60, block_size=4, max_num_seqs=10, reserve_seats=2, reserve_blocks=8)
+    seqs = [sim.add(10, 30) for _ in range(12)]
+    assert sim.sched.reserved_seats() == 0 and sim.sched.offline_seats() == 10
+    sim.step()
+    assert len(sim.sched.running) == 10 and sim.bm.num_free_blocks >= 8
+    assert sim.sched.offline_seats_free() == 0
+    rt = sim.add(10, 3, "realtime")
+    batch = sim.step()
+    assert rt in batch.seqs and [s.status for s in batch.preempted] == [SequenceStatus.SUSPENDED]
+    assert batch.preempted[0] is max(seqs[:10], key=lambda s: s.arrival)
+    assert sim.sched.reserved_seats() == 2 and sim.sched.offline_seats() == 8
+    while not rt.is_finished:
+        sim.step()
+    for _ in range(40):
+        offline = sum(not s.is_online for s in sim.sched.running)
+        sim.step()
+        assert sum(not s.is_online for s in sim.sched.running) <= max(offline, 8)
 
 
 requests = st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.sampled_from(SLA_CLASSES),
@@ -456,10 +489,14 @@ def test_block_seat_and_budget_invariants_with_suspension_and_swap(reqs, num_blo
         while pending and pending[0][3] <= step:
             plen, out, cls, _ = pending.pop(0)
             sim.add(min(plen, (num_blocks - reserve_blocks) * 4 - 12), out, cls)
+        offline_before = sum(not s.is_online for s in sched.running)
+        quiet = sched.pace.quiet(sim.now) and not any(s.is_online for s in sched.running + sched.waiting)
         batch = sim.step()
         assert batch.num_tokens <= budget and all(n >= 1 for n in batch.num_new_tokens)
         assert len(sched.running) <= max_num_seqs
-        assert sum(not s.is_online for s in sched.running) <= max_num_seqs - reserve_seats
+        # the reserve's seats are lent only while the engine is quiet: else no offline sequence takes one
+        offline_after = sum(not s.is_online for s in sched.running)
+        assert quiet or offline_after <= max(offline_before, max_num_seqs - reserve_seats)
         offline = [(s, n) for s, n in zip(batch.seqs, batch.num_new_tokens) if not s.is_online]
         if batch.time_limit_s is not None:
             assert any(s.is_online for s in sched.running + sched.waiting + batch.seqs)
@@ -467,6 +504,8 @@ def test_block_seat_and_budget_invariants_with_suspension_and_swap(reqs, num_blo
             assert abs(predicted - batch.predicted_s) < 1e-9
             if offline:
                 assert batch.predicted_s <= batch.time_limit_s + 1e-9
+        elif quiet:    # no online work for a while: the token budget alone
+            assert batch.idle_limit_s is None
         else:      # no online work: within the idle cap, or a single token (progress)
             assert batch.idle_limit_s == 0.100
             assert batch.predicted_s <= batch.idle_limit_s + 1e-9 or batch.num_tokens == 1
@@ -504,6 +543,7 @@ def test_a_step_pays_each_lora_adapter_once_and_fits_offline_work_around_it():
     another 20 ms and does not fit, the next ones of a take the 20 tokens left. The prediction counts it."""
     cost = SimpleNamespace(fixed=0.010, per_token=0.001, per_context=0.0, per_adapter=0.020)
     sim = Sim(max_num_seqs=64, budget=256, cost=cost, targets={"realtime": {"ttft_ms": 225.0, "itl_ms": 75.0}})
+    sim.expect_online()
     for i in range(6):
         sim.n += 1
         seq = Sequence(f"s{sim.n}", [7] * 100, SamplingParams(max_tokens=5), sla_class="batch", lora="ab"[i % 2])

@@ -173,6 +173,7 @@ def test_cut_in_steps_keep_the_step_in_flight_whole_and_every_request_finishes(r
             else:
                 sched.add(seq)
         inflight = sched.schedule()
+        assert len(sched.running) <= max_num_seqs
         held = {id(s): (list(s.block_table), s.num_computed_tokens) for s in inflight.seqs}
         tenants = sched.cut_in_tenants(inflight, due, remaining) if inflight else set()
         preemptions = sched.num_preemptions
@@ -184,7 +185,8 @@ def test_cut_in_steps_keep_the_step_in_flight_whole_and_every_request_finishes(r
             assert sched.num_preemptions == preemptions and not cut.preempted
             assert not {id(s) for s in cut.seqs} & set(held)
             assert all(s.tenant in tenants and s.is_online and s.first_token_s is None for s in cut.seqs)
-            assert len(sched.running) <= max_num_seqs
+            # past the seat limit only by seats of offline work, which the next step takes back (_trim)
+            assert sum(s.is_online for s in sched.running) <= max_num_seqs
             inflight_blocks = {b for s in inflight.seqs for b in s.block_table}
             assert not inflight_blocks & {b for s in cut.seqs for b in s.block_table}
             finish(cut)

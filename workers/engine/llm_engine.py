@@ -626,7 +626,7 @@ class LLMEngine:
             "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
             "preemptions": sched.num_preemptions,
             # Room offline work may still take: the online reserve of seats and blocks is not in it.
-            "offline_seats": sched.max_num_seqs - sched.reserve_seats,
+            "offline_seats": sched.offline_seats(),
             "offline_seats_free": sched.offline_seats_free(),
             "offline_blocks_free": max(0, bm.num_free_blocks - sched.reserve_blocks),
             "preemptions_by_kind": dict(sched.preemptions),

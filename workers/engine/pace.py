@@ -24,7 +24,13 @@ The step policy while online work (realtime, interactive) is running or waiting,
 Without online work the token budget applies, and a step is kept within the tightest `ttft_ms - itl_ms` of the
 online classes and IDLE_GAPS of their tightest pace: an online prompt arriving while it runs waits for it, so an
 offline prefill wave must not hold it up longer than a few of its tokens would take (each such step still makes
-progress). Offline embedding inputs fill a step only up to the tightest
+progress). That idle cap holds only while online work is expected: once none has been here for QUIET_S seconds
+(or ever), the engine is quiet (Pace.quiet) and offline steps are bound by the token budget alone, as in an engine
+without online targets, since steps of a few dozen tokens pay the step's fixed cost (the weight reads) over and
+over and cost offline work a third of its throughput. The first online arrival after a quiet spell does not wait
+for such a step: its first-token step cuts in between two of its layers (the step cut); its second token waits
+for the rest of that step, once, and from then on the cap holds again. While quiet, the online reserve's seats
+are lent to offline work too (Scheduler.reserved_seats). Offline embedding inputs fill a step only up to the tightest
 `itl_ms` (an input that opens the step runs whole whatever it costs): an embedding input is computed whole and
 gives nothing back until its step ends, and a realtime prompt arriving mid-step, for this engine or another on the
 device (workers/device_stepper.py starts it beside the step in flight), must find that step short, so an embedding
@@ -41,6 +47,7 @@ from tidepool.workers.engine.sequence import Sequence, SequenceStatus
 PACE_CREDIT = 1.0          # a stream ahead of its pace banks at most this many of its class's token gaps
 IDLE_GAPS = 2.0            # an offline-only step lasts at most this many of the tightest online pace
 OWED_CAP_S = 1.0           # offline time owed beyond this is paid even in a step that brings a first token
+QUIET_S = 10.0             # no online work for this long: the engine is quiet (no idle cap, the reserve lent)
 
 
 def online_prompt(seq: Sequence) -> bool:
@@ -59,6 +66,7 @@ class Pace:
         self.sla_targets = sla_targets or {}
         self.offline_floor = offline_floor
         self.offline_owed = 0.0                # seconds of step time offline work is owed (see the module docstring)
+        self.online_at: float | None = None    # when a step last saw online work (running or waiting)
         # Without online work a step stays within what lets an online prompt arriving mid-step still meet its
         # ttft (wait for this step, then one step (<= itl) of its own) and within IDLE_GAPS of the tightest pace.
         idle = [t["ttft_ms"] - t["itl_ms"] for t in self.sla_targets.values() if "ttft_ms" in t and "itl_ms" in t]
@@ -156,11 +164,19 @@ class Pace:
         # past the one-token room the step was given): an empty step changes nothing
         return max(fit, min(n, 1)) if first else fit
 
+    def quiet(self, now: float) -> bool:
+        """No online work for QUIET_S seconds (or ever): offline steps run to the token budget (see the module
+        docstring)."""
+        return self.online_at is None or now - self.online_at >= QUIET_S
+
     def step(self, running: list[Sequence], waiting: list[Sequence], now: float) -> "StepTime":
         """The account of a step about to be scheduled from these sequences."""
+        if any(s.is_online for s in running) or any(s.is_online for s in waiting):
+            self.online_at = now
         room, streaming = self.room(running, waiting, now)
         idle = None
-        if room is None and self.idle_limit_s is not None and self.idle_limit_s > self.cost_model.fixed + sum(
+        if room is None and self.idle_limit_s is not None and not self.quiet(now) and \
+                self.idle_limit_s > self.cost_model.fixed + sum(
                 self.step_cost(s.num_computed_tokens, 1) for s in running) + getattr(
                 self.cost_model, "per_adapter", 0.0) * len({s.lora for s in running if s.lora is not None}):
             # (a device too slow for the cap, one token of every running sequence above it, gets no cap: the cap
@@ -225,7 +241,8 @@ class Pace:
     def cut_in_prompts(self, waiting: list[Sequence], tenants: set[str], served: dict) -> list[Sequence]:
         """What a cut-in step (Scheduler.schedule_cut_in) may start, in order: the waiting online prompts of the most
         urgent, least-served of `tenants` (one tenant, as in a step), by arrival (no embedding input, no LoRA
-        adapter), whole, into free seats and free blocks only. Nothing is preempted and nothing of the step in
+        adapter), whole, into free seats (or seats the next step takes back from offline work: Scheduler._trim) and
+        free blocks only. Nothing is preempted and nothing of the step in
         flight is touched: its sequences hold their seats and blocks, their computed counts move only when it ends,
         and the blocks it fills are not shared before then (BlockManager.commit runs in postprocess). The step in
         flight has paid its weight reads for the layers already done, so the arrival waits one layer of it, not all

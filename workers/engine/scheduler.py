@@ -10,7 +10,8 @@ tokens; a prompt that doesn't fit is prefilled in chunks.
 The pace rule (how long a step lasts, how much offline work fills it beside online work) and the step cut (an
 online arrival's first-token step inside the step in flight) are pace.py; whom a step displaces is victims.py.
 
-Seats and blocks of the online reserve are never given to offline work. Under the `no_evict` capacity policy a
+Blocks of the online reserve are never given to offline work; its seats are lent to offline work while the
+engine is quiet (no online work for a while: Pace.quiet), and the first online arrival takes one back. Under the `no_evict` capacity policy a
 sequence is admitted only if it can run to max_tokens without evicting anyone, and nothing is ever preempted.
 """
 import time
@@ -102,10 +103,19 @@ class Scheduler:
         seq.status = SUSPENDED
         self.waiting.append(seq)
 
+    def reserved_seats(self, now: float | None = None) -> int:
+        """Seats of the online reserve offline work may not take now: none while the engine is quiet (Pace.quiet:
+        no online work for a while); the first online arrival then takes a seat through the step cut, past the
+        seat limit, and the next step gives it back by suspending an offline sequence (`_trim`)."""
+        return 0 if self.pace.quiet(self.clock() if now is None else now) else self.reserve_seats
+
+    def offline_seats(self) -> int:
+        return self.max_num_seqs - self.reserved_seats()
+
     def offline_seats_free(self) -> int:
         running = list(self.running)
         offline = sum(not s.is_online for s in running)
-        return max(0, min(self.max_num_seqs - len(running), self.max_num_seqs - self.reserve_seats - offline))
+        return max(0, min(self.max_num_seqs - len(running), self.offline_seats() - offline))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -170,8 +180,11 @@ class Scheduler:
     # -- the step -----------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         self.block_manager.end_step()
-        step = self.pace.step(self.running, self.waiting, self.clock())   # before the rebalance moves anyone
+        now = self.clock()
+        step = self.pace.step(self.running, self.waiting, now)   # before the rebalance moves anyone
+        self.victims.reserve_seats = self.reserved_seats(now)
         batch = ScheduledBatch()
+        self._trim(batch)
         budget, scheduled, passed = self.max_num_batched_tokens, set(), set()   # passed: the candidates so far
         offline_running = sum(not s.is_online for s in self.running)    # kept current: O(1) per admission
         rebalanced = self._rebalance(batch)
@@ -244,13 +257,16 @@ class Scheduler:
 
     def schedule_cut_in(self, inflight: ScheduledBatch, tenants: set[str]) -> ScheduledBatch:
         """A first-token step to run between two layers of the step in flight (Pace.cut_in_prompts): whole prompts,
-        into free seats and free blocks only; nothing is preempted and nothing of the step in flight is touched."""
+        into free seats and free blocks only (past the seat limit by seats `_trim` takes back from offline work in
+        the next step, where the reserve was lent); nothing is preempted and nothing of the step in flight is touched."""
         batch, step = ScheduledBatch(), self.pace.cut_in_step()
         if step is None:
             return batch
         bm, budget = self.block_manager, self.max_num_batched_tokens
+        # past the seat limit only by seats the next step takes back from offline work (`_trim`)
+        offline = sum(not s.is_online for s in self.running)
         for seq in self.pace.cut_in_prompts(self.waiting, tenants, self.served):
-            if len(self.running) >= self.max_num_seqs or budget == 0:
+            if len(self.running) >= self.max_num_seqs + offline or budget == 0:
                 break
             if batch.seqs and step.over_idle_cap(seq):
                 break      # as in schedule: a further prompt rides only within the idle cap
@@ -269,11 +285,20 @@ class Scheduler:
         return batch
 
     # -- seats --------------------------------------------------------------------------------------
+    def _trim(self, batch: ScheduledBatch) -> None:
+        """Back to the seat limit after a step cut took a seat past it (the reserve was lent): the latest-arrived
+        offline sequences of the lowest class are suspended (they keep their blocks)."""
+        while len(self.running) > self.max_num_seqs:
+            victim = max((s for s in self.running if not s.is_online), key=lambda s: (s.rank, s.arrival), default=None)
+            if victim is None:
+                return
+            self._suspend(victim, batch)
+
     def _seat(self, seq: Sequence, offline_running: int, scheduled: set[int], batch: ScheduledBatch) -> bool:
         """A seat for a sequence that isn't running, suspending a lower-class one if need be."""
         while True:
             full = len(self.running) >= self.max_num_seqs
-            offline_full = not seq.is_online and offline_running >= self.max_num_seqs - self.reserve_seats
+            offline_full = not seq.is_online and offline_running >= self.max_num_seqs - self.victims.reserve_seats
             if not full and not offline_full:
                 return True
             if self.capacity_policy == "no_evict":
