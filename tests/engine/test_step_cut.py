@@ -196,3 +196,42 @@ def test_cut_in_steps_keep_the_step_in_flight_whole_and_every_request_finishes(r
             break
     assert not sched.has_unfinished(), "every request must finish"
     assert bm.num_free_blocks == num_blocks
+
+
+def test_a_realtime_arrival_cuts_into_a_quiet_engines_step_and_takes_back_a_lent_seat(tiny_model_dir):
+    """No online work yet: the reserve's seat is lent, every seat holds a batch sequence and the step is as large as
+    the token budget. A realtime request arriving mid-step gets its first token inside that step (past the seat
+    limit), the next step gives the seat back by suspending the latest batch sequence, and everything finishes with
+    the tokens it would have had without the arrival."""
+    def run(arrival: bool):
+        engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama-gqa"), max_num_seqs=4, online_reserve=0.25,
+                                        sla_targets={"realtime": {"ttft_ms": 1000.0, "itl_ms": 0.001}}))
+        for i in range(6):
+            engine.add_request(f"off{i}", list(range(3 + i, 40 + i)), GREEDY, sla_class="batch", tenant="c")
+        assert engine.stats()["offline_seats"] == 4       # quiet: the reserve's seat is lent
+        added = []
+
+        def arrive(module, args):
+            if arrival and not added:
+                added.append(True)
+                engine.add_request("rt", list(range(200, 230)), GREEDY, sla_class="realtime", tenant="b")
+        hook = engine.runner.model.layers[0].register_forward_pre_hook(arrive)
+        first = [o.request_id for o in engine.step()]
+        hook.remove()
+        if arrival:
+            assert first[0] == "rt" and len(engine.scheduler.running) == 5     # its first token, past the limit
+        engine.step()
+        assert len(engine.scheduler.running) <= 4
+        tokens = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.token_ids
+        assert engine.block_manager.num_used_blocks == 0
+        return tokens, engine.stats()
+
+    cut, stats = run(arrival=True)
+    alone, _ = run(arrival=False)
+    assert stats["total_step_cuts"] == 1 and stats["preemptions_by_kind"]["suspend"] >= 1
+    assert stats["offline_seats"] == 3                    # online work was here: the reserve holds again
+    assert {k: v for k, v in cut.items() if k != "rt"} == alone and len(cut["rt"]) == GREEDY.max_tokens
