@@ -25,9 +25,11 @@ Generated tok/s of a path = its completion tokens / its span; every request must
 The log on stderr names the process id of the started serve and of the production shape's worker (to attach a
 sampling profiler such as `py-spy record --idle --threads --pid PID`).
 
-Prints one JSON line: per path gen_tok_s, seconds and completion_tokens; the ratios of every path's gen tok/s over
-the engine alone ("over_engine") and, with a peer, over the peer ("over_peer"). Goals: serve and the production
-shape >= 0.95x the engine alone and >= 1.0x the peer.
+Prints one JSON line: per path gen_tok_s, seconds and completion_tokens (the HTTP paths also cpu_s: the CPU seconds
+each process used over the span, serve's one process; the production shape's worker, web, beat, postgres and
+redis, so the service's share beside the engine is measured); the ratios of every path's gen tok/s over the engine
+alone ("over_engine") and, with a peer, over the peer ("over_peer"). Goals: serve and the production shape >= 0.95x
+the engine alone and >= 1.0x the peer.
 
 A quick iteration: --requests 32 --tokens 32 --only a,c.
 """
@@ -49,6 +51,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
+from capacity import proc_cpu, tree  # noqa: E402
 from fairness import Stack as ProductionStack  # noqa: E402
 from hybrid_http import OfflineRun, Server, first_model, model_vocab, start_serve  # noqa: E402
 from online_latency import _get, _stop, _wait, native_kernels_ready  # noqa: E402
@@ -186,19 +189,27 @@ def run_batch(args, prompts) -> dict:
     return figures(tokens, counts["seconds"], process_s=round(wall, 1))
 
 
-def through_jobs(name: str, base: str, key: str, model: str, args, prompts) -> dict:
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system, children included) each named process tree has used so far."""
+    return {name: sum(proc_cpu(p) for p in tree(pid)) for name, pid in pids.items()}
+
+
+def through_jobs(name: str, base: str, key: str, model: str, args, prompts, pids: dict[str, int]) -> dict:
     """One warm-up job, then `prompts` as batch-class jobs, polled until all are completed (hybrid_http's
-    OfflineRun: POST /v1/jobs one after another, then GET /v1/jobs pages every second)."""
+    OfflineRun: POST /v1/jobs one after another, then GET /v1/jobs pages every second). pids: the processes whose
+    CPU seconds over the measured span are reported (`cpu_s`; the engine's process first)."""
     warm = OfflineRun(Server(name, base, key, model, True, SimpleNamespace(offline_tokens=WARMUP_TOKENS)), WARMUP)
     warm.wait(until=warm.start + 300)
     if len(warm.done) != 1:
         raise RuntimeError(f"{name}: the warm-up job did not complete in 300 s")
     log(f"{name}: {len(prompts)} jobs")
+    before = cpu_seconds(pids)
     run = OfflineRun(Server(name, base, key, model, True, SimpleNamespace(offline_tokens=args.tokens)), prompts)
     submitted = time.time() - run.start
     run.wait(until=run.start + args.timeout)
+    used = {k: round(v - before[k], 1) for k, v in cpu_seconds(pids).items()}
     tokens = _checked(name, [n for _, n in run.done], args)
-    return figures(tokens, max(t for t, _ in run.done) - run.start, submit_s=round(submitted, 2))
+    return figures(tokens, max(t for t, _ in run.done) - run.start, submit_s=round(submitted, 2), cpu_s=used)
 
 
 def serve(args, prompts) -> dict:
@@ -206,7 +217,7 @@ def serve(args, prompts) -> dict:
         proc, base, key = start_serve(args, Path(tmp))
         log(f"serve: pid {proc.pid}, {base}")
         try:
-            return through_jobs("serve", base, key, first_model(base, key), args, prompts)
+            return through_jobs("serve", base, key, first_model(base, key), args, prompts, {"serve": proc.pid})
         finally:
             _stop([proc])
 
@@ -220,7 +231,9 @@ def production(args, prompts) -> dict:
             st.key0 = st.tenant("offline-http")
             st.start_worker(fair=True)
             log(f"production: worker pid {st.worker.pid}, {st.base}")
-            return through_jobs("production", st.base, st.key0, st.model, args, prompts)
+            pids = {"worker": st.worker.pid, "web": st.procs[1].pid, "beat": st.procs[2].pid, "postgres": st.pg.pid(),
+                    "redis": st.procs[0].pid}
+            return through_jobs("production", st.base, st.key0, st.model, args, prompts, pids)
         finally:
             st.close()
     finally:

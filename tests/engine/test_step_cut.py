@@ -235,3 +235,37 @@ def test_a_realtime_arrival_cuts_into_a_quiet_engines_step_and_takes_back_a_lent
     assert stats["total_step_cuts"] == 1 and stats["preemptions_by_kind"]["suspend"] >= 1
     assert stats["offline_seats"] == 3                    # online work was here: the reserve holds again
     assert {k: v for k, v in cut.items() if k != "rt"} == alone and len(cut["rt"]) == GREEDY.max_tokens
+
+
+def test_two_arrivals_during_one_step_both_cut_in(tiny_model_dir):
+    """A quiet engine's budget-sized batch step sees realtime requests of two tenants arrive before one of its layers:
+    each tenant's first-token step runs inside that step (two cuts, one tenant's prompts each), and no token
+    changes."""
+    def run(step_cut: bool):
+        engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama-gqa"), max_num_seqs=8, step_cut=step_cut,
+                                        sla_targets={"realtime": {"ttft_ms": 1000.0, "itl_ms": 0.001}}))
+        for i in range(4):
+            engine.add_request(f"off{i}", list(range(3 + i, 60 + i)), GREEDY, sla_class="batch", tenant="c")
+        added = set()
+
+        def arrive(module, args):
+            for i in (0, 1):
+                if i not in added:
+                    added.add(i)
+                    engine.add_request(f"rt{i}", list(range(200 + i, 230 + i)), GREEDY, sla_class="realtime",
+                                       tenant=f"t{i}")
+        hooks = [engine.runner.model.layers[0].register_forward_pre_hook(arrive)]
+        first = [o.request_id for o in engine.step()]
+        for hook in hooks:
+            hook.remove()
+        tokens = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.token_ids
+        return first, tokens, engine.stats()
+
+    first, tokens, stats = run(step_cut=True)
+    _, whole, _ = run(step_cut=False)
+    assert stats["total_step_cuts"] == 2 and first[:2] == ["rt0", "rt1"]
+    assert tokens == whole

@@ -118,19 +118,20 @@ class _EmbedRequest:
 class _StepCut:
     """Called between two layers of a step's forward (ModelRunner.run): when an online request has arrived that
     Scheduler.cut_in_tenants says should not wait for the rest of the step, its first-token step runs right there,
-    to its end and its first token (at most once a step). What the step in flight was computing is unchanged: its
-    forward's state lives in that forward, and the first-token step's sequences write other cache slots."""
+    to its end and its first token; a later arrival may cut in again further on (a long step of a quiet engine,
+    pace.py, may see several realtime arrivals, and each should not wait it out). What the step in flight was
+    computing is unchanged: its forward's state lives in that forward, and the first-token steps' sequences write
+    other cache slots."""
 
     def __init__(self, engine: "LLMEngine", batch, outputs: list):
         self.engine, self.batch, self.outputs = engine, batch, outputs
         self.layers = len(engine.runner.model.layers)
-        self.seconds = 0.0        # spent in the step run inside
-        self.done = False
+        self.seconds = 0.0        # spent in the steps run inside
         self.asked = 0            # arrivals already judged (those the answer was no for stay no as the step goes on)
 
     def __call__(self, layer: int) -> None:
         engine = self.engine
-        if self.done or len(engine._inbox) <= self.asked:    # a list another thread replaces whole: no lock needed
+        if len(engine._inbox) <= self.asked:    # a list another thread replaces whole: no lock needed
             return
         with engine._lock:
             arrivals = [r.seq for r in engine._inbox[self.asked:]]
@@ -139,15 +140,19 @@ class _StepCut:
         tenants = engine.scheduler.cut_in_tenants(self.batch, arrivals, remaining)
         if not tenants:
             return
-        self.done = True
         engine.runner.synchronize()    # on a GPU the outer step's queued layers are its time, not the cut-in step's
-        t0 = time.perf_counter()
+        start = t0 = time.perf_counter()
         self.outputs.extend(engine._drain_inbox(requests_only=True))
-        cut = engine.scheduler.schedule_cut_in(self.batch, tenants)
-        if cut:
+        self.asked = 0            # the inbox is drained: what arrives from now on is new
+        while tenants:            # a cut-in step starts one tenant's prompts (as any step): the others' come next
+            cut = engine.scheduler.schedule_cut_in(self.batch, tenants)
+            if not cut:
+                break
             engine._totals["step_cuts"] += 1
             engine._run(cut, [], t0, time.perf_counter(), self.outputs, cut_in=True)
-        self.seconds = time.perf_counter() - t0
+            tenants -= {s.tenant for s in cut.seqs}
+            t0 = time.perf_counter()
+        self.seconds += time.perf_counter() - start
 
 
 EMBED_SAMPLING = SamplingParams(max_tokens=1)    # what the scheduler's capacity checks read of an embedding input
