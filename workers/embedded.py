@@ -105,7 +105,7 @@ def main(args) -> int:
     on_device = [w for w in workers if w.cfg.kind == "gpu"]
     if len(on_device) > 1:       # several models share the device as a --models worker's do (device_stepper.py)
         from tidepool.workers.device_stepper import DeviceStepper
-        stepper = DeviceStepper()
+        stepper = DeviceStepper(offline_floor=min(w.engine.config.offline_floor for w in on_device))
         for w in on_device:
             w.stepper = stepper
     stop = threading.Event()

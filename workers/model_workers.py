@@ -295,9 +295,11 @@ class ModelHost:
         self.events: list[tuple[str, str]] = []       # ("load" | "unload", model), in order
         self.metrics_port: int | None = None
         # The loaded models' engines share the device through one gate (workers/device_stepper.py): offline steps
-        # overlap; online work of any model steps first, one step at a time, turns shared by step time.
+        # overlap; online work of any model steps first, one step at a time, turns shared by step time; offline
+        # work beside it keeps the engines' offline floor.
         from tidepool.workers.device_stepper import DeviceStepper
-        self.stepper = DeviceStepper()
+        self.stepper = DeviceStepper(offline_floor=min((m["engine"].offline_floor for m in self.models.values()),
+                                                       default=0.5))
 
     @staticmethod
     def _make_worker(cfg):

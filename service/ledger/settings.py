@@ -229,7 +229,9 @@ class Config:
                                            parse=FLOAT, check=SHARE, shown="`0.1`", engine=True)
     offline_floor: float | None = setting("TIDEPOOL_OFFLINE_FLOOR", None, "Least share of each engine step's time "
                                           "that waiting offline work gets beside realtime and interactive work (a "
-                                          "step that brings an online first token gives it none and owes it)",
+                                          "step that brings an online first token gives it none and owes it); "
+                                          "across models sharing one device, the least share of its time one "
+                                          "model's offline work gets beside another's online work",
                                           parse=FLOAT, check=SHARE, shown="`0.5`", engine=True)
     step_cut: bool | None = setting("TIDEPOOL_STEP_CUT", None, "`0`: an online request arriving mid-step waits for "
                                     "the step in flight to end; by default, when that step has more than one token "

@@ -1,8 +1,9 @@
 """Fair use of the device by several models' engines (workers/device_stepper.py): two real
 random-weight engines of different architectures, stepped through DeviceStepper's public interface (step_once
-drives the turns one at a time, serve() runs them on threads as `tidepool worker --models a,b` does). The
-two-model worker process itself (ModelHost sets the stepper) is covered end to end, kill -9 included, in
-test_model_routing.py."""
+drives the turns one at a time on a clock only steps move, serve() runs them on threads as `tidepool worker
+--models a,b` does). The two-model worker process itself (ModelHost sets the stepper) is covered end to end,
+kill -9 included, in test_model_routing.py."""
+import itertools
 import os
 import subprocess
 import sys
@@ -10,9 +11,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tidepool.workers.device_stepper import OFFLINE, DeviceStepper, urgency
 from tidepool.workers.engine import EngineConfig, LLMEngine, SamplingParams
+from tidepool.workers.engine.pooling import PoolingParams
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,7 @@ def test_two_models_with_work_share_turns_by_step_time(engines):
 def test_a_realtime_request_of_one_model_goes_before_offline_work_of_the_other(engines):
     a, b = engines
     clock = Clock()
-    stepper = DeviceStepper(clock=clock)
+    stepper = DeviceStepper(clock=clock, offline_floor=0)        # the precedence alone: no floor turns
     _join(stepper, clock, engines=(a, b), a=1 / 64, b=1 / 64)
     _add(a, "off-a", 4, 24)
     assert [stepper.step_once() for _ in range(2)] == ["a", "a"]      # A's batch runs alone
@@ -107,23 +111,92 @@ def test_a_realtime_request_of_one_model_goes_before_offline_work_of_the_other(e
     assert rest[:n + 4] == ["a"] * n + ["b", "a", "b", "a"] and not a.has_unfinished() and not b.has_unfinished()
 
 
-def test_offline_work_is_slowed_by_another_models_online_work_but_never_stopped(engines):
+def test_less_urgent_online_work_is_slowed_by_another_models_realtime_work_but_never_stopped(engines):
     a, b = engines
     clock = Clock()
     stepper = DeviceStepper(starve_limit=2, clock=clock)
     _join(stepper, clock, engines=(a, b), a=1 / 64, b=1 / 64)
-    _add(a, "chat-a", 1, 16, sla_class="interactive")
-    _add(b, "off-b", 2, 16)
+    _add(a, "rt-a", 1, 16, sla_class="realtime")
+    _add(b, "chat-b", 2, 16, sla_class="interactive")
     names = _drain(stepper)
     assert names[:6] == ["a", "a", "b", "a", "a", "b"]   # B: a turn once A's steps took twice B's step time
 
     clock = Clock()
-    stepper = DeviceStepper(starve_limit=2, clock=clock)
+    stepper = DeviceStepper(starve_limit=2, clock=clock, offline_floor=0)   # offline work without a floor: the same
     _join(stepper, clock, engines=(a, b), a=1 / 64, b=4 / 64)     # B's steps take four times A's
     _add(a, "chat-a", 1, 24, sla_class="interactive")
     _add(b, "off-b", 2, 16)
     names = _drain(stepper)
     assert names[:12] == ["a", "a", "b"] + ["a"] * 8 + ["b"]   # so it waits through eight of A's steps
+
+
+def _clean(*engines):
+    for engine in engines:
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+
+
+def _stream_and_batch(a, b, inputs: int = 400):
+    """A: one realtime stream (work at every turn of these tests); B: an offline embedding batch."""
+    _add(a, "stream", 1, 120, sla_class="realtime")
+    b.add_request("emb", [[5 + i % 50, 17, 42] for i in range(inputs)], PoolingParams(), sla_class="batch")
+
+
+def _seconds(names, took) -> dict:
+    out = {"a": 0.0, "b": 0.0}
+    for name, s in zip(names, took):
+        out[name] += s
+    return out
+
+
+def test_offline_work_beside_a_realtime_stream_keeps_its_floor(engines):
+    a, b = engines
+    clock = Clock()
+    stepper = DeviceStepper(clock=clock)            # the engines' default floor, 0.5
+    _join(stepper, clock, engines=(a, b), a=2 / 64, b=5 / 64)     # B's steps take 2.5 times A's
+    _stream_and_batch(a, b)
+    try:
+        names = [stepper.step_once() for _ in range(40)]
+    finally:
+        _clean(a, b)
+    # the stream first; B's turn once A's steps since took as long as B's step, what is left over carried on
+    assert names[:16] == ["a", "b"] + ["a", "a", "b", "a", "a", "a", "b"] * 2
+    spent = _seconds(names, [2 / 64 if n == "a" else 5 / 64 for n in names])
+    total = spent["a"] + spent["b"]
+    assert 0.5 - 0.5 * (2 / 64) / total <= spent["b"] / total <= 0.5 + 0.5 * (5 / 64) / total
+    with pytest.raises(ValueError, match="offline_floor"):
+        DeviceStepper(offline_floor=1.0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(floor=st.sampled_from([0.2, 0.5, 0.8]), a_units=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+       b_units=st.lists(st.integers(1, 40), min_size=1, max_size=8))
+def test_the_floor_holds_whatever_the_step_times(engines, floor, a_units, b_units):
+    """Of the device time a stream and a batch take, the batch gets the floor, give or take one step: no less
+    (less one step of the stream's) and no more (plus one of its own: the stream goes first whenever nothing is
+    owed)."""
+    a, b = engines
+    clock, took, names = Clock(), [], []
+    stepper = DeviceStepper(clock=clock, offline_floor=floor)
+    for name, engine, units in (("a", a, a_units), ("b", b, b_units)):
+        def step(engine=engine, times=itertools.cycle(units)):
+            took.append(next(times) / 256)          # its steps take these times, in turn
+            clock.now += took[-1]
+            engine.step()
+        stepper.join(name, engine, step)
+    _stream_and_batch(a, b)
+    try:
+        names = [stepper.step_once() for _ in range(30)]
+    finally:
+        _clean(a, b)
+    spent = _seconds(names, took)
+    total = spent["a"] + spent["b"]
+    share = spent["b"] / total
+    assert names[0] == "a"
+    assert floor - floor * max(a_units) / 256 / total - 1e-9 <= share <= floor + (1 - floor) * max(b_units) / 256 \
+        / total + 1e-9
 
 
 def _serve(stepper, stop, errors, **steps):
@@ -167,7 +240,7 @@ def test_engines_with_only_offline_work_step_at_once(engines):
 
 def test_a_realtime_request_starts_beside_an_offline_step_in_flight_and_holds_the_others(engines):
     a, b = engines
-    stepper, stop, errors, done = DeviceStepper(starve_limit=1000), threading.Event(), [], []
+    stepper, stop, errors, done = DeviceStepper(starve_limit=1000, offline_floor=0), threading.Event(), [], []
     a_in_step, a_go, a_first_done, b_holding, b_go = (threading.Event() for _ in range(5))
     a_starts: list[bool] = []      # at each of A's step starts: whether B held online work
     b_calls = [0]
@@ -203,6 +276,38 @@ def test_a_realtime_request_starts_beside_an_offline_step_in_flight_and_holds_th
     assert errors == [] and "rt-b-0" in done
     assert a_starts[0] is False and len(a_starts) > 2 and not any(a_starts[1:])
     assert done.index("rt-b-0") < done.index("bg-a-0")
+
+
+def test_a_floor_turn_holds_no_step_of_the_online_engine(engines):
+    a, b = engines
+    stepper, stop, errors = DeviceStepper(), threading.Event(), []
+    a_steps, beside = [0], []
+    floor_at: list[int] = []               # A's steps done when B's first step beside A's online work started
+    more = threading.Event()
+
+    def a_step():
+        a.step()
+        a_steps[0] += 1
+        if floor_at and a_steps[0] >= floor_at[0] + 2:
+            more.set()
+
+    def b_step():
+        if not floor_at and urgency(a) < OFFLINE:
+            floor_at.append(a_steps[0])
+            beside.append(more.wait(60))    # A starts and ends a step while this one is still in flight
+        b.step()
+    _add(a, "stream", 1, 40, sla_class="realtime")
+    b.add_request("emb", [[5 + i % 50, 17, 42] for i in range(400)], PoolingParams(), sla_class="batch")
+    threads = _serve(stepper, stop, errors, a=(a, a_step), b=(b, b_step))
+    try:
+        _wait(lambda: beside or errors, "B's floor turn")
+        _wait(lambda: not a.has_unfinished() or errors, "A's stream")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        _clean(a, b)
+    assert errors == [] and beside == [True]
 
 
 def test_a_failing_engine_ends_only_itself(engines):
