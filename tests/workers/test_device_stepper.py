@@ -170,7 +170,7 @@ def test_offline_work_beside_a_realtime_stream_keeps_its_floor(engines):
         DeviceStepper(offline_floor=1.0)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(floor=st.sampled_from([0.2, 0.5, 0.8]), a_units=st.lists(st.integers(1, 40), min_size=1, max_size=8),
        b_units=st.lists(st.integers(1, 40), min_size=1, max_size=8))
 def test_the_floor_holds_whatever_the_step_times(engines, floor, a_units, b_units):
