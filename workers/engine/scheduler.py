@@ -11,8 +11,9 @@ The pace rule (how long a step lasts, how much offline work fills it beside onli
 online arrival's first-token step inside the step in flight) are pace.py; whom a step displaces is victims.py.
 
 Blocks of the online reserve are never given to offline work; its seats are lent to offline work while the
-engine is quiet (no online work for a while: Pace.quiet), and the first online arrival takes one back. Under the `no_evict` capacity policy a
-sequence is admitted only if it can run to max_tokens without evicting anyone, and nothing is ever preempted.
+engine is quiet (no online work for a while: Pace.quiet), and the first online arrival takes one back. Under the
+`no_evict` capacity policy a sequence is admitted only if it can run to max_tokens without evicting anyone, and
+nothing is ever preempted.
 """
 import time
 from collections import Counter, defaultdict, deque
@@ -258,7 +259,8 @@ class Scheduler:
     def schedule_cut_in(self, inflight: ScheduledBatch, tenants: set[str]) -> ScheduledBatch:
         """A first-token step to run between two layers of the step in flight (Pace.cut_in_prompts): whole prompts,
         into free seats and free blocks only (past the seat limit by seats `_trim` takes back from offline work in
-        the next step, where the reserve was lent); nothing is preempted and nothing of the step in flight is touched."""
+        the next step, where the reserve was lent); nothing is preempted and nothing of the step in flight is
+        touched."""
         batch, step = ScheduledBatch(), self.pace.cut_in_step()
         if step is None:
             return batch
