@@ -171,9 +171,10 @@ class Pace:
 
     def step(self, running: list[Sequence], waiting: list[Sequence], now: float) -> "StepTime":
         """The account of a step about to be scheduled from these sequences."""
-        if any(s.is_online for s in running) or any(s.is_online for s in waiting):
+        online = any(s.is_online for s in running) or any(s.is_online for s in waiting)
+        if online:
             self.online_at = now
-        room, streaming = self.room(running, waiting, now)
+        room, streaming = self.room(running, waiting, now) if online else (None, False)   # one scan, not two
         idle = None
         if room is None and self.idle_limit_s is not None and not self.quiet(now) and \
                 self.idle_limit_s > self.cost_model.fixed + sum(
