@@ -50,6 +50,7 @@ import threading
 import time
 from collections import deque
 
+from tidepool.workers.engine.config import EngineConfig
 from tidepool.workers.engine.openmp import release_team
 from tidepool.workers.engine.sequence import CLASS_RANK, SLA_CLASSES
 
@@ -86,7 +87,7 @@ class DeviceStepper:
     """The gate every registered engine's thread passes before each step (see the module docstring)."""
 
     def __init__(self, starve_limit: int = 16, overlap_offline: bool = True, clock=time.perf_counter,
-                 history: int = 4096, offline_floor: float = 0.5):
+                 history: int = 4096, offline_floor: float = EngineConfig.offline_floor):
         """offline_floor: the least share of the device time an engine with only offline work gets while another
         holds online work (the engines' offline_floor)."""
         if not 0 <= offline_floor < 1:

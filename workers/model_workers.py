@@ -298,8 +298,8 @@ class ModelHost:
         # overlap; online work of any model steps first, one step at a time, turns shared by step time; offline
         # work beside it keeps the engines' offline floor.
         from tidepool.workers.device_stepper import DeviceStepper
-        self.stepper = DeviceStepper(offline_floor=min((m["engine"].offline_floor for m in self.models.values()),
-                                                       default=0.5))
+        floors = [m["engine"].offline_floor for m in self.models.values()]
+        self.stepper = DeviceStepper(**({"offline_floor": min(floors)} if floors else {}))
 
     @staticmethod
     def _make_worker(cfg):
