@@ -17,6 +17,12 @@ def test_realtime_jumps_offline_backlog_and_preempts_it(stack):
     st.serve()
     _, key = st.tenant()
     st.worker("mixed", TIDEPOOL_MAX_NUM_SEQS=MAX_SEQS, TIDEPOOL_LOW_WATER=LOW_WATER)
+    # Online work has just been here, so the engine is not quiet (workers/engine/pace.py): its offline steps keep the
+    # idle cap and the reserve holds, the state in which a realtime request meets a standing offline backlog. (A
+    # quiet engine's budget-sized steps are covered by tests/engine/test_step_cut.py.)
+    warm = openai.OpenAI(base_url=f"{st.url}/v1", api_key=key, max_retries=0, timeout=60)
+    warm.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "warm"}], max_tokens=2,
+                                 temperature=0, extra_body={"sla_class": "realtime"})
     offline = [st.submit(key, 1, sla_class="batch", max_tokens=200 + 8 * i, ignore_eos=True, temperature=0)[0]
                for i in range(OFFLINE)]     # staggered lengths: offline sequences don't finish in lockstep
 
