@@ -1,5 +1,6 @@
 """EngineConfig: the engine's knobs. The engine reads no environment variable: the workers build this from the
 settings (service/ledger/settings.py via workers/config_fields.py), tests and benchmarks pass fields directly."""
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,12 @@ class EngineConfig:
     # {"method": "ngram", "num_tokens": 4}, or text "ngram:4"; None: off.
     speculative: SpeculativeConfig | dict | str | None = None
     step_trace: str | None = None               # a file each step appends one JSON line to (step_trace.py)
+    # Tensor parallelism (workers/engine/tensor_parallel.py): the model sharded over this many ranks, one device
+    # each (disjoint cores on a CPU host); rank 0 schedules and samples, the others are child processes.
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 60.0          # a rank that does not join a collective by then fails the group
+    device_memory_gib: float | None = None      # each device's memory, capped (simulates a smaller device): a rank's
+                                                # weights and KV pool must fit in it; None: the device's own
 
     def __post_init__(self):
         path = Path(self.model)
@@ -140,15 +147,38 @@ class EngineConfig:
         if not 0 < self.kv_share <= 1:
             raise ValueError("kv_share must be in (0, 1]")
         self._resolve_scheduling()
+        self._check_tensor_parallel()
         self.speculative = SpeculativeConfig.parse(self.speculative)
         self.model_config = load_config(path)
         limit = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
             limit = min(limit, self.model_config.sliding_window)   # no sliding-window attention: stay inside it
+        shardable = self.model_config.tensor_parallel_sizes()
+        if self.tensor_parallel_size not in shardable:
+            raise ValueError(f"this model cannot be split over tensor_parallel_size={self.tensor_parallel_size} ranks "
+                             f"(its heads and MLP width divide by {', '.join(map(str, shardable))})")
         if self.max_model_len is None:
             self.max_model_len = limit
         elif not 1 <= self.max_model_len <= limit:
             raise ValueError(f"max_model_len must be in [1, {limit}] for this model")
+
+    def _check_tensor_parallel(self) -> None:
+        size = self.tensor_parallel_size
+        if not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError("collective_timeout_s must be > 0")
+        if self.device_memory_gib is not None and not self.device_memory_gib > 0:
+            raise ValueError("device_memory_gib must be > 0")
+        if size == 1:
+            return
+        if torch.device(self.device).type == "cuda":
+            if size > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; this host has "
+                                 f"{torch.cuda.device_count()}")
+        elif size > len(os.sched_getaffinity(0)):
+            raise ValueError(f"tensor_parallel_size {size} needs a CPU core per rank; this process may use "
+                             f"{len(os.sched_getaffinity(0))}")
 
     def _resolve_scheduling(self) -> None:
         if self.sla_targets is None:
@@ -172,10 +202,12 @@ class EngineConfig:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes one KV block takes on the device (keys and values of block_size tokens in every layer)."""
+        """Bytes one KV block takes on one rank's device (keys and values of block_size tokens in every layer, of
+        the KV heads that rank holds)."""
         m = self.model_config
         element = torch.tensor([], dtype=self.torch_dtype).element_size()
-        return 2 * m.num_hidden_layers * self.block_size * m.num_key_value_heads * m.head_dim * element
+        heads = m.kv_heads_per_rank(self.tensor_parallel_size)
+        return 2 * m.num_hidden_layers * self.block_size * heads * m.head_dim * element
 
     @property
     def blocks_per_sequence(self) -> int:

@@ -43,6 +43,12 @@ class BertConfig:
     def num_key_value_heads(self) -> int:
         return self.num_attention_heads
 
+    def tensor_parallel_sizes(self) -> tuple[int, ...]:
+        return (1,)      # an encoder small enough to embed with is never split
+
+    def kv_heads_per_rank(self, size: int) -> int:
+        return self.num_key_value_heads
+
     @classmethod
     def from_raw(cls, raw: dict) -> "BertConfig":
         if raw.get("position_embedding_type", "absolute") != "absolute":
