@@ -12,6 +12,7 @@ from tidepool.workers.engine.config import EngineConfig
 from tidepool.workers.engine.models.bert import POST_OP_NAMES, AttentionPlan, BertConfig, BertModel
 from tidepool.workers.engine.models.loader import iter_weights, safetensors_files
 from tidepool.workers.engine.pooling import PoolingSpec, embed_rows
+from tidepool.workers.engine.models.sharding import Shard
 from tidepool.workers.engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class EncoderRunner:
         self.pooling = PoolingSpec.from_dir(config.model, encoder=True)
         # The scheduler's block book-keeping needs a pool; embedding inputs never take a block of it.
         self.num_kv_blocks = config.blocks_per_sequence
+        self.num_host_blocks = 0
+        self.group = None
+        self.shard = Shard()
         self.decode_graphs = None
         self.prompt_logprobs: list = []
         self.embeddings: list = []

@@ -8,14 +8,16 @@ from tidepool.workers.engine.sampling_params import SamplingParams
 class LLM:
     def __init__(self, model: str, device: str = "cpu", dtype: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True, **kwargs):
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True, tensor_parallel_size: int = 1,
+                 **kwargs):
+        """tensor_parallel_size: shard the model over this many ranks (GPUs, or disjoint sets of the CPU's cores)."""
         # Only offline work comes through here: hold nothing back for online work, and bound no step in time for it.
         kwargs.setdefault("online_reserve", 0.0)
         kwargs.setdefault("sla_targets", {})
         self.engine = LLMEngine(EngineConfig(
             model=str(model), device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching, **kwargs))
+            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

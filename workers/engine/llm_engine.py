@@ -21,7 +21,6 @@ from tidepool.workers.engine.sequence import Sequence, SequenceStatus
 from tidepool.workers.engine.spec_decode import Speculator, make_drafter
 from tidepool.workers.engine.step_trace import StepTrace
 from tidepool.workers.engine.structured import StructuredDecoding
-from tidepool.workers.engine.swap import HostKVPool, copy_blocks
 from tidepool.workers.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -167,14 +166,15 @@ class LLMEngine:
         # A sequence may never outgrow the whole pool, or it could never be scheduled again.
         self.max_model_len = min(config.max_model_len, self.runner.num_kv_blocks * config.block_size)
         num_blocks = self.runner.num_kv_blocks
-        num_host_blocks = int(config.swap_space_gib * 2**30 // self.runner.bytes_per_block) if self.runner.kv_cache else 0
-        self.host_pool = HostKVPool(self.runner.model.layers, num_host_blocks) if num_host_blocks else None
+        num_host_blocks = self.runner.num_host_blocks if self.runner.kv_cache else 0
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                           num_host_blocks=num_host_blocks)
         self.lora = None if not config.max_loras else LoRAManager(
             self.runner.model, config.model_config, config.max_loras, config.max_lora_rank, config.max_cpu_loras,
-            self.runner.device, self.runner.dtype)
+            self.runner.device, self.runner.dtype, self.runner.shard)
         self.runner.lora = self.lora
+        if self.lora is not None and self.runner.group is not None:
+            self.lora.on_fill = self.runner.send_lora_fill
         self.cost_model = CostModel()
         if config.calibrate:
             calibrate(self.cost_model, self.runner, num_blocks, config.block_size, config.max_num_seqs,
@@ -366,12 +366,8 @@ class LLMEngine:
         prompt_tokens = sum(min(n, max(0, s.num_prompt_tokens - s.num_computed_tokens))
                             for s, n in zip(batch.seqs, batch.num_new_tokens))
         counts = self._trace.count(batch) if self._trace is not None else None
-        if batch.swap_out:
-            self.host_pool.copy(batch.swap_out, [])
-        if batch.copies:     # copy-on-write: after swap-outs read their blocks, before swap-ins overwrite any
-            copy_blocks(self.runner.model.layers, batch.copies)
-        if batch.swap_in:
-            self.host_pool.copy([], batch.swap_in)
+        if batch.swap_out or batch.copies or batch.swap_in:
+            self.runner.move_blocks(batch.swap_out, batch.copies, batch.swap_in)
         # (an engine without online targets, LLM and run-batch, has no arrival that could cut: no check per layer)
         cut = (_StepCut(self, batch, outputs) if self.config.step_cut and self.scheduler.pace.sla_targets and not cut_in
                and not self.is_encoder and batch.predicted_s and batch.num_adapters == 0 else None)

@@ -30,6 +30,7 @@ from torch import nn
 
 from tidepool.kernels.lora_ops import make_plan, sgmv
 from tidepool.workers.engine.models.model_config import ModelConfig
+from tidepool.workers.engine.models.sharding import RowParallelLinear, Shard, WeightSlicer
 from tidepool.workers.engine.openmp import release_team
 
 log = logging.getLogger(__name__)
@@ -163,15 +164,23 @@ class LoRALinear(nn.Module):
         self._manager = [manager]      # in a list: not a submodule
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         plan = self._manager[0].plan
+        if isinstance(self.base, RowParallelLinear):    # the rank's input features: its part of x @ A goes into
+            y = self.base.partial(x)                    # the partial sum before the all-reduce
+            return self.base.reduce(y if plan is None else sgmv(y, x, self.a, self.b, plan, self.blocks))
+        y = self.base(x)
         return y if plan is None else sgmv(y, x, self.a, self.b, plan, self.blocks)
 
 
 class LoRAManager:
     def __init__(self, model: nn.Module, cfg: ModelConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, shard: Shard = Shard()):
+        """shard: a tensor-parallel rank's place; its slots hold the slices of each adapter its layers need (B's
+        output rows of the column-parallel projections, A's input columns of the row-parallel ones)."""
         self.cfg, self.max_loras, self.max_rank, self.max_cpu = cfg, max_loras, max_lora_rank, max_cpu_loras
+        self.slicer = WeightSlicer(cfg, shard)
+        self.on_fill = None      # rank 0 of a group: called (slot, name, path) after a fill, for the other ranks
+        self.token_slots: list[int] = []     # the last planned step's slot per token (-1: none)
         self.device, self.dtype = torch.device(device), dtype
         self.adapters: dict[str, LoRARequest] = {}
         self.specs: dict[str, AdapterSpec] = {}
@@ -193,7 +202,7 @@ class LoRAManager:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="lora-load")
         self._lock = threading.RLock()      # add() comes from request threads, the rest from the engine's
         self.weights = []        # per layer: {stack: (a [slots, in, n*R], b [slots, n*R, out])}
-        dims = module_dims(cfg)
+        dims = self.dims = self._local_dims()
         for layer in model.layers:
             stacks = {}
             for stack, parts in STACKS.items():
@@ -205,6 +214,27 @@ class LoRAManager:
                 setattr(owner, stack, LoRALinear(getattr(owner, stack), stacks[stack], self,
                                                  tuple(dims[p][1] for p in parts)))
             self.weights.append(stacks)
+
+    def _local_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each projection on this rank."""
+        dims = {}
+        for part, (d_in, d_out) in module_dims(self.cfg).items():
+            if part in self.slicer.rows and self.slicer.shard.parallel:
+                d_out = len(range(*self.slicer.rows[part]))
+            elif part in self.slicer.cols and self.slicer.shard.parallel:
+                d_in = len(range(*self.slicer.cols[part]))
+            dims[part] = (d_in, d_out)
+        return dims
+
+    def _local(self, part: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slices of a projection's A [r, in] and B [out, r]."""
+        if not self.slicer.shard.parallel:
+            return lora_a, lora_b
+        if part in self.slicer.rows:
+            a, b = self.slicer.rows[part]
+            return lora_a, lora_b[a:b]
+        a, b = self.slicer.cols[part]
+        return lora_a[:, a:b], lora_b
 
     # -- registration and loading ------------------------------------------------------------------
     def add(self, lora: LoRARequest) -> None:
@@ -328,6 +358,7 @@ class LoRAManager:
     def begin_step(self, seqs, num_new_tokens) -> bool:
         """Put the step's adapters in slots and plan its per-token products; False when no token has one."""
         if self.calibration_slots is not None:       # the engine's calibration: the slots as they are (zeros)
+            self.token_slots = list(self.calibration_slots)
             self.plan = make_plan(self.calibration_slots, self.device, self.dtype)
             return True
         needed = {s.lora for s in seqs if s.lora is not None}
@@ -346,11 +377,32 @@ class LoRAManager:
             token_slots.extend([slot] * n)
             if seq.lora is not None:
                 self.tokens[seq.lora] = self.tokens.get(seq.lora, 0) + n
+        self.token_slots = token_slots
         self.plan = make_plan(token_slots, self.device, self.dtype)
         return True
 
     def end_step(self) -> None:
         self.plan = None
+
+    def follow_plan(self, token_slots: list[int]) -> None:
+        """A rank > 0: the step's per-token slots as rank 0 planned them."""
+        self.plan = make_plan(token_slots, self.device, self.dtype)
+
+    def follow_fill(self, slot: int, name: str, path: str) -> None:
+        """A rank > 0: fill `slot` as rank 0 did, reading the adapter (its slices) from its folder."""
+        with self._lock:
+            if name not in self.adapters:
+                self._add(LoRARequest(name, path))
+            if name not in self.host:
+                self.host[name] = read_adapter(path, self.device.type == "cuda")
+                while len(self.host) > self.max_cpu:
+                    self.host.popitem(last=False)
+            self.host.move_to_end(name)
+            self._fill(slot, name)
+            if self.slots[slot] is not None:
+                self.slot_of.pop(self.slots[slot], None)
+            self.slots[slot] = name
+            self.slot_of[name] = slot
 
     def _slot(self, name: str, keep: set[str]) -> int | None:
         """The adapter's slot, loading it there (from the least recently used adapter outside `keep` when no slot
@@ -377,13 +429,15 @@ class LoRAManager:
         self._fill(slot, name)
         self.slots[slot] = name
         self.slot_of[name] = slot
+        if self.on_fill is not None:
+            self.on_fill(slot, name, self.adapters[name].path)
         return slot
 
     def _fill(self, slot: int, name: str) -> None:
         """Lay the adapter's host copy out in the slot: its A's side by side along the rank (one shrink per stacked
         linear), its B's (times the adapter's scale) as the diagonal blocks of the stack's B, zero elsewhere."""
         host, spec, r_max = self.host[name], self.specs[name], self.max_rank
-        dims = module_dims(self.cfg)
+        dims = self.dims
         for layer, stacks in enumerate(self.weights):
             for stack, (a, b) in stacks.items():
                 a[slot].zero_()
@@ -392,7 +446,7 @@ class LoRAManager:
                 for i, part in enumerate(STACKS[stack]):
                     width = dims[part][1]
                     if (layer, part) in host:
-                        lora_a, lora_b = host[(layer, part)]
+                        lora_a, lora_b = self._local(part, *host[(layer, part)])
                         a[slot, :, i * r_max:i * r_max + spec.rank].copy_(lora_a.T, non_blocking=True)
                         block = b[slot, i * r_max:i * r_max + spec.rank, col:col + width]
                         block.copy_(lora_b.T, non_blocking=True)

@@ -17,8 +17,11 @@ from tidepool.workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tidepool.workers.engine.models.model_config import ModelConfig
 from tidepool.workers.engine.models.llama import AttentionContext
 from tidepool.workers.engine.models.loader import load_model
+from tidepool.workers.engine.models.sharding import Shard
 from tidepool.workers.engine.pooling import PoolingSpec, embed_rows
 from tidepool.workers.engine.scheduler import ScheduledBatch
+from tidepool.workers.engine.swap import HostKVPool, copy_blocks
+from tidepool.workers.engine.tensor_parallel import CONTINUE, LORA, MOVE, RUN, start_group
 
 log = logging.getLogger(__name__)
 CPU_KV_SHARE = 0.25     # CPU default pool: at most this share of *available* memory (pages touched as blocks
@@ -46,7 +49,45 @@ def trim_heap() -> None:
         pass
 
 
-def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
+class DoesNotFit(ValueError):
+    """A model whose weights (with one sequence's KV) do not fit one device at its tensor_parallel_size."""
+
+
+def device_memory(config: EngineConfig) -> int | None:
+    """Bytes of one device: device_memory_gib when set, a GPU's total memory, None on the CPU (the host's budget)."""
+    if config.device_memory_gib is not None:
+        return int(config.device_memory_gib * 2**30)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def check_fits(config: EngineConfig) -> None:
+    """Refuse (DoesNotFit) a model whose largest rank's weights and one max_model_len sequence of KV exceed one
+    device, naming the tensor_parallel_size that fits."""
+    capacity = device_memory(config)
+    if capacity is None:
+        return
+    m, element = config.model_config, torch.tensor([], dtype=config.torch_dtype).element_size()
+
+    def need(size: int) -> int:
+        blocks = config.blocks_per_sequence
+        heads = m.kv_heads_per_rank(size)
+        return m.weight_bytes_per_rank(size, element) + blocks * config.kv_block_bytes * heads // \
+            m.kv_heads_per_rank(config.tensor_parallel_size)
+    size = config.tensor_parallel_size
+    if need(size) <= capacity:
+        return
+    fitting = [n for n in m.tensor_parallel_sizes() if n > size and need(n) <= capacity]
+    hint = (f"tensor_parallel_size={fitting[0]} fits ({need(fitting[0]) / 2**30:.2f} GiB a rank)" if fitting else
+            "no tensor_parallel_size this model splits over fits")
+    raise DoesNotFit(f"model {config.model} needs {need(size) / 2**30:.2f} GiB a device at tensor_parallel_size={size} "
+                     f"(weights and one {config.max_model_len}-token sequence of KV), more than the device's "
+                     f"{capacity / 2**30:.2f} GiB; {hint}")
+
+
+def default_kv_blocks(config: EngineConfig, weight_bytes: int = 0) -> tuple[int, str]:
     """The pool an engine sizes for itself when given no num_kv_blocks, and why: kv_cache_memory_bytes, else a
     share of the GPU's free memory, else its part (kv_share) of the host's CPU KV budget, never beyond max_num_seqs
     sequences of max_model_len. The host's budget is CPU_KV_SHARE of the memory available to pools (available now
@@ -62,13 +103,19 @@ def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
         else:
             others = host_pools.held_elsewhere()
             host = int((available_memory() + others) * CPU_KV_SHARE)
-            budget = min(int(host * config.kv_share), host - others)
+            budget = min(int(host * config.kv_share), host - others) // config.tensor_parallel_size
             why = f"{CPU_KV_SHARE:.0%} of available memory"
             if config.kv_share < 1:
                 why += f", {config.kv_share:.0%} of it"
+            if config.tensor_parallel_size > 1:
+                why += f", split over {config.tensor_parallel_size} ranks"
             if others:
                 why += f", {others / 2**20:.0f} MiB of it held by other pools on this host"
                 floor = config.blocks_per_sequence
+    if config.device_memory_gib is not None:
+        capped = int(config.device_memory_gib * 2**30) - weight_bytes
+        if capped < budget:
+            budget, why = capped, f"device_memory_gib {config.device_memory_gib:g} less this rank's weights"
     cap = config.max_num_seqs * config.blocks_per_sequence
     if cap <= budget // config.kv_block_bytes:
         return max(1, cap), "max_num_seqs x max_model_len"
@@ -78,21 +125,42 @@ def default_kv_blocks(config: EngineConfig) -> tuple[int, str]:
 class ModelRunner:
     kv_cache = True
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, shard: Shard | None = None):
+        """shard: this rank's place in a tensor-parallel group (a rank > 0, tensor_parallel.follower_main); None on
+        rank 0, which starts the group itself when config.tensor_parallel_size > 1."""
         self.config = config
         self.model_config = model_config
+        self.group = None
+        if shard is None:
+            check_fits(config)
+            if config.tensor_parallel_size > 1:
+                self.group = start_group(config, self)
+                shard = self.group.shard
+            else:
+                shard = Shard()
+        self.shard = shard
+        self._forwards = 0       # forwards in flight on this thread (a step cut runs one inside another)
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and shard.parallel:
+            self.device = torch.device("cuda", shard.rank)
         self.dtype = config.torch_dtype
         self.backend = resolve_backend(self.device, config.attention_backend)
         cpu_ops.configure(config.cpu_kernels, config.kernel_cache)     # before prepacking and the kernel build
         started = time.perf_counter()
-        self.model = load_model(config.model, model_config, self.dtype, self.device, config.max_model_len)
-        log.info("loaded %s (%s, %s) in %.1f s", config.model, self.dtype, self.device, time.perf_counter() - started)
+        self.model = load_model(config.model, model_config, self.dtype, self.device, config.max_model_len, shard)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())   # tied ones once
+        log.info("loaded %s (%s, %s%s) in %.1f s", config.model, self.dtype, self.device,
+                 f", rank {shard.rank} of {shard.size}" if shard.parallel else "", time.perf_counter() - started)
         if self.device.type == "cpu":
             log.info("linear layers on oneDNN with prepacked weights: %d", prepack_linears(self.model))
         self.num_kv_blocks, why = ((config.num_kv_blocks, "num_kv_blocks") if config.num_kv_blocks
-                                   else default_kv_blocks(config))
-        shape = (self.num_kv_blocks, config.block_size, model_config.num_key_value_heads, model_config.head_dim)
+                                   else default_kv_blocks(config, self.weight_bytes))
+        if shard.parallel:       # one logical pool: every rank holds as many blocks as the smallest can
+            blocks = torch.tensor([self.num_kv_blocks], dtype=torch.int64, device=self.device)
+            shard.comm.all_reduce(blocks, torch.distributed.ReduceOp.MIN)
+            self.num_kv_blocks = int(blocks.item())
+        shape = (self.num_kv_blocks, config.block_size, self.model.layers[0].self_attn.num_kv_heads,
+                 model_config.head_dim)
         # empty, not zeros: no slot is read before it is written, and on the CPU untouched pages cost no memory
         for layer in self.model.layers:
             layer.self_attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -102,14 +170,17 @@ class ModelRunner:
         log.info("KV pool: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; max_num_seqs %d, max_model_len %d)",
                  self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
                  self.num_kv_blocks * self.bytes_per_block / 2**20, why, config.max_num_seqs, config.max_model_len)
+        self.num_host_blocks = int(config.swap_space_gib * 2**30 // self.bytes_per_block)
+        self.host_pool = HostKVPool(self.model.layers, self.num_host_blocks) if self.num_host_blocks else None
         if self.device.type == "cpu" and self.backend == "torch":
             self._prepare_cpu_kernel()
         self.decode_graphs = None
         self.lora = None         # the LLMEngine's LoRAManager when adapters are on (max_loras > 0)
         self.embeddings: list = []       # [(seq, vector)] of the embedding inputs the last run computed
         self._pooling: PoolingSpec | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and not shard.parallel:
             self.decode_graphs = self.make_decode_graphs(capture=True)
+
 
     def make_decode_graphs(self, capture: bool, sizes: list[int] | None = None) -> DecodeGraphs:
         """Static decode buffers for a ladder of batch sizes (default: by max_num_seqs); `capture` records a
@@ -237,11 +308,23 @@ class ModelRunner:
         graph runs whole); it may run another batch to its end (LLMEngine's step cut)."""
         step = self._prepare(batch)
         adapters = self.lora is not None and self.lora.begin_step(batch.seqs, batch.num_new_tokens)
-        if self._fits_graph(batch) and not adapters:     # the graphs were captured without adapters
+        if adapters or self._fits_graph(batch):     # the graphs were captured without adapters
+            between_layers = None
+        if self.group is not None:
+            self.group.check()
+            self._send_step(step, max(batch.num_new_tokens), between_layers is not None,
+                            self.lora.token_slots if adapters else [])
+            if between_layers is not None:
+                inner = between_layers
+
+                def between_layers(layer: int) -> None:     # the others run what runs here, then go on
+                    inner(layer)
+                    self.group.channel.send(CONTINUE, fast=True)
+        if self._fits_graph(batch) and not adapters:
             hidden = self.decode_graphs.run(step["input_ids"], step["positions"], step["slot_mapping"],
                                             step["context_lens"], step["block_tables"])
         else:
-            hidden = self._run_eager(step, max(batch.num_new_tokens), None if adapters else between_layers)
+            hidden = self._forward(step, max(batch.num_new_tokens), between_layers)
             if adapters:
                 self.lora.end_step()
         self.prompt_logprobs = self._prompt_logprobs(hidden, step["prompt_rows"]) if step["prompt_rows"] else []
@@ -250,3 +333,82 @@ class ModelRunner:
             return None
         rows = torch.tensor(step["sample_rows"], device=self.device)
         return self.model.compute_logits(hidden[rows])      # model dtype: the sampler widens it when it must
+
+    def _forward(self, step: dict, max_seqlen_q: int, between_layers) -> torch.Tensor:
+        self._forwards += 1
+        try:
+            return self._run_eager(step, max_seqlen_q, between_layers)
+        finally:
+            self._forwards -= 1
+
+    # -- tensor parallelism: rank 0 sends, the others follow (tensor_parallel.Follower) ---------------------------
+    STEP_LISTS = ("input_ids", "positions", "slot_mapping", "context_lens", "cu_seqlens_q")
+
+    def _send_step(self, step: dict, max_seqlen_q: int, cut: bool, token_slots: list[int]) -> None:
+        tables = step["block_tables"]
+        width = max(map(len, tables))
+        lists = [step[name] for name in self.STEP_LISTS]
+        prompt_rows = [r for r, _, _ in step["prompt_rows"]]
+        payload = [v for values in lists for v in values]
+        for table in tables:
+            payload += table + [0] * (width - len(table))
+        payload += prompt_rows + step["sample_rows"] + token_slots
+        sizes = [len(v) for v in lists] + [len(tables), width, len(prompt_rows), len(step["sample_rows"]),
+                                           len(token_slots)]
+        self.group.channel.send(RUN, [max_seqlen_q, int(cut), *sizes], payload, fast=self._forwards > 0)
+
+    @torch.inference_mode()
+    def follow_step(self, ints: list[int], payload: torch.Tensor, boundary) -> None:
+        """A rank > 0: the forward rank 0 announced (_send_step), with its collectives in the same order."""
+        max_seqlen_q, cut, *sizes = ints[:2 + len(self.STEP_LISTS) + 5]
+        values = payload.tolist()
+        step, at = {}, 0
+        for name, n in zip(self.STEP_LISTS, sizes):
+            step[name], at = values[at:at + n], at + n
+        num_tables, width, num_prompt, num_sample, num_slots = sizes[len(self.STEP_LISTS):]
+        step["block_tables"] = [values[at + i * width:at + (i + 1) * width] for i in range(num_tables)]
+        at += num_tables * width
+        prompt_rows, at = values[at:at + num_prompt], at + num_prompt
+        sample_rows, at = values[at:at + num_sample], at + num_sample
+        token_slots = values[at:at + num_slots]
+        if token_slots:
+            self.lora.follow_plan(token_slots)
+        hidden = self._forward(step, max_seqlen_q, boundary if cut else None)
+        if token_slots:
+            self.lora.end_step()
+        for rows in (prompt_rows, sample_rows):
+            if rows:
+                self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    def move_blocks(self, swap_out: list, copies: list, swap_in: list) -> None:
+        """KV blocks moved for a step, on every rank: device -> host (swap_out), copy-on-write (copies), host ->
+        device (swap_in), in that order."""
+        if self.group is not None:
+            pairs = [swap_out, copies, swap_in]
+            self.group.channel.send(MOVE, [len(p) for p in pairs], [v for p in pairs for pair in p for v in pair],
+                                    fast=self._forwards > 0)
+        self._move(swap_out, copies, swap_in)
+
+    def _move(self, swap_out, copies, swap_in) -> None:
+        if swap_out:
+            self.host_pool.copy(swap_out, [])
+        if copies:     # after swap-outs read their blocks, before swap-ins overwrite any
+            copy_blocks(self.model.layers, copies)
+        if swap_in:
+            self.host_pool.copy([], swap_in)
+
+    def follow_move(self, ints: list[int], payload: torch.Tensor) -> None:
+        values, pairs, at = payload.tolist(), [], 0
+        for n in ints[:3]:
+            pairs.append([(values[at + 2 * i], values[at + 2 * i + 1]) for i in range(n)])
+            at += 2 * n
+        self._move(*pairs)
+
+    def send_lora_fill(self, slot: int, name: str, path: str) -> None:
+        """Rank 0's LoRAManager filled a slot: the others read the same adapter (their slices) into it."""
+        text = list(f"{name}\0{path}".encode())
+        self.group.channel.send(LORA, [slot], text, fast=self._forwards > 0)
+
+    def follow_lora(self, ints: list[int], payload: torch.Tensor) -> None:
+        name, path = bytes(payload.tolist()).decode().split("\0", 1)
+        self.lora.follow_fill(ints[0], name, path)

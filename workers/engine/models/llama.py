@@ -12,6 +12,7 @@ from torch import nn
 from tidepool.kernels.attention import paged_attention, store_kv
 from tidepool.kernels.layer_ops import rms_norm, rotary, silu_and_mul
 from tidepool.workers.engine.models.model_config import ModelConfig
+from tidepool.workers.engine.models.sharding import Shard, WeightSlicer, embedding, head_split, row_parallel
 
 
 @dataclass
@@ -84,12 +85,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        heads = head_split(cfg, shard)       # this rank's heads (all of them unsharded)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        self.o_proj = row_parallel(self.q_size, cfg.hidden_size, cfg.attention_bias and cfg.model_type != "qwen2", shard)
         self.scale = self.head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -106,20 +108,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.width = len(range(*WeightSlicer(cfg, shard).rows["up_proj"]))    # this rank's part of the MLP
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.width, bias=cfg.mlp_bias)
+        self.down_proj = row_parallel(self.width, cfg.hidden_size, cfg.mlp_bias, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, shard)
+        self.mlp = MLP(cfg, shard)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -138,14 +141,14 @@ class LlamaForCausalLM(nn.Module):
     STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, shard: Shard = Shard()):
         super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.cfg, self.shard = cfg, shard
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, shard)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.embed_tokens.num_embeddings, bias=False)   # the rank's rows
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -162,23 +165,33 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, rope, ctx)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [S, V] of the hidden rows; with tensor parallelism every rank computes its vocabulary rows and
+        rank 0 gets them all (the others None)."""
+        logits = self.lm_head(hidden)
+        if not self.shard.parallel:
+            return logits
+        parts = self.shard.comm.gather_rows(logits)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :self.cfg.vocab_size]
 
     def _shard_offsets(self, stacked: str) -> list[int]:
-        attn, mlp = self.layers[0].self_attn, self.cfg.intermediate_size
+        attn, mlp = self.layers[0].self_attn, self.layers[0].mlp.width
         sizes = [attn.q_size, attn.kv_size, attn.kv_size] if stacked == "qkv_proj" else [mlp, mlp]
         return [sum(sizes[:i]) for i in range(len(sizes) + 1)]
 
     @torch.no_grad()
     def load_weights(self, weights) -> None:
-        """weights: iterable of (checkpoint name, tensor) in Hugging Face naming."""
-        params = dict(self.named_parameters(remove_duplicate=False))
+        """weights: iterable of (checkpoint name, tensor or safetensors slice) in Hugging Face naming; a tensor-parallel
+        rank reads only its slice of each (sharding.WeightSlicer)."""
+        params = {name.replace(".linear.weight", ".weight"): p
+                  for name, p in self.named_parameters(remove_duplicate=False)}
+        slicer = WeightSlicer(self.cfg, self.shard)
         loaded = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
+            tensor = slicer.take(name, tensor)
             for fragment, (stacked, shard) in self.STACKED.items():
                 if f".{fragment}." in name:
                     target = name.replace(fragment, stacked)

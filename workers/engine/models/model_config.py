@@ -38,24 +38,26 @@ class ModelConfig:
     torch_dtype: str | None
 
     def tensor_parallel_sizes(self, most: int = 64) -> tuple[int, ...]:
-        """The tensor-parallel sizes this model splits over: each rank gets whole attention heads and an equal part
-        of the MLP, and the KV heads divide among the ranks (or each is held by an equal number of ranks)."""
-        kv = self.num_key_value_heads
+        """The tensor-parallel sizes this model splits over: ranks take whole KV-head groups (as evenly as whole
+        groups allow), or, with fewer KV heads than ranks, each KV head is held by an equal number of ranks that
+        split its group's query heads."""
+        kv, group = self.num_key_value_heads, self.num_attention_heads // self.num_key_value_heads
         return tuple(n for n in range(1, most + 1)
-                     if self.num_attention_heads % n == 0 and self.intermediate_size % n == 0
-                     and (kv % n == 0 or n % kv == 0))
+                     if n <= kv or (n % kv == 0 and group % (n // kv) == 0))
 
     def kv_heads_per_rank(self, size: int) -> int:
-        """KV heads one rank holds at tensor-parallel `size` (each replicated when the model has fewer than ranks)."""
-        return max(1, self.num_key_value_heads // size)
+        """The most KV heads one rank holds at tensor-parallel `size` (models/sharding.py head_split)."""
+        return -(-self.num_key_value_heads // size)
 
     def weight_bytes_per_rank(self, size: int, element_size: int) -> int:
-        """Bytes of weights one rank holds at tensor-parallel `size`: its heads' and MLP part's projections, its rows
-        of the (vocabulary-parallel) embedding and LM head, the norms whole."""
+        """Bytes of weights the largest rank holds at tensor-parallel `size`: its heads' projections, its part of the
+        MLP and of the (vocabulary-parallel) embedding and LM head rows, the norms whole."""
         h, d, layers = self.hidden_size, self.head_dim, self.num_hidden_layers
-        q = self.num_attention_heads // size * d
-        kv = self.kv_heads_per_rank(size) * d
-        mlp = self.intermediate_size // size
+        kv = self.kv_heads_per_rank(size)
+        q = (kv * self.num_attention_heads // self.num_key_value_heads if size <= self.num_key_value_heads
+             else self.num_attention_heads // size) * d
+        kv *= d
+        mlp = -(-self.intermediate_size // size)
         per_layer = h * (q + 2 * kv) + q * h + 3 * h * mlp + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
