@@ -101,12 +101,12 @@ def test_a_cut_takes_only_free_seats_and_preempts_nothing():
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
-def run_with_an_arrival_mid_step(model_dir: str, step_cut: bool) -> tuple[dict, list, dict]:
+def run_with_an_arrival_mid_step(model_dir: str, step_cut: bool, **overrides) -> tuple[dict, list, dict]:
     """Tenant a's realtime prompts and a batch job run; tenant b's realtime request arrives while the first step is
     in its first layer (added from a hook on layer 0, as the intake thread would add it). Returns the token ids
     by request, the request ids of the first step's outputs, and the engine's stats."""
     engine = LLMEngine(EngineConfig(model=model_dir, step_cut=step_cut,
-                                    sla_targets={"realtime": {"ttft_ms": 1000.0, "itl_ms": 0.001}}))
+                                    sla_targets={"realtime": {"ttft_ms": 1000.0, "itl_ms": 0.001}}, **overrides))
     for i in range(2):
         engine.add_request(f"a{i}", list(range(10 + i, 70 + i)), GREEDY, sla_class="realtime", tenant="a")
     engine.add_request("off", list(range(3, 40)), GREEDY, sla_class="batch", tenant="c")

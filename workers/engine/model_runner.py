@@ -18,6 +18,7 @@ from tidepool.workers.engine.models.model_config import ModelConfig
 from tidepool.workers.engine.models.llama import AttentionContext
 from tidepool.workers.engine.models.loader import load_model
 from tidepool.workers.engine.models.sharding import Shard
+from tidepool.workers.engine.openmp import team_size
 from tidepool.workers.engine.pooling import PoolingSpec, embed_rows
 from tidepool.workers.engine.scheduler import ScheduledBatch
 from tidepool.workers.engine.swap import HostKVPool, copy_blocks
@@ -306,6 +307,12 @@ class ModelRunner:
         Prompt logprobs asked for (SamplingParams.prompt_logprobs) are left in `self.prompt_logprobs`.
         between_layers(i) is called before each layer i > 0 of an eager forward without adapters (a captured CUDA
         graph runs whole); it may run another batch to its end (LLMEngine's step cut)."""
+        if self.group is not None and self.device.type == "cpu" and not self._forwards:
+            with team_size(self.group.threads):
+                return self._run(batch, between_layers)
+        return self._run(batch, between_layers)
+
+    def _run(self, batch: ScheduledBatch, between_layers) -> torch.Tensor | None:
         step = self._prepare(batch)
         adapters = self.lora is not None and self.lora.begin_step(batch.seqs, batch.num_new_tokens)
         if adapters or self._fits_graph(batch):     # the graphs were captured without adapters

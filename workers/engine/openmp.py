@@ -44,3 +44,24 @@ def release_team() -> bool:
     if not ok:
         log.debug("omp_pause_resource_all refused: the OpenMP team of this thread stays")
     return ok
+
+
+class team_size:
+    """`with team_size(n):` the calling thread's parallel regions use n OpenMP threads (its own nthreads ICV, which
+    ATen and oneDNN read through omp_get_max_threads), and what it was after; other threads keep theirs. A
+    tensor-parallel rank 0 steps with its share of the cores this way, inside a process other engines share."""
+
+    def __init__(self, n: int):
+        self.n, self.before = n, None
+
+    def __enter__(self):
+        gomp = _libgomp()
+        if gomp is not None and hasattr(gomp, "omp_set_num_threads"):
+            self.before = gomp.omp_get_max_threads()
+            if self.before != self.n:
+                gomp.omp_set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc):
+        if self.before is not None and self.before != self.n:
+            _libgomp().omp_set_num_threads(self.before)

@@ -14,7 +14,9 @@ after each layer whether another step runs there first.
 The process group is gloo on CPU hosts and NCCL on GPUs, created on a TCPStore rendezvous (each group its own, so a
 process may hold several engines). On one x86-64 CPU host the activations' all-reduces and the logits' gather go
 through shared memory instead (shm_collectives.py), as vLLM's CPU backend does; gloo carries the commands. Each rank
-binds to its own device: a GPU each, or a disjoint set of the host's cores.
+has its own device: a GPU each, or on a CPU host a disjoint set of the cores, ranks 1.. bound to theirs and rank 0,
+whose process other engines and the service's threads share, stepping with as many OpenMP threads as its set has
+(openmp.team_size) on the cores the others leave.
 
 Faults: every collective has collective_timeout_s; a rank that dies or hangs makes rank 0's step raise RankFailure
 (the worker then exits non-zero and its jobs go back to the queue), and a rank whose parent is gone exits."""
@@ -57,7 +59,8 @@ def core_sets(size: int) -> list[list[int]]:
 
 
 def bind_process(cores: list[int]) -> None:
-    """Every thread of this process (and the threads it starts later) on `cores`, torch's pool one thread each."""
+    """Every thread of this process (and the threads it starts later) on `cores`, torch's pool one thread each (a
+    rank > 0, whose process is its own)."""
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
@@ -177,10 +180,9 @@ class TensorParallelGroup:
                                            os.getpid())))
             proc.stdin.close()
             self.procs.append(proc)
-        if device.type == "cpu":
-            bind_process(cores[0])
-        else:
+        if device.type == "cuda":
             torch.cuda.set_device(device)
+        self.threads = len(cores[0])     # rank 0 steps with this many OpenMP threads (ModelRunner.run)
         group = _process_group(store, 0, self.size, device, self.timeout_s)
         self.store, self.shm_file = store, shm_file      # the file goes when the group does
         self.comm = Collectives(0, self.size, group, self.timeout_s,
@@ -190,7 +192,8 @@ class TensorParallelGroup:
         self.closed = False
         log.info("tensor-parallel group of %d ranks up in %.1f s (%s%s; rank 0 on %s)", self.size,
                  time.perf_counter() - started, "nccl" if device.type == "cuda" else "gloo",
-                 ", shared-memory all-reduce" if shm else "", f"cores {cores[0]}" if device.type == "cpu" else device)
+                 ", shared-memory all-reduce" if shm else "",
+                 f"{self.threads} thread(s), ranks 1.. on cores {cores[1:]}" if device.type == "cpu" else device)
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
