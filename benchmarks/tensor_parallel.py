@@ -3,7 +3,7 @@ one process (rank 0 here, rank 1 its child; on a CPU host the two ranks split th
 
 Parts, each one JSON line (and together the recorded result):
   parity      greedy token ids at TP=2 equal TP=1's, fp32, for a random Llama with GQA (4 query heads over 2 KV
-              heads, made on the fly) and the given model (SmolLM2-135M: 9 query heads over 3 KV heads, split 6/3):
+              heads, made on the fly) and the given model (SmolLM2-135M: 9 query heads over 3 KV heads, split 3/6):
               16 requests, a 48-token shared prefix on every other one, prompts 24-200 tokens, 24 output tokens,
               a step budget of 64 tokens (chunked prefill), a KV pool too small for all of them (preemption: swap
               and recompute), and a LoRA adapter (rank 8, every projection, random weights) on every third request.
@@ -109,7 +109,7 @@ def memory(model: str, args) -> dict:
     weights = {}
     for tp in (1, 2):
         eng = engine(model, tp, args, num_kv_blocks=64, calibrate=False)
-        weights[tp] = eng.runner.weight_bytes          # rank 0: the largest rank (models/sharding.py head_split)
+        weights[tp] = eng.runner.largest_rank_weight_bytes
         del eng
     ratio = weights[2] / weights[1]
     # a device that holds TP=2's largest rank and one sequence, but not the whole model

@@ -156,10 +156,14 @@ class ModelRunner:
             log.info("linear layers on oneDNN with prepacked weights: %d", prepack_linears(self.model))
         self.num_kv_blocks, why = ((config.num_kv_blocks, "num_kv_blocks") if config.num_kv_blocks
                                    else default_kv_blocks(config, self.weight_bytes))
+        self.largest_rank_weight_bytes = self.weight_bytes
         if shard.parallel:       # one logical pool: every rank holds as many blocks as the smallest can
             blocks = torch.tensor([self.num_kv_blocks], dtype=torch.int64, device=self.device)
             shard.comm.all_reduce(blocks, torch.distributed.ReduceOp.MIN)
             self.num_kv_blocks = int(blocks.item())
+            largest = torch.tensor([self.weight_bytes], dtype=torch.int64, device=self.device)
+            shard.comm.all_reduce(largest, torch.distributed.ReduceOp.MAX)
+            self.largest_rank_weight_bytes = int(largest.item())
         shape = (self.num_kv_blocks, config.block_size, self.model.layers[0].self_attn.num_kv_heads,
                  model_config.head_dim)
         # empty, not zeros: no slot is read before it is written, and on the CPU untouched pages cost no memory

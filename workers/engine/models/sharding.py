@@ -8,8 +8,8 @@ the partial products are summed): o_proj and down_proj, one all-reduce each (Row
 the LM head are vocabulary-parallel: a rank holds a contiguous block of rows, looks up the ids that fall in it (one
 all-reduce fills in the others), and computes its block of the logits, gathered whole on rank 0 for the sampler.
 
-Attention is split by KV-head groups, as evenly as whole groups go (9 query heads over 3 KV heads on 2 ranks: 6 and
-3), so every rank keeps the model's query-per-KV grouping and the kernels need no change; with fewer KV heads than
+Attention is split by KV-head groups, as evenly as whole groups go (9 query heads over 3 KV heads on 2 ranks: 3 and
+6, rank 0 the lighter), so every rank keeps the model's query-per-KV grouping and the kernels need no change; with fewer KV heads than
 ranks, each KV head is held by an equal number of ranks that split its query heads."""
 from dataclasses import dataclass, field
 
@@ -31,10 +31,12 @@ class Shard:
 
 
 def split(n: int, size: int, rank: int) -> tuple[int, int]:
-    """[start, stop) of rank's contiguous part of n items: the first n % size ranks take one more."""
+    """[start, stop) of rank's contiguous part of n items: the last n % size ranks take one more (rank 0 also
+    schedules and samples, so it gets the lighter part)."""
     base, extra = divmod(n, size)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (rank < extra)
+    light = size - extra                     # ranks with `base` items
+    start = rank * base + max(0, rank - light)
+    return start, start + base + (rank >= light)
 
 
 @dataclass(frozen=True)
