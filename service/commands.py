@@ -51,18 +51,36 @@ def register_models(models_sub) -> None:
     p.add_argument("dir", help="the model folder (config.json, *.safetensors, tokenizer.json)")
     p.add_argument("--tier", choices=("hot", "warm", "cold"), default="warm",
                    help="hot: kept loaded; warm (default): loaded when its queue has work; cold: only on demand")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="the ranks its engines shard it over (GPUs, or sets of CPU cores); default "
+                        "$TIDEPOOL_TENSOR_PARALLEL_SIZE, else 1")
     p.set_defaults(func=_models_register)
     p = models_sub.add_parser("registry", help="print the registered models as a JSON array")
     p.set_defaults(func=_models_registry)
     p = models_sub.add_parser("warm", help="let the workers serving a (cold) model load it now (needs Redis)")
     p.add_argument("name")
     p.set_defaults(func=_models_warm)
-    p = models_sub.add_parser("set", help="retier, enable or disable a registered model")
+    p = models_sub.add_parser("set", help="retier, enable, disable or resize a registered model")
     p.add_argument("name")
     p.add_argument("--tier", choices=("hot", "warm", "cold"))
+    p.add_argument("--tensor-parallel-size", type=_size_or_default, default=None, metavar="N|default",
+                   help="the ranks its engines shard it over; `default`: the deployment's, "
+                        "$TIDEPOOL_TENSOR_PARALLEL_SIZE, else 1")
     p.add_argument("--enable", dest="enabled", action="store_true", default=None)
     p.add_argument("--disable", dest="enabled", action="store_false")
     p.set_defaults(func=_models_set)
+
+
+def _size_or_default(text: str):
+    """`--tensor-parallel-size` of `models set`: a number of ranks, or "default" (the deployment's)."""
+    return "default" if text == "default" else int(text)
+
+
+def _model_json(row, cfg) -> dict:
+    """What `models register` and `models set` print: the row, its tensor_parallel_size as the workers use it."""
+    from tidepool.service.ledger import registry
+    return {"name": row.name, "source": row.source, "tier": row.tier, "enabled": row.enabled,
+            "tensor_parallel_size": registry.tensor_parallel_size(row.tensor_parallel_size, cfg.tensor_parallel_size)}
 
 
 def _models_register(args) -> int:
@@ -75,11 +93,12 @@ def _models_register(args) -> int:
         return _fail(LookupError(f"{folder} is not a model folder (no config.json)"))
     with _session() as s:
         try:
-            row = registry.register(s, args.name, str(folder.resolve()), args.tier, actor="cli")
+            row = registry.register(s, args.name, str(folder.resolve()), args.tier, actor="cli",
+                                    tensor_parallel_size=args.tensor_parallel_size)
         except APIError as exc:
             return _fail(exc)
         s.commit()
-        print(json.dumps({"name": row.name, "source": row.source, "tier": row.tier, "enabled": row.enabled}))
+        print(json.dumps(_model_json(row, _config())))
     return 0
 
 
@@ -88,7 +107,7 @@ def _models_registry(args) -> int:
     cfg = _config()
     with _session() as s:
         entries = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).entries().values()
-        print(json.dumps([registry.entry_json(e) for e in entries]))
+        print(json.dumps([registry.entry_json(e, cfg.tensor_parallel_size) for e in entries]))
     return 0
 
 
@@ -118,6 +137,8 @@ def _models_set(args) -> int:
     from tidepool.service.ledger import registry
     from tidepool.service.protocol.errors import APIError
     values = {k: v for k, v in (("tier", args.tier), ("enabled", args.enabled)) if v is not None}
+    if args.tensor_parallel_size is not None:
+        values["tensor_parallel_size"] = None if args.tensor_parallel_size == "default" else args.tensor_parallel_size
     cfg = _config()
     with _session() as s:
         default = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).get(args.name)
@@ -126,7 +147,7 @@ def _models_set(args) -> int:
         except APIError as exc:
             return _fail(exc)
         s.commit()
-        print(json.dumps({"name": row.name, "source": row.source, "tier": row.tier, "enabled": row.enabled}))
+        print(json.dumps(_model_json(row, cfg)))
     return 0
 
 

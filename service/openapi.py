@@ -13,6 +13,7 @@ from .protocol import sla_classes
 from .protocol import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from .protocol.request_bodies import ALLOWED
 from .ledger.models import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, BatchStatus, JobStatus
+from .ledger.registry import MAX_TENSOR_PARALLEL_SIZE
 
 # (method, path, summary, security, request schema, success status, response schema)
 ROUTES = [
@@ -54,7 +55,8 @@ ROUTES = [
      200, "List"),
     ("post", "/v1/admin/models", "Register a model", "adminToken", "ModelCreate", 201, "RegisteredModel"),
     ("get", "/v1/admin/models/{name}", "Get a registered model", "adminToken", None, 200, "RegisteredModel"),
-    ("patch", "/v1/admin/models/{name}", "Retier, enable/disable or re-point a model", "adminToken", "ModelUpdate",
+    ("patch", "/v1/admin/models/{name}", "Retier, enable/disable, re-point or resize a model", "adminToken",
+     "ModelUpdate",
      200, "RegisteredModel"),
     ("post", "/v1/admin/tenants/{tenant_id}/models", "Grant a model to a tenant's allow-list", "adminToken",
      "ModelGrant", 200, "Quota"),
@@ -472,6 +474,9 @@ _WEIGHT = {"type": "number", "exclusiveMinimum": 0, "maximum": 1e6}
 _MODEL_NAME = {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"}
 _SOURCE = {"type": "string", "pattern": "^/", "maxLength": 1024, "description": "an absolute path"}
 _TIER = {"enum": ["hot", "warm", "cold"]}
+_TENSOR_PARALLEL = {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TENSOR_PARALLEL_SIZE,
+                    "description": "the ranks its engines shard it over; null: the deployment's "
+                                   "(TIDEPOOL_TENSOR_PARALLEL_SIZE)"}
 _CACHE_GROUP = {"type": ["string", "null"], "minLength": 1, "maxLength": 64, "pattern": "^[ -~]*$",
                 "description": "tenants of one group share cached prompt prefixes"}
 # Python's str.isspace() characters: a tenant name holds at least one other
@@ -563,12 +568,15 @@ SCHEMAS = {
         **_QUOTA, "allowed_sla_classes": {"type": "array", "items": {"enum": list(SLA_CLASSES)}},
         "allowed_models": {"type": ["array", "null"], "items": _STR}}},
     "ModelCreate": _obj({"name": {**_MODEL_NAME, "description": "unique (409)"}, "source": _SOURCE, "tier": _TIER,
-                         "enabled": _BOOL}, ["name", "source"]),
-    "ModelUpdate": _obj({"tier": _TIER, "enabled": _BOOL, "source": _SOURCE}),
+                         "enabled": _BOOL, "tensor_parallel_size": _TENSOR_PARALLEL}, ["name", "source"]),
+    "ModelUpdate": _obj({"tier": _TIER, "enabled": _BOOL, "source": _SOURCE,
+                         "tensor_parallel_size": _TENSOR_PARALLEL}),
     "ModelGrant": _obj({"model": {**_MODEL_NAME, "description": "registered or to be registered"}}, ["model"]),
     "RegisteredModel": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "source": _NULL_STR,
         "tier": _TIER, "enabled": _BOOL, "registered": _BOOL,
+        "tensor_parallel_size": {"type": "integer", "minimum": 1,
+                                 "description": "its own, else the deployment's (TIDEPOOL_TENSOR_PARALLEL_SIZE)"},
         "kind": {"enum": ["generate", "embed"], "description": "embed: a sentence-transformers folder or BERT"}}},
     "AdapterCreate": _obj({"name": {**_MODEL_NAME, "description": "unique among models and adapters (409)"},
                            "base_model": {**_MODEL_NAME, "description": "a registered model (404)"},

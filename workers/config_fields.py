@@ -21,3 +21,26 @@ def worker_fields(settings, device: str) -> dict:
                 low_water=settings.low_water, metrics_port=settings.metrics_port,
                 fair_intake=settings.fair_intake, fair_window=settings.fair_window,
                 engine=engine_fields(settings, device))
+
+
+def model_engine_fields(entry) -> dict:
+    """EngineConfig fields a registered model carries itself (service/ledger/registry.py Entry), laid over the
+    settings' and the flags': its own tensor_parallel_size, when it has one."""
+    size = getattr(entry, "tensor_parallel_size", None)
+    return {"tensor_parallel_size": size} if size else {}
+
+
+def refuse_unstartable(model: str, device: str, fields: dict, command: str) -> None:
+    """Stop `tidepool COMMAND` in one line (SystemExit) when its engine would not start: an EngineConfig the engine
+    refuses (a tensor_parallel_size the model does not split over, more ranks than devices, no config.json) or a
+    model whose largest rank does not fit one device (model_runner.DoesNotFit, which names the size that fits).
+    Reads config.json only: no weights load and no rank starts."""
+    from tidepool.workers.engine import EngineConfig
+    from tidepool.workers.engine.model_runner import DoesNotFit, check_fits
+    try:
+        check_fits(EngineConfig(model=model, device=device, **fields))
+    except DoesNotFit as exc:
+        raise SystemExit(f"tidepool {command}: {exc}: set --tensor-parallel-size, TIDEPOOL_TENSOR_PARALLEL_SIZE or a "
+                         "registered model's own (tidepool models set NAME --tensor-parallel-size N)") from None
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"tidepool {command}: {exc}") from None

@@ -83,21 +83,26 @@ def main(args) -> int:
         app.config["TIDEPOOL_ADMIN_TOKEN_FILE"] = str(token_file)
     key = _default_key(app.services.database, var)
 
+    # the model registry: filled at the first start (the default model and TIDEPOOL_MODELS_DIR's folders); the
+    # default model's workers take what its row carries (model_engine_fields), and every other enabled hot or warm
+    # model whose weights fit the device gets a worker of its own
+    from tidepool.workers.config_fields import model_engine_fields, refuse_unstartable
+    from tidepool.workers.model_workers import other_model_configs, register_first_start
+    register_first_start(app.services.database, cfg)
+    own = model_engine_fields(app.services.registry.get(cfg.served_model_name))
     device = args.device or default_device()
     cfgs = []
     for kind, dev in host_workers("auto", device):
         wcfg = WorkerConfig.from_env(kind=kind, device=dev, settings=cfg, name=f"embedded-{role(kind, dev)}")
-        wcfg.engine.update(args.engine)
+        wcfg.engine.update({**args.engine, **own})
         cfgs.append(wcfg)
-    # the model registry: filled at the first start (the default model and TIDEPOOL_MODELS_DIR's folders); every
-    # other enabled hot or warm model whose weights fit the device gets a worker of its own
-    from tidepool.workers.model_workers import other_model_configs, register_first_start
-    register_first_start(app.services.database, cfg)
     cfgs += other_model_configs(app.services.database, cfg, device, args.engine,
                                 base_name=f"embedded-{role('gpu', device)}")
     on_cpu = [c for c in cfgs if c.device == "cpu"]
     for c in on_cpu if len(on_cpu) > 1 else ():     # their KV pools split the host's one budget evenly
         c.engine.setdefault("kv_share", 1 / len(on_cpu))
+    for wcfg in cfgs:
+        refuse_unstartable(wcfg.model, wcfg.device, wcfg.engine, "serve")
     workers = []
     for wcfg in cfgs:
         log.info("loading %s on %s for the %s worker", wcfg.model, wcfg.device, wcfg.name)

@@ -146,7 +146,7 @@ def run_batch(args) -> int:
     from tidepool.service.ledger.settings import Config
     from tidepool.workers.batch_runner import run_batch
     from tidepool.workers.engine import EngineConfig, LLMEngine, LoRARequest
-    from tidepool.workers.config_fields import engine_fields
+    from tidepool.workers.config_fields import engine_fields, refuse_unstartable
 
     settings = Config.from_env()
     model = args.model or settings.model
@@ -165,8 +165,9 @@ def run_batch(args) -> int:
     if loras and not fields.get("max_loras"):
         fields["max_loras"] = min(len(loras), 8)
     # Only batch lines come through here, as through LLM: no online reserve and no step bounded in time for online work.
-    engine = LLMEngine(EngineConfig(model=model, device=device,
-                                    **{**fields, "online_reserve": 0.0, "sla_targets": {}}))
+    fields = {**fields, "online_reserve": 0.0, "sla_targets": {}}
+    refuse_unstartable(model, device, fields, "run-batch")
+    engine = LLMEngine(EngineConfig(model=model, device=device, **fields))
     log.info("run-batch: engine ready; reading %s", args.input)
     counts = run_batch(engine, args.input, args.output, Path(model).name, progress=not args.no_progress,
                        adapters=loras)

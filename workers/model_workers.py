@@ -57,10 +57,14 @@ def fitting_models(entries: dict, default_name: str | None, budget: int, skip_co
                    device: str = "cpu", engine_overrides: dict | None = None) -> list[str]:
     """The models a worker serves without --models: every enabled registered model whose weights and smallest KV
     pool (min_footprint) fit the budget beside the hot models' (hot ones are kept loaded, so they count together;
-    a warm or cold one needs only room beside them, ModelHost unloads the others), the default model first, then
-    hot ones, by name. Each enabled model left out is logged once here with the reason; disabled ones are left
-    out silently."""
+    a warm or cold one needs only room beside them, ModelHost unloads the others) and whose largest rank fits one
+    device at its tensor_parallel_size, the default model first, then hot ones, by name. engine_overrides: the
+    EngineConfig fields the models' engines get (each model's own laid over them). Each enabled model left out is
+    logged once here with the reason; disabled ones are left out silently."""
     from pathlib import Path
+
+    from tidepool.workers.config_fields import model_engine_fields
+    from tidepool.workers.engine.model_runner import DoesNotFit
     order = sorted((e for e in entries.values() if e.enabled and not (skip_cold and e.tier == "cold")),
                    key=lambda e: (e.name != default_name, e.tier != "hot", e.name))
     hot, out = 0, []
@@ -69,10 +73,12 @@ def fitting_models(entries: dict, default_name: str | None, budget: int, skip_co
             reason = f"no model folder at {e.source}"
         else:
             try:
-                need = min_footprint(e.source, device, engine_overrides)
+                need = min_footprint(e.source, device, {**(engine_overrides or {}), **model_engine_fields(e)})
                 beside = f" beside the hot models' {hot / MB:.1f} MB" if hot else ""
                 reason = (f"its weights and smallest KV pool ({need / MB:.1f} MB) do not fit the memory budget "
                           f"({budget / MB:.1f} MB){beside}" if hot + need > budget else None)
+            except DoesNotFit as exc:
+                reason = str(exc)
             except (ValueError, KeyError, OSError) as exc:
                 reason = f"its engine config does not load ({exc})"
         if reason:
@@ -86,8 +92,10 @@ def fitting_models(entries: dict, default_name: str | None, budget: int, skip_co
 
 def model_configs(names: list[str], settings, kind: str, device: str, engine_overrides: dict | None = None,
                   base_name: str | None = None, entries: dict | None = None) -> list:
-    """One WorkerConfig per registered model name; a name the registry does not know, or has disabled, fails
-    here (SystemExit with the reason)."""
+    """One WorkerConfig per registered model name, its engine fields the settings', the flags' (engine_overrides)
+    and, over them, the model's own (model_engine_fields); a name the registry does not know, or has disabled,
+    fails here (SystemExit with the reason)."""
+    from tidepool.workers.config_fields import model_engine_fields
     from tidepool.workers.worker import WorkerConfig
 
     entries = registry_entries(settings) if entries is None else entries
@@ -103,7 +111,7 @@ def model_configs(names: list[str], settings, kind: str, device: str, engine_ove
                                     serves=None if name == settings.served_model_name else name)
         base = base_name or cfg.name
         cfg.name = base if len(names) == 1 else f"{base}.{name}"
-        cfg.engine.update(engine_overrides or {})
+        cfg.engine.update({**(engine_overrides or {}), **model_engine_fields(entry)})
         out.append(cfg)
     return out
 
@@ -117,7 +125,13 @@ def main(args) -> int:
 
     from tidepool.service.ledger.settings import Config
     from tidepool.workers import worker as one_model
+    from tidepool.workers.config_fields import engine_fields, model_engine_fields, refuse_unstartable
     from tidepool.workers.metrics import DEFAULT_PORTS, bind_metrics_server
+
+    def alone() -> int:      # the deployment's default model alone, with what its registry row carries
+        args.engine = {**(getattr(args, "engine", None) or {}),
+                       **model_engine_fields(entries.get(settings.served_model_name))}
+        return one_model.main(args)
 
     settings = Config.from_env()
     device = args.device or one_model.default_device()
@@ -135,16 +149,18 @@ def main(args) -> int:
             return one_model.main(args)
         others = [e for e in entries.values() if e.enabled and e.name != settings.served_model_name]
         if not others:
-            return one_model.main(args)
+            return alone()
         budget = memory_budget(args, device)
-        names = fitting_models(entries, settings.served_model_name, budget, device=device,
-                               engine_overrides=getattr(args, "engine", None))
+        fields = {**engine_fields(settings, device), **(getattr(args, "engine", None) or {})}
+        names = fitting_models(entries, settings.served_model_name, budget, device=device, engine_overrides=fields)
         if set(names) <= {settings.served_model_name}:
-            return one_model.main(args)
+            return alone()
     # several models share one device: `auto` is the gpu kind there (a cpu fallback is a `--kind cpu` worker)
     kind = "gpu" if args.kind == "auto" else args.kind
     cfgs = model_configs(names, settings, kind, device, getattr(args, "engine", None), settings.worker_name,
                          entries)
+    for cfg in cfgs:
+        refuse_unstartable(cfg.model, cfg.device, cfg.engine, "worker")
     client = redis_lib.Redis.from_url(settings.redis_url) if settings.redis_url else None
     host = ModelHost([(n, entries[n].tier, c) for n, c in zip(names, cfgs)], client, budget)
     port = DEFAULT_PORTS[kind] if settings.metrics_port is None else settings.metrics_port
@@ -224,12 +240,14 @@ def other_model_configs(engine, settings, device: str, engine_overrides: dict | 
     (fitting_models; every one of them is loaded, so all count together), named `<base_name>.<model>`; cold
     models wait for an operator."""
     from tidepool.service.ledger.registry import Registry
+    from tidepool.workers.config_fields import engine_fields
     entries = Registry(engine, settings.served_model_name, settings.model).entries()
     if not any(e.enabled and e.tier != "cold" and e.name != settings.served_model_name for e in entries.values()):
         return []
     loaded = {n: dataclasses.replace(e, tier="hot") for n, e in entries.items() if e.tier != "cold"}
+    fields = {**engine_fields(settings, device), **(engine_overrides or {})}
     names = [n for n in fitting_models(loaded, settings.served_model_name, device_memory(device), device=device,
-                                       engine_overrides=engine_overrides) if n != settings.served_model_name]
+                                       engine_overrides=fields) if n != settings.served_model_name]
     cfgs = model_configs(names, settings, "gpu", device, engine_overrides, base_name, entries) if names else []
     if len(names) == 1:
         cfgs[0].name = f"{base_name}.{names[0]}"
@@ -246,6 +264,28 @@ def folder_bytes(folder: str) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
+def ranks_held(ecfg) -> int:
+    """How many of a model's tensor-parallel ranks the memory budget holds: rank 0 alone on a GPU (the budget is
+    one device's, and every rank has a device of its own), every rank on the CPU (they share the host's memory)."""
+    return 1 if ecfg.device.startswith("cuda") else ecfg.tensor_parallel_size
+
+
+def weight_bytes(folder: str, ecfg) -> int:
+    """What a model's weights take of the budget: its files' size (folder_bytes); at tensor_parallel_size N, one
+    rank's share of it (ModelConfig.weight_bytes_per_rank(N) of the whole model's; the norms, and KV heads fewer
+    than the ranks, are held by each rank) times ranks_held."""
+    size = ecfg.tensor_parallel_size
+    if size == 1:
+        return folder_bytes(folder)
+    m = ecfg.model_config
+    return folder_bytes(folder) * m.weight_bytes_per_rank(size, 1) * ranks_held(ecfg) // m.weight_bytes_per_rank(1, 1)
+
+
+def block_bytes(ecfg) -> int:
+    """What one KV block takes of the budget: a block on each rank held (EngineConfig.kv_block_bytes is a rank's)."""
+    return ecfg.kv_block_bytes * ranks_held(ecfg)
+
+
 def engine_config(folder: str, device: str, engine_overrides: dict | None = None):
     """The EngineConfig an engine of this model would run with (reads config.json only, loads no weights)."""
     from tidepool.workers.engine import EngineConfig
@@ -253,10 +293,13 @@ def engine_config(folder: str, device: str, engine_overrides: dict | None = None
 
 
 def min_footprint(folder: str, device: str, engine_overrides: dict | None = None) -> int:
-    """The least a loaded model takes: its weights and a KV pool for one sequence of its full context (or the
-    num_kv_blocks an operator fixed)."""
+    """The least a loaded model takes of the budget: its weights and a KV pool for one sequence of its full context
+    (or the num_kv_blocks an operator fixed). A model whose largest rank does not fit one device has none: it is
+    refused (model_runner.DoesNotFit, naming the tensor_parallel_size that fits)."""
+    from tidepool.workers.engine.model_runner import check_fits
     ecfg = engine_config(folder, device, engine_overrides)
-    return folder_bytes(folder) + (ecfg.num_kv_blocks or ecfg.blocks_per_sequence) * ecfg.kv_block_bytes
+    check_fits(ecfg)
+    return weight_bytes(folder, ecfg) + (ecfg.num_kv_blocks or ecfg.blocks_per_sequence) * block_bytes(ecfg)
 
 
 class ModelHost:
@@ -276,8 +319,8 @@ class ModelHost:
         self.models = {}
         for name, tier, cfg in models:
             ecfg = engine_config(cfg.model, cfg.device, cfg.engine)
-            self.models[name] = {"tier": tier, "cfg": cfg, "bytes": folder_bytes(cfg.model), "engine": ecfg,
-                                 "block_bytes": ecfg.kv_block_bytes,
+            self.models[name] = {"tier": tier, "cfg": cfg, "bytes": weight_bytes(cfg.model, ecfg), "engine": ecfg,
+                                 "block_bytes": block_bytes(ecfg),
                                  "min_blocks": ecfg.num_kv_blocks or ecfg.blocks_per_sequence}
         self.redis, self.budget = redis_client, budget_bytes
         self.make_worker = make_worker or self._make_worker

@@ -305,6 +305,7 @@ class Worker:
 def main(args) -> int:
     """`tidepool worker --kind KIND`: the workers host_workers() gives, each with its engine and /metrics, until
     SIGTERM. Two of them (a GPU host under `auto`) run side by side on threads of this process."""
+    from tidepool.workers.config_fields import refuse_unstartable
     settings = Config.from_env()
     device = args.device or default_device()
     pairs = host_workers(args.kind, device)
@@ -314,6 +315,7 @@ def main(args) -> int:
         if len(pairs) > 1 and kind == "cpu" and settings.worker_name:
             cfg.name = f"{settings.worker_name}-deferrable"       # TIDEPOOL_WORKER_NAME names the gpu worker
         cfg.engine.update(getattr(args, "engine", None) or {})     # --num-kv-blocks etc. over the TIDEPOOL_* knobs
+        refuse_unstartable(cfg.model, cfg.device, cfg.engine, "worker")
         log.info("worker %s: loading %s on %s (the engine is ready when the next line says so)", cfg.name,
                  cfg.model, cfg.device, extra={"worker": cfg.name, "event": "worker.loading"})
         started = time.perf_counter()

@@ -191,25 +191,27 @@ def _entry(name: str) -> registry.Entry:
 
 
 def _fresh(name: str) -> dict:
-    return registry.entry_json(_entry(name))
+    return registry.entry_json(_entry(name), services().config.tensor_parallel_size)
 
 
 @bp.get("/models")
 @admin_required
 def list_models():
-    return {"object": "list", "data": [registry.entry_json(e) for e in services().registry.entries().values()]}
+    deployment = services().config.tensor_parallel_size
+    return {"object": "list", "data": [registry.entry_json(e, deployment)
+                                       for e in services().registry.entries().values()]}
 
 
 @bp.post("/models")
 @admin_required
 def register_model():
     body = json_body()
-    unknown = sorted(set(body) - {"name", "source", "tier", "enabled"})
+    unknown = sorted(set(body) - {"name", "source", "tier", "enabled", "tensor_parallel_size"})
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     s = session()
     row = registry.register(s, body.get("name"), body.get("source"), body.get("tier", "warm"),
-                            body.get("enabled", True))
+                            body.get("enabled", True), tensor_parallel_size=body.get("tensor_parallel_size"))
     s.commit()
     return _fresh(row.name), 201
 
@@ -223,7 +225,8 @@ def get_model(name):
 @bp.patch("/models/<name>")
 @admin_required
 def update_model(name):
-    """Retier ({"tier": "hot"|"warm"|"cold"}), enable or disable ({"enabled": bool}), or re-point ({"source"})."""
+    """Retier ({"tier": "hot"|"warm"|"cold"}), enable or disable ({"enabled": bool}), re-point ({"source"}) or
+    resize ({"tensor_parallel_size": n, or null for the deployment's})."""
     s = session()
     registry.update(s, name, json_body(), default=services().registry.get(name))
     s.commit()

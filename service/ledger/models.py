@@ -160,6 +160,8 @@ class Model(Base):
     source: Mapped[str] = mapped_column(String(1024))
     tier: Mapped[str] = mapped_column(String(8), default=ModelTier.warm.value)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    # The ranks its engines shard it over; NULL: the deployment's (TIDEPOOL_TENSOR_PARALLEL_SIZE or the flag).
+    tensor_parallel_size: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

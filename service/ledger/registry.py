@@ -57,6 +57,7 @@ class Entry:
     enabled: bool
     created: int          # Unix seconds: registration, or (implicit default model) its folder's config.json
     registered: bool      # False: the default model, served without a row
+    tensor_parallel_size: int | None = None    # its own; None: the deployment's (see tensor_parallel_size())
 
 
 # What resolve() gives when there is nothing to check against (no default model, no registered model): the
@@ -64,9 +65,16 @@ class Entry:
 UNCHECKED = Entry(None, None, ModelTier.hot.value, True, 0, False)
 
 
-def entry_json(e: Entry) -> dict:
+def tensor_parallel_size(own: int | None, deployment: int | None = None) -> int:
+    """The ranks a model's engines shard it over: its own size, else the deployment's (TIDEPOOL_TENSOR_PARALLEL_SIZE),
+    else the engine's default, 1."""
+    return own or deployment or 1
+
+
+def entry_json(e: Entry, deployment_tensor_parallel_size: int | None = None) -> dict:
     return {"id": e.name, "object": "model", "created": e.created, "owned_by": "tidepool", "source": e.source,
-            "tier": e.tier, "enabled": e.enabled, "registered": e.registered, "kind": folder_kind(e.source)}
+            "tier": e.tier, "enabled": e.enabled, "registered": e.registered, "kind": folder_kind(e.source),
+            "tensor_parallel_size": tensor_parallel_size(e.tensor_parallel_size, deployment_tensor_parallel_size)}
 
 
 def public_json(e: Entry) -> dict:
@@ -95,6 +103,19 @@ def check_source(source) -> str:
     return source
 
 
+MAX_TENSOR_PARALLEL_SIZE = 64
+
+
+def check_tensor_parallel_size(value) -> int | None:
+    """A model's own tensor_parallel_size: None (the deployment's) or a whole number of ranks; whether the model's
+    heads split that way is the engine's to say, where a worker loads it."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 1 <= value <= MAX_TENSOR_PARALLEL_SIZE):
+        raise bad_request(f"tensor_parallel_size must be null (the deployment's) or an integer in [1, "
+                          f"{MAX_TENSOR_PARALLEL_SIZE}].", "tensor_parallel_size")
+    return value
+
+
 def check_allowed(value) -> list | None:
     """A quota's allowed_models: None, or a list of model names (registered or not yet)."""
     if value is None:
@@ -116,24 +137,28 @@ def is_empty(s: Session) -> bool:
     return s.scalar(select(Model.name).limit(1)) is None
 
 
-def register(s: Session, name, source, tier="warm", enabled=True, actor: str = "admin") -> Model:
+def register(s: Session, name, source, tier="warm", enabled=True, actor: str = "admin",
+             tensor_parallel_size=None) -> Model:
     name, source, tier = check_name(name), check_source(source), check_tier(tier)
+    tensor_parallel_size = check_tensor_parallel_size(tensor_parallel_size)
     if not isinstance(enabled, bool):
         raise bad_request("enabled must be a boolean.", "enabled")
     if s.get(Model, name) is not None:
         raise APIError(409, f"A model named '{name}' is already registered.", "model_exists", "name")
     now = utcnow()
-    row = Model(name=name, source=source, tier=tier, enabled=enabled, created_at=now, updated_at=now)
+    row = Model(name=name, source=source, tier=tier, enabled=enabled, tensor_parallel_size=tensor_parallel_size,
+                created_at=now, updated_at=now)
     s.add(row)
-    audit(s, actor, "model.register", name, {"source": source, "tier": tier, "enabled": enabled})
+    sized = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size else {}
+    audit(s, actor, "model.register", name, {"source": source, "tier": tier, "enabled": enabled, **sized})
     _dirty(s)
     return row
 
 
 def update(s: Session, name: str, values: dict, actor: str = "admin", default: Entry | None = None) -> Model:
-    """Retier, enable/disable or re-point a model (keys absent: unchanged). The implicit default model gets its
-    row here, with the change applied."""
-    unknown = sorted(set(values) - {"tier", "enabled", "source"})
+    """Retier, enable/disable, re-point a model or set its tensor_parallel_size (None: the deployment's); keys
+    absent: unchanged. The implicit default model gets its row here, with the change applied."""
+    unknown = sorted(set(values) - {"tier", "enabled", "source", "tensor_parallel_size"})
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     row = s.get(Model, name)
@@ -153,6 +178,9 @@ def update(s: Session, name: str, values: dict, actor: str = "admin", default: E
     if "source" in values:
         row.source = check_source(values["source"])
         audit(s, actor, "model.update", name, {"source": row.source})
+    if "tensor_parallel_size" in values:
+        row.tensor_parallel_size = check_tensor_parallel_size(values["tensor_parallel_size"])
+        audit(s, actor, "model.update", name, {"tensor_parallel_size": row.tensor_parallel_size})
     row.updated_at = utcnow()
     _dirty(s)
     return row
@@ -279,10 +307,11 @@ class Registry:
             return cached[2]
         generation = _generation
         with self.engine.connect() as conn:   # autocommit: no write lock on SQLite, nothing held open
-            rows = conn.execution_options(isolation_level="AUTOCOMMIT").execute(select(Model.name, Model.source, Model.tier, Model.enabled, Model.created_at)
-                                .order_by(Model.name)).all()
-        out = {r.name: Entry(r.name, r.source, r.tier, bool(r.enabled), int(r.created_at.timestamp()), True)
-               for r in rows}
+            columns = (Model.name, Model.source, Model.tier, Model.enabled, Model.created_at, Model.tensor_parallel_size)
+            rows = conn.execution_options(isolation_level="AUTOCOMMIT").execute(select(*columns)
+                                                                                .order_by(Model.name)).all()
+        out = {r.name: Entry(r.name, r.source, r.tier, bool(r.enabled), int(r.created_at.timestamp()), True,
+                             r.tensor_parallel_size) for r in rows}
         if self.default_name and self.default_name not in out:
             out[self.default_name] = Entry(self.default_name, self.default_source, ModelTier.hot.value, True,
                                            self._default_created, False)

@@ -193,6 +193,18 @@ class Config:
     max_model_len: int | None = setting("TIDEPOOL_MAX_MODEL_LEN", None, "Longest prompt + output; the API also "
                                         "refuses `max_tokens` past it", parse=INT, check=POSITIVE,
                                         shown="the model's context", flag="--max-model-len")
+    tensor_parallel_size: int | None = setting(
+        "TIDEPOOL_TENSOR_PARALLEL_SIZE", None, "Ranks each engine's model is sharded over: GPUs, or disjoint sets of "
+        "the CPU's cores (a registered model may carry its own: `tidepool models set NAME --tensor-parallel-size N`)",
+        parse=INT, check=AT_LEAST_ONE, shown="`1`", flag="--tensor-parallel-size")
+    collective_timeout_s: float | None = setting(
+        "TIDEPOOL_COLLECTIVE_TIMEOUT_S", None, "Seconds a tensor-parallel rank may take to join a collective before "
+        "the group fails (the worker exits and its jobs go back to their queues)", parse=FLOAT, check=POSITIVE,
+        shown="`60`", engine=True)
+    device_memory_gib: float | None = setting(
+        "TIDEPOOL_DEVICE_MEMORY_GIB", None, "Each device's memory, capped (a smaller device simulated): a model whose "
+        "largest rank's weights and one `max_model_len` sequence of KV exceed it is refused at start, naming the "
+        "`tensor_parallel_size` that fits", parse=FLOAT, check=POSITIVE, shown="the device's own", engine=True)
     max_loras: int | None = setting("TIDEPOOL_MAX_LORAS", None, "LoRA adapter slots on the device (`0`: adapters "
                                     "off)", parse=INT, check=NON_NEGATIVE, shown="`0`", engine=True)
     max_lora_rank: int | None = setting("TIDEPOOL_MAX_LORA_RANK", None, "Highest adapter rank the slots hold; a "

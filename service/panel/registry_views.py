@@ -1,5 +1,6 @@
 """Panel page for the model registry: register a model, retier it, enable or disable it, grant it to tenants or
-revoke it, and see each model's queues (depth per SLA class, and whether a live worker serves them)."""
+revoke it, and see each model's tensor_parallel_size (its own or the deployment's) and queues (depth per SLA class,
+and whether a live worker serves them)."""
 from flask import flash, redirect, render_template, request, url_for
 
 from ..ledger import registry
@@ -23,8 +24,9 @@ def _page(form: dict | None = None, errors: dict | None = None, status: int = 20
     for row in queues:
         by_model.setdefault(row["model"], []).append(row)
     tenants = registry.grants(db())
+    deployment = registry.tensor_parallel_size(None, services().config.tensor_parallel_size)  # a model without its own
     return render_template("models.html", entries=entries, queues=by_model, tenants=tenants, tiers=registry.TIERS,
-                           form=form or {}, errors=errors or {}), status
+                           tensor_parallel_size=deployment, form=form or {}, errors=errors or {}), status
 
 
 @bp.get("/models")

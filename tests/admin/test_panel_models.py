@@ -1,11 +1,13 @@
 """The Models page in headless Chromium against a live server: register (with per-field errors),
 retier, disable, grant and revoke, a model's waiting jobs shown as served by no worker; every change audited
 with the panel as actor; a form without the CSRF token is refused."""
+import re
+
 from sqlalchemy import select
 
 from tidepool.service.ledger.models import AuditLog, Quota
 
-from .conftest import ADMIN, csrf_from, shot, sign_in
+from .conftest import ADMIN, csrf_from, make_app, shot, sign_in
 
 
 def _flash(page) -> str:
@@ -105,3 +107,23 @@ def test_model_forms_need_the_csrf_token(client, app):
     for path, data in (("/admin/models/update", {"name": "x", "tier": "hot"}),
                        ("/admin/models/grants", {"tenant_id": "t", "model": "x", "action": "grant"})):
         assert client.post(path, data=data, base_url=https).status_code in (400, 403)
+
+
+def test_the_page_shows_each_models_tensor_parallel_size(pg_url, tmp_path, admin_redis):
+    app = make_app(pg_url, tmp_path, admin_redis, tensor_parallel_size=4)
+    try:
+        client, bearer = app.test_client(), {"Authorization": f"Bearer {ADMIN}"}
+        for body in ({"name": "big", "source": "/srv/models/big", "tensor_parallel_size": 2},
+                     {"name": "small", "source": "/srv/models/small"}):
+            assert client.post("/v1/admin/models", json=body, headers=bearer).status_code == 201
+        sign_in(client)
+        page = client.get("/admin/models", base_url="https://localhost").text
+
+        def cell(model):
+            row = re.search(rf'<tr data-model="{model}">(.*?)</tr>', page, re.S).group(1)
+            text = re.search(r'class="tensor-parallel">(.*?)</td>', row, re.S).group(1)
+            return " ".join(re.sub(r"<[^>]+>", " ", text).split())
+        assert "<th>Tensor parallel</th>" in page
+        assert (cell("big"), cell("small")) == ("2", "4 (deployment)")
+    finally:
+        app.services.database.dispose()

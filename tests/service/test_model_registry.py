@@ -66,6 +66,14 @@ def test_admin_registers_retiers_disables_and_grants_with_audit(two):
 
     r = client.patch("/v1/admin/models/beta", json={"tier": "cold"}, headers=h)
     assert r.status_code == 200 and r.get_json()["tier"] == "cold"
+    assert listing["beta"]["tensor_parallel_size"] == listing["alpha"]["tensor_parallel_size"] == 1
+    r = client.patch("/v1/admin/models/beta", json={"tensor_parallel_size": 2}, headers=h)
+    assert r.status_code == 200 and r.get_json()["tensor_parallel_size"] == 2
+    for bad in (0, 65, True, 1.5, "2"):
+        _error(client.patch("/v1/admin/models/beta", json={"tensor_parallel_size": bad}, headers=h), 400,
+               "invalid_value")
+    r = client.patch("/v1/admin/models/beta", json={"tensor_parallel_size": None}, headers=h)
+    assert r.status_code == 200 and r.get_json()["tensor_parallel_size"] == 1      # the deployment's again
     assert client.patch("/v1/admin/models/beta", json={"enabled": False}, headers=h).get_json()["enabled"] is False
     assert client.patch("/v1/admin/models/nope", json={"enabled": False}, headers=h).status_code == 404
     # the implicit default model gets its row when an admin changes it
@@ -86,7 +94,8 @@ def test_admin_registers_retiers_disables_and_grants_with_audit(two):
     with Session(app.services.database) as s:
         actions = [(a.action, a.target) for a in s.scalars(select(AuditLog).order_by(AuditLog.id))]
     assert [a for a in actions if a[0].startswith("model.")] == [
-        ("model.register", "beta"), ("model.retier", "beta"), ("model.disable", "beta"),
+        ("model.register", "beta"), ("model.retier", "beta"), ("model.update", "beta"), ("model.update", "beta"),
+        ("model.disable", "beta"),
         ("model.register", "alpha"), ("model.retier", "alpha"),
         ("model.revoke", tenant_id), ("model.grant", tenant_id), ("model.grant", tenant_id)]
 
@@ -175,7 +184,8 @@ def test_cli_registers_lists_and_retiers(two, pg_url, tmp_path, monkeypatch, cap
     assert main(["models", "register", "delta", str(tmp_path / "nowhere")]) == 1      # no config.json there
     assert main(["models", "register", "delta", _folder(tmp_path / "delta"), "--tier", "cold"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out == {"name": "delta", "source": str((tmp_path / "delta").resolve()), "tier": "cold", "enabled": True}
+    assert out == {"name": "delta", "source": str((tmp_path / "delta").resolve()), "tier": "cold", "enabled": True,
+                   "tensor_parallel_size": 1}
     assert main(["models", "register", "delta", _folder(tmp_path / "delta")]) == 1      # taken
     assert main(["models", "set", "delta", "--tier", "hot", "--disable"]) == 0
     capsys.readouterr()
@@ -184,3 +194,39 @@ def test_cli_registers_lists_and_retiers(two, pg_url, tmp_path, monkeypatch, cap
     assert (listed["delta"]["tier"], listed["delta"]["enabled"]) == ("hot", False) and "beta" in listed
     with Session(app.services.database) as s:
         assert [a.actor for a in s.scalars(select(AuditLog).where(AuditLog.target == "delta"))] == ["cli"] * 3
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_models_tensor_parallel_size_round_trips_and_the_deployments_fills_in(backend, tmp_path, monkeypatch,
+                                                                                capsys, request):
+    from tidepool.workers.cli import main
+    url = f"sqlite:///{tmp_path / 'r.db'}" if backend == "sqlite" else request.getfixturevalue("pg_url")
+    monkeypatch.setenv("TIDEPOOL_DATABASE_URL", url)
+    monkeypatch.delenv("TIDEPOOL_MODEL", raising=False)
+    monkeypatch.setenv("TIDEPOOL_TENSOR_PARALLEL_SIZE", "4")
+    assert main(["db", "upgrade"]) == 0
+    assert main(["models", "register", "big", _folder(tmp_path / "big"), "--tensor-parallel-size", "2"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["tensor_parallel_size"] == 2
+    assert main(["models", "register", "small", _folder(tmp_path / "small")]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["tensor_parallel_size"] == 4     # the deployment's
+    assert main(["models", "register", "bad", _folder(tmp_path / "bad"), "--tensor-parallel-size", "0"]) == 1
+    assert "tensor_parallel_size" in json.loads(capsys.readouterr().err)["error"]["message"]
+
+    def listed():
+        assert main(["models", "registry"]) == 0
+        return {m["id"]: m["tensor_parallel_size"] for m in json.loads(capsys.readouterr().out.splitlines()[-1])}
+    assert listed() == {"big": 2, "small": 4}
+    assert main(["models", "set", "small", "--tensor-parallel-size", "3"]) == 0
+    assert main(["models", "set", "big", "--tensor-parallel-size", "default"]) == 0
+    capsys.readouterr()
+    assert listed() == {"big": 4, "small": 3}
+    monkeypatch.delenv("TIDEPOOL_TENSOR_PARALLEL_SIZE")
+    assert listed() == {"big": 1, "small": 3}
+    from tidepool.service.ledger.database import make_engine
+    from tidepool.service.ledger.registry import Registry
+    db = make_engine(url)
+    try:
+        entries = Registry(db, ttl=0).entries()
+        assert (entries["big"].tensor_parallel_size, entries["small"].tensor_parallel_size) == (None, 3)
+    finally:
+        db.dispose()

@@ -31,7 +31,7 @@ def test_names_say_the_device_and_the_role(tmp_path):
     assert cfg.queues == ("realtime", "interactive", "batch", "deferrable")
 
 
-def test_a_gpu_host_runs_both_workers_in_one_process(tmp_path, monkeypatch, capsys):
+def test_a_gpu_host_runs_both_workers_in_one_process(tmp_path, tiny_model, monkeypatch, capsys):
     """`--kind auto` on a GPU host (the pairs faked onto the CPU): both workers start, each with its /metrics and
     start-up line, TIDEPOOL_WORKER_NAME names the gpu one and `<name>-deferrable` the cpu one; when one of them
     ends the other is stopped and the process exits non-zero if one failed, so a supervisor restarts both."""
@@ -57,7 +57,7 @@ def test_a_gpu_host_runs_both_workers_in_one_process(tmp_path, monkeypatch, caps
         def stop(self):
             self._stop.set()
 
-    monkeypatch.setenv("TIDEPOOL_MODEL", str(tmp_path))
+    monkeypatch.setenv("TIDEPOOL_MODEL", tiny_model)      # its config.json is checked before the workers start
     monkeypatch.setenv("TIDEPOOL_DATABASE_URL", f"sqlite:///{tmp_path}/t.db")
     monkeypatch.setenv("TIDEPOOL_WORKER_NAME", "edge-1")
     monkeypatch.setattr(worker_module, "Worker", FakeWorker)

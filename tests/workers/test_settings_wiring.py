@@ -25,6 +25,8 @@ def test_the_docs_show_the_engines_own_defaults():
     assert shown["TIDEPOOL_ONLINE_RESERVE"] == f"`{engine['online_reserve']}`"
     assert shown["TIDEPOOL_OFFLINE_FLOOR"] == f"`{engine['offline_floor']}`"
     assert shown["TIDEPOOL_ENFORCE_EAGER"] == f"`{int(engine['enforce_eager'])}`"
+    assert shown["TIDEPOOL_TENSOR_PARALLEL_SIZE"] == f"`{engine['tensor_parallel_size']}`"
+    assert shown["TIDEPOOL_COLLECTIVE_TIMEOUT_S"] == f"`{engine['collective_timeout_s']:g}`"
     for cls in ("realtime", "interactive"):
         for target in ("ttft_ms", "itl_ms"):
             gpu, cpu = DEFAULT_SLA_TARGETS["cuda"][cls][target], DEFAULT_SLA_TARGETS["cpu"][cls][target]
@@ -40,12 +42,15 @@ def test_an_engine_setting_is_the_engine_config_field_of_its_name():
 def test_the_worker_config_comes_from_the_settings(tmp_path):
     s = _settings(tmp_path, TIDEPOOL_MODEL=tmp_path / "m", TIDEPOOL_LEASE_SECONDS=7, TIDEPOOL_VISIBILITY_TIMEOUT=99,
                   TIDEPOOL_LOW_WATER=2, TIDEPOOL_WORKER_NAME="w-7", TIDEPOOL_METRICS_PORT=0, TIDEPOOL_NUM_KV_BLOCKS=12,
-                  TIDEPOOL_CAPACITY_POLICY="no_evict", TIDEPOOL_SLA_REALTIME_ITL_MS=75, TIDEPOOL_OFFLINE_FLOOR=0.3)
+                  TIDEPOOL_CAPACITY_POLICY="no_evict", TIDEPOOL_SLA_REALTIME_ITL_MS=75, TIDEPOOL_OFFLINE_FLOOR=0.3,
+                  TIDEPOOL_TENSOR_PARALLEL_SIZE=2, TIDEPOOL_COLLECTIVE_TIMEOUT_S=5, TIDEPOOL_DEVICE_MEMORY_GIB=0.5)
     cfg = WorkerConfig.from_env(kind="cpu", device="cpu", settings=s)
     assert (cfg.model, cfg.lease_seconds, cfg.visibility_timeout, cfg.low_water, cfg.name, cfg.metrics_port) == \
         (str(tmp_path / "m"), 7.0, 99.0, 2, "w-7", 0)
     assert cfg.engine["num_kv_blocks"] == 12 and cfg.engine["capacity_policy"] == "no_evict"
     assert cfg.engine["offline_floor"] == 0.3
+    tp = ("tensor_parallel_size", "collective_timeout_s", "device_memory_gib")
+    assert [cfg.engine[name] for name in tp] == [2, 5.0, 0.5]
     assert cfg.engine["sla_targets"] == {"realtime": {"ttft_ms": 600.0, "itl_ms": 75.0},
                                          "interactive": dict(DEFAULT_SLA_TARGETS["cpu"]["interactive"])}
 
@@ -56,6 +61,7 @@ def test_unset_engine_settings_leave_the_engines_defaults(tmp_path, tiny_model):
     cfg = EngineConfig(model=tiny_model, device="cpu", **engine_fields(s, "cpu"))
     assert (cfg.capacity_policy, cfg.online_reserve, cfg.enforce_eager, cfg.swap_space_gib) == \
         ("max_utilization", 0.1, False, 0.0)
+    assert (cfg.tensor_parallel_size, cfg.collective_timeout_s, cfg.device_memory_gib) == (1, 60.0, None)
     assert cfg.sla_targets == DEFAULT_SLA_TARGETS["cpu"]
 
 
@@ -69,6 +75,16 @@ def test_the_cpu_kernel_switch_reaches_the_kernels_through_the_engine(tmp_path, 
     LLMEngine(EngineConfig(model=tiny_model, device="cpu", num_kv_blocks=8, calibrate=False, **fields))
     assert not cpu_ops.enabled() and cpu_ops.paged_decode_op() is None
     assert cpu_ops.cache_dir() == tmp_path / "k"
+
+
+def test_the_tensor_parallel_flag_wins_over_its_variable_on_every_engine_command(tmp_path):
+    from tidepool.workers.cli import build_parser
+    from tidepool.workers.engine_commands import engine_overrides
+    s = _settings(tmp_path, TIDEPOOL_TENSOR_PARALLEL_SIZE=2)
+    for command in (["worker"], ["serve"], ["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"]):
+        args = build_parser().parse_args([*command, "--tensor-parallel-size", "4"])
+        assert {**engine_fields(s, "cpu"), **engine_overrides(args)}["tensor_parallel_size"] == 4, command
+        assert "tensor_parallel_size" not in engine_overrides(build_parser().parse_args(command))
 
 
 def test_beat_takes_its_intervals_from_the_settings(tmp_path):
