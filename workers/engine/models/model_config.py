@@ -50,20 +50,10 @@ class ModelConfig:
         return -(-self.num_key_value_heads // size)
 
     def weight_bytes_per_rank(self, size: int, element_size: int) -> int:
-        """Bytes of weights the largest rank holds at tensor-parallel `size`: its heads' projections, its part of the
-        MLP and of the (vocabulary-parallel) embedding and LM head rows, the norms whole."""
-        h, d, layers = self.hidden_size, self.head_dim, self.num_hidden_layers
-        kv = self.kv_heads_per_rank(size)
-        q = (kv * self.num_attention_heads // self.num_key_value_heads if size <= self.num_key_value_heads
-             else self.num_attention_heads // size) * d
-        kv *= d
-        mlp = -(-self.intermediate_size // size)
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * mlp + 2 * h
-        if self.attention_bias:
-            per_layer += q + 2 * kv
-        vocab = -(-self.vocab_size // size) * h
-        total = layers * per_layer + h + vocab * (1 if self.tie_word_embeddings else 2)
-        return total * element_size
+        """Bytes of weights the largest rank holds at tensor-parallel `size` (models/sharding.py: its heads'
+        projections, its part of the MLP and of the vocabulary-parallel embedding and LM head rows, the norms)."""
+        from tidepool.workers.engine.models.sharding import rank_weight_count
+        return max(rank_weight_count(self, size, rank) for rank in range(size)) * element_size
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":

@@ -156,3 +156,17 @@ class WeightSlicer:
                 rows = torch.cat([rows, rows.new_zeros(b - a - rows.shape[0], *rows.shape[1:])])
             return rows
         return tensor_slice[:]
+
+
+def rank_weight_count(cfg: ModelConfig, size: int, rank: int) -> int:
+    """Parameters rank `rank` of `size` holds (tied embeddings once)."""
+    shard = Shard(rank, size)
+    heads, h, d = head_split(cfg, shard), cfg.hidden_size, cfg.head_dim
+    q, kv = heads.num_heads * d, heads.num_kv_heads * d
+    a, b = split(cfg.intermediate_size, size, rank)
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * (b - a) + 2 * h
+    if cfg.attention_bias:
+        per_layer += q + 2 * kv
+    start, stop = vocab_rows(cfg.vocab_size, shard)
+    vocab = (stop - start) * h
+    return cfg.num_hidden_layers * per_layer + h + vocab * (1 if cfg.tie_word_embeddings else 2)
