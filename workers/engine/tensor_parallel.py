@@ -11,8 +11,8 @@ rank. KV-block moves (swap, copy-on-write) and LoRA slot fills are broadcast the
 them, and a step cut (LLMEngine._StepCut) is followed layer by layer: with a cut armed, rank 0 tells the others
 after each layer whether another step runs there first.
 
-The process group is gloo on CPU hosts and NCCL on GPUs, created on a TCPStore rendezvous (each group its own, so a
-process may hold several engines). On one x86-64 CPU host the activations' all-reduces and the logits' gather go
+The process group is gloo on CPU hosts and NCCL on GPUs (with a gloo group beside it for the commands), created on
+a TCPStore rendezvous (each engine's group its own, so a process may hold several engines). On one x86-64 CPU host the activations' all-reduces and the logits' gather go
 through shared memory instead (shm_collectives.py), as vLLM's CPU backend does; gloo carries the commands. Each rank
 has its own device: a GPU each, or on a CPU host a disjoint set of the cores, ranks 1.. bound to theirs and rank 0,
 whose process other engines and the service's threads share, stepping with as many OpenMP threads as its set has
@@ -70,10 +70,13 @@ def bind_process(cores: list[int]) -> None:
 
 
 class Collectives:
-    """What a rank's sharded layers and the command channel call; shared memory where it can, else the group."""
+    """What a rank's sharded layers and the command channel call: shared memory where it can, else `group` (NCCL or
+    gloo) for tensors on the device and `command_group` (gloo, on the CPU) for the commands."""
 
-    def __init__(self, rank: int, size: int, group, timeout_s: float, shm: ShmCollectives | None):
+    def __init__(self, rank: int, size: int, group, timeout_s: float, shm: ShmCollectives | None,
+                 command_group=None):
         self.rank, self.size, self.group, self.timeout_s, self.shm = rank, size, group, timeout_s, shm
+        self.command_group = command_group or group
 
     def _wait(self, work) -> None:
         try:
@@ -97,36 +100,40 @@ class Collectives:
         self._wait(self.group.allgather([parts], [t]))
         return parts if self.rank == 0 else None
 
-    def broadcast(self, t: torch.Tensor, fast: bool, timeout: datetime.timedelta | None = None) -> None:
+    def broadcast_command(self, t: torch.Tensor, fast: bool, timeout: datetime.timedelta | None = None) -> None:
+        """Rank 0's CPU tensor `t` into every rank's."""
         if fast and self.shm is not None and self.shm.fits(t):
             return self.shm.broadcast(t)
-        self._wait(self.group.broadcast(t, 0, timeout) if timeout else self.group.broadcast(t, 0))
+        group = self.command_group
+        self._wait(group.broadcast(t, 0, timeout) if timeout else group.broadcast(t, 0))
 
 
 class Channel:
-    """Rank 0's commands to the other ranks, in order. `fast` (inside a forward: a step cut's layer boundary) uses
-    the spinning shared-memory path; between steps the others block in a gloo broadcast that may wait for days."""
+    """Rank 0's commands to the other ranks, in order, as CPU tensors over gloo (a GPU group too: a rank waiting for
+    the next step then blocks a CPU thread, not a GPU kernel). `fast` (inside a forward: a step cut's layer
+    boundary) uses the spinning shared-memory path; between steps the others block in a gloo broadcast that may
+    wait for days."""
 
-    def __init__(self, comm: Collectives, device: torch.device):
-        self.comm, self.device = comm, device
+    def __init__(self, comm: Collectives):
+        self.comm = comm
 
     def send(self, op: int, ints=(), payload: list[int] | None = None, fast: bool = False) -> None:
         header = torch.zeros(HEADER, dtype=torch.int64)
         header[0], header[1] = op, len(payload or ())
         header[2:2 + len(ints)] = torch.tensor(ints, dtype=torch.int64)
-        self.comm.broadcast(header.to(self.device), fast)
+        self.comm.broadcast_command(header, fast)
         if payload:
-            self.comm.broadcast(torch.tensor(payload, dtype=torch.int64, device=self.device), fast)
+            self.comm.broadcast_command(torch.tensor(payload, dtype=torch.int64), fast)
 
     def recv(self, fast: bool) -> tuple[int, list[int], torch.Tensor | None]:
-        header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
-        self.comm.broadcast(header, fast, None if fast else IDLE)
+        header = torch.zeros(HEADER, dtype=torch.int64)
+        self.comm.broadcast_command(header, fast, None if fast else IDLE)
         header = header.tolist()
         payload = None
         if header[1]:
-            payload = torch.empty(header[1], dtype=torch.int64, device=self.device)
-            self.comm.broadcast(payload, fast)
-        return header[0], header[2:], payload.cpu() if payload is not None else None
+            payload = torch.empty(header[1], dtype=torch.int64)
+            self.comm.broadcast_command(payload, fast)
+        return header[0], header[2:], payload
 
 
 def _device(config, rank: int) -> torch.device:
@@ -136,12 +143,19 @@ def _device(config, rank: int) -> torch.device:
 
 def _process_group(store, rank: int, size: int, device: torch.device, timeout_s: float):
     timeout = datetime.timedelta(seconds=timeout_s)
-    prefixed = dist.PrefixStore("tidepool-tp", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
-    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
+        return dist.ProcessGroupNCCL(dist.PrefixStore("tidepool-tp-nccl", store), rank, size, options)
+    return dist.ProcessGroupGloo(dist.PrefixStore("tidepool-tp", store), rank, size, timeout)
+
+
+def _groups(store, rank: int, size: int, device: torch.device, timeout_s: float) -> tuple:
+    """(the tensors' group, the commands' group): one gloo group on a CPU host; NCCL and gloo on GPUs."""
+    group = _process_group(store, rank, size, device, timeout_s)
+    if device.type != "cuda":
+        return group, group
+    return group, _process_group(store, rank, size, torch.device("cpu"), timeout_s)
 
 
 def shm_capacity(config) -> int:
@@ -183,11 +197,11 @@ class TensorParallelGroup:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         self.threads = len(cores[0])     # rank 0 steps with this many OpenMP threads (ModelRunner.run)
-        group = _process_group(store, 0, self.size, device, self.timeout_s)
+        group, commands = _groups(store, 0, self.size, device, self.timeout_s)
         self.store, self.shm_file = store, shm_file      # the file goes when the group does
         self.comm = Collectives(0, self.size, group, self.timeout_s,
-                                shm and ShmCollectives(0, self.size, *shm, self.timeout_s, self.alive))
-        self.channel = Channel(self.comm, device)
+                                shm and ShmCollectives(0, self.size, *shm, self.timeout_s, self.alive), commands)
+        self.channel = Channel(self.comm)
         self.shard = Shard(0, self.size, self.comm)
         self.closed = False
         log.info("tensor-parallel group of %d ranks up in %.1f s (%s%s; rank 0 on %s)", self.size,
@@ -251,20 +265,20 @@ def follower_main() -> None:
     shm = shm_path and ShmCollectives.allocate(size, shm_bytes, shm_path)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False,
                           timeout=datetime.timedelta(seconds=RENDEZVOUS_S))
-    group = _process_group(store, rank, size, device, config.collective_timeout_s)
+    group, commands = _groups(store, rank, size, device, config.collective_timeout_s)
 
     def parent_alive() -> bool:
         return os.getppid() == parent
 
     comm = Collectives(rank, size, group, config.collective_timeout_s,
-                       shm and ShmCollectives(rank, size, *shm, config.collective_timeout_s, parent_alive))
+                       shm and ShmCollectives(rank, size, *shm, config.collective_timeout_s, parent_alive), commands)
     runner = ModelRunner(config, config.model_config, shard=Shard(rank, size, comm))
     if config.max_loras:
         from tidepool.workers.engine.lora import LoRAManager
         runner.lora = LoRAManager(runner.model, config.model_config, config.max_loras, config.max_lora_rank,
                                   config.max_cpu_loras, runner.device, runner.dtype, runner.shard)
     try:
-        Follower(runner, Channel(comm, device)).serve()
+        Follower(runner, Channel(comm)).serve()
     except RankFailure as exc:
         log.error("tensor-parallel rank %d: %s", rank, exc)
         os._exit(1)
