@@ -10,20 +10,21 @@
 #   4. the same engine_throughput with --enforce-eager (each run prints its decode-graph replays);
 #   5. benchmarks/decode_graphs.py: decode-step time, CUDA graphs vs eager;
 #   6. benchmarks/kernel_bench.py: decode-attention bandwidth vs SDPA;
-#   7. benchmarks/hybrid_http.py: `tidepool serve` on the GPU host over HTTP (skipped with under 150 s left).
+#   7. benchmarks/tensor_parallel.py --device cuda: TP=2 against TP=1 over NCCL (only with two or more GPUs);
+#   8. benchmarks/hybrid_http.py: `tidepool serve` on the GPU host over HTTP (skipped with under 150 s left).
 # Uses the machine's python3 (torch, triton, transformers, pytest, hypothesis) with this tree on PYTHONPATH; the
 # service's own packages (Flask, SQLAlchemy, Celery...) are not on that image: benchmarks/gpu_wheels.sh fetches
 # them into .whl/ here, and the device call carries it (`carry: [".whl"]`); without .whl steps 3 and 7 fail.
 # Logs go to $OUT (the device tool's folder, at most 8 files) or test-artifacts/gpu.
 #
-#     bash benchmarks/gpu_check.sh [STEP ...]       # steps by name: tests graphs hybrid_sla eager decode kernels http
+#     bash benchmarks/gpu_check.sh [STEP ...]       # steps by name: tests graphs hybrid_sla eager decode kernels tp http
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 out="${OUT:-test-artifacts/gpu}"
 mkdir -p "$out"
 budget="${GPU_CHECK_BUDGET_S:-450}"
-steps="${*:-tests graphs hybrid_sla eager decode kernels http}"
+steps="${*:-tests graphs hybrid_sla eager decode kernels tp http}"
 status=0
 
 left() { echo $((budget - SECONDS)); }
@@ -76,6 +77,14 @@ step decode 40 decode_graphs.txt python3 benchmarks/decode_graphs.py --model "$m
 
 step kernels 50 kernels.txt python3 benchmarks/kernel_bench.py --iters 20 --batches 1,32,256 \
     --contexts 512,4096,32768
+
+# tensor parallelism over NCCL (two ranks on GPUs 0 and 1): parity, throughput, per-rank weights; needs 2+ GPUs.
+if (($(nvidia-smi -L 2>/dev/null | wc -l) >= 2)); then
+    step tp 120 tensor_parallel.txt python3 benchmarks/tensor_parallel.py --model "$model" --device cuda \
+        --num-requests 128 --max-num-seqs 128
+else
+    [[ " $steps " == *" tp "* ]] && echo "== tp: skipped, one GPU" | tee -a "$out/tensor_parallel.txt"
+fi
 
 if (($(left) >= 150)) || [[ "${steps}" == "http" ]]; then
     step http 240 hybrid_http.txt python3 benchmarks/hybrid_http.py --model "$model" --rt-duration 30 \
