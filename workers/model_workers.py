@@ -272,13 +272,15 @@ def ranks_held(ecfg) -> int:
 
 def weight_bytes(folder: str, ecfg) -> int:
     """What a model's weights take of the budget: its files' size (folder_bytes); at tensor_parallel_size N, one
-    rank's share of it (ModelConfig.weight_bytes_per_rank(N) of the whole model's; the norms, and KV heads fewer
-    than the ranks, are held by each rank) times ranks_held."""
+    rank's share of it (the largest rank's, sharding.largest_rank_weight_bytes, of the whole model's; the norms, and
+    KV heads fewer than the ranks, are held by each rank) times ranks_held."""
+    from tidepool.workers.engine.models.sharding import largest_rank_weight_bytes
     size = ecfg.tensor_parallel_size
     if size == 1:
         return folder_bytes(folder)
     m = ecfg.model_config
-    return folder_bytes(folder) * m.weight_bytes_per_rank(size, 1) * ranks_held(ecfg) // m.weight_bytes_per_rank(1, 1)
+    return folder_bytes(folder) * largest_rank_weight_bytes(m, size, 1) * ranks_held(ecfg) // \
+        largest_rank_weight_bytes(m, 1, 1)
 
 
 def block_bytes(ecfg) -> int:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from tidepool.service.ledger.registry import Entry
+from tidepool.workers.engine.models.sharding import largest_rank_weight_bytes
 from tidepool.workers.model_workers import (block_bytes, engine_config, fitting_models, folder_bytes, model_configs,
                                             ranks_held, weight_bytes)
 
@@ -45,7 +46,7 @@ def test_the_budget_counts_every_rank_on_the_cpu_and_rank_0_on_a_gpu(tiny_model)
     assert (ranks_held(one), ranks_held(two)) == (1, 2)
     assert weight_bytes(tiny_model, one) == folder_bytes(tiny_model)
     assert weight_bytes(tiny_model, two) == \
-        folder_bytes(tiny_model) * 2 * m.weight_bytes_per_rank(2, 1) // m.weight_bytes_per_rank(1, 1)
+        folder_bytes(tiny_model) * 2 * largest_rank_weight_bytes(m, 2, 1) // largest_rank_weight_bytes(m, 1, 1)
     assert block_bytes(one) == one.kv_block_bytes and block_bytes(two) == 2 * two.kv_block_bytes
     on_gpu = SimpleNamespace(device="cuda", tensor_parallel_size=2, model_config=m, kv_block_bytes=two.kv_block_bytes)
     assert ranks_held(on_gpu) == 1 and block_bytes(on_gpu) == two.kv_block_bytes

@@ -17,7 +17,7 @@ from tidepool.workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tidepool.workers.engine.models.model_config import ModelConfig
 from tidepool.workers.engine.models.llama import AttentionContext
 from tidepool.workers.engine.models.loader import load_model
-from tidepool.workers.engine.models.sharding import Shard
+from tidepool.workers.engine.models.sharding import Shard, largest_rank_weight_bytes
 from tidepool.workers.engine.openmp import team_size
 from tidepool.workers.engine.pooling import PoolingSpec, embed_rows
 from tidepool.workers.engine.scheduler import ScheduledBatch
@@ -75,7 +75,7 @@ def check_fits(config: EngineConfig) -> None:
     def need(size: int) -> int:
         blocks = config.blocks_per_sequence
         heads = m.kv_heads_per_rank(size)
-        return m.weight_bytes_per_rank(size, element) + blocks * config.kv_block_bytes * heads // \
+        return largest_rank_weight_bytes(m, size, element) + blocks * config.kv_block_bytes * heads // \
             m.kv_heads_per_rank(config.tensor_parallel_size)
     size = config.tensor_parallel_size
     if need(size) <= capacity:

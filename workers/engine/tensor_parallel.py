@@ -1,7 +1,7 @@
 """One engine over a group of devices: the tensor-parallel group on torch.distributed.
 
 Rank 0 is the engine's own process: it schedules, samples and owns the requests. Ranks 1..N-1 are child processes
-started the way torch's elastic launcher starts ranks (a fresh interpreter running follower_main, with RANK,
+started the way torch's elastic launcher starts ranks (a fresh interpreter running follower.py, with RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set; the engine config on stdin), so no caller needs a
 `__main__` guard, and each loads their shard of the model (models/sharding.py) and a KV pool of their
 heads, and then follow rank 0: every step rank 0 broadcasts the step's inputs (flat token ids, positions, cache
@@ -28,7 +28,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import weakref
 
@@ -44,6 +43,7 @@ RUN, MOVE, LORA, CONTINUE, STOP = 1, 2, 3, 4, 5
 HEADER = 16                                     # int64 words: op, payload length, then the op's integers
 IDLE = datetime.timedelta(days=365)             # a rank waits this long for rank 0's next step (rank 0 may idle)
 RENDEZVOUS_S = 300                              # ranks start (import torch, load their shard) within this
+FOLLOWER = "tidepool.workers.engine.follower"   # a rank > 0's entry point (follower_main)
 
 
 def core_sets(size: int) -> list[list[int]]:
@@ -188,7 +188,7 @@ class TensorParallelGroup:
         for rank in range(1, self.size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(self.size),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
-            proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import follower_main; follower_main()"],
+            proc = subprocess.Popen([sys.executable, "-c", f"from {FOLLOWER} import follower_main; follower_main()"],
                                     stdin=subprocess.PIPE, env=env)
             proc.stdin.write(pickle.dumps((config, cores[rank], shm_file and shm_file.name, shm_capacity(config),
                                            os.getpid())))
@@ -237,83 +237,6 @@ class TensorParallelGroup:
                 p.wait(5)
         if self.shm_file is not None:
             self.shm_file.close()
-
-
-def _exit_with_parent(parent: int) -> None:
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
-
-
-def follower_main() -> None:
-    """A rank > 0 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment; the engine config, its cores,
-    the shared-memory file and rank 0's pid pickled on stdin): load its shard, then run rank 0's commands until
-    STOP, or until rank 0 is gone."""
-    from tidepool.workers.engine.model_runner import ModelRunner
-
-    config, cores, shm_path, shm_bytes, parent = pickle.loads(sys.stdin.buffer.read())
-    _exit_with_parent(parent)
-    logging.basicConfig(level=logging.WARNING)
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = _device(config, rank)
-    if device.type == "cpu":
-        bind_process(cores)
-    else:
-        torch.cuda.set_device(device)
-    shm = shm_path and ShmCollectives.allocate(size, shm_bytes, shm_path)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size, False,
-                          timeout=datetime.timedelta(seconds=RENDEZVOUS_S))
-    group, commands = _groups(store, rank, size, device, config.collective_timeout_s)
-
-    def parent_alive() -> bool:
-        return os.getppid() == parent
-
-    comm = Collectives(rank, size, group, config.collective_timeout_s,
-                       shm and ShmCollectives(rank, size, *shm, config.collective_timeout_s, parent_alive), commands)
-    runner = ModelRunner(config, config.model_config, shard=Shard(rank, size, comm))
-    if config.max_loras:
-        from tidepool.workers.engine.lora import LoRAManager
-        runner.lora = LoRAManager(runner.model, config.model_config, config.max_loras, config.max_lora_rank,
-                                  config.max_cpu_loras, runner.device, runner.dtype, runner.shard)
-    try:
-        Follower(runner, Channel(comm)).serve()
-    except RankFailure as exc:
-        log.error("tensor-parallel rank %d: %s", rank, exc)
-        os._exit(1)
-
-
-class Follower:
-    """A rank > 0's loop: every command rank 0 sends, in order."""
-
-    def __init__(self, runner, channel: Channel):
-        self.runner, self.channel = runner, channel
-
-    def serve(self) -> None:
-        while True:
-            op, ints, payload = self.channel.recv(fast=False)
-            if op == STOP:
-                return
-            self.handle(op, ints, payload)
-
-    def boundary(self, layer: int) -> None:
-        """between_layers of a step with a cut armed: run what rank 0 runs there, until it goes on."""
-        while True:
-            op, ints, payload = self.channel.recv(fast=True)
-            if op == CONTINUE:
-                return
-            self.handle(op, ints, payload)
-
-    def handle(self, op: int, ints: list[int], payload: torch.Tensor | None) -> None:
-        if op == RUN:
-            self.runner.follow_step(ints, payload, self.boundary)
-        elif op == MOVE:
-            self.runner.follow_move(ints, payload)
-        elif op == LORA:
-            self.runner.follow_lora(ints, payload)
-        else:
-            raise RankFailure(f"unknown tensor-parallel command {op}")
 
 
 def start_group(config, owner) -> TensorParallelGroup:

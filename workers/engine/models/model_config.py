@@ -49,12 +49,6 @@ class ModelConfig:
         """The most KV heads one rank holds at tensor-parallel `size` (models/sharding.py head_split)."""
         return -(-self.num_key_value_heads // size)
 
-    def weight_bytes_per_rank(self, size: int, element_size: int) -> int:
-        """Bytes of weights the largest rank holds at tensor-parallel `size` (models/sharding.py: its heads'
-        projections, its part of the MLP and of the vocabulary-parallel embedding and LM head rows, the norms)."""
-        from tidepool.workers.engine.models.sharding import rank_weight_count
-        return max(rank_weight_count(self, size, rank) for rank in range(size)) * element_size
-
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
         model_dir = Path(model_dir)

@@ -158,6 +158,12 @@ class WeightSlicer:
         return tensor_slice[:]
 
 
+def largest_rank_weight_bytes(cfg: ModelConfig, size: int, element_size: int) -> int:
+    """Bytes of weights the largest of `size` ranks holds (its heads' projections, its part of the MLP and of the
+    vocabulary-parallel embedding and LM head rows, the norms)."""
+    return max(rank_weight_count(cfg, size, rank) for rank in range(size)) * element_size
+
+
 def rank_weight_count(cfg: ModelConfig, size: int, rank: int) -> int:
     """Parameters rank `rank` of `size` holds (tied embeddings once)."""
     shard = Shard(rank, size)
