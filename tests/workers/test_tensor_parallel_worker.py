@@ -20,7 +20,8 @@ def ranks_of(worker) -> list[psutil.Process]:
     return [p for p in psutil.Process(worker.pid).children(recursive=True) if "follower_main" in " ".join(p.cmdline())]
 
 
-def test_a_tp2_worker_serves_jobs_and_a_killed_rank_loses_none_and_runs_none_twice(stack):
+def test_a_tp2_worker_serves_jobs_a_killed_rank_loses_none_and_runs_none_twice_and_a_killed_worker_ends_its_rank(
+        stack):
     st = stack
     tenant_id, key = st.tenant()
     beat.sweep(st.app.services)
@@ -39,7 +40,7 @@ def test_a_tp2_worker_serves_jobs_and_a_killed_rank_loses_none_and_runs_none_twi
     _sweep_until(st, lambda: st.count(Job.status == JobStatus.running) == 0 and not st.redis.hlen("unacked"),
                  visibility_timeout=1)
 
-    st.worker("tp-2", **tp)
+    again = st.worker("tp-2", **tp)
     st.wait(lambda: st.count(Job.id.in_(ids), Job.status == JobStatus.completed) == len(ids), 120, "completed")
     for job in st.jobs(Job.id.in_(ids)):
         assert job.completion_tokens == LONG["max_tokens"] and job.attempts in (1, 2), (job.id, job.attempts)
@@ -47,10 +48,7 @@ def test_a_tp2_worker_serves_jobs_and_a_killed_rank_loses_none_and_runs_none_twi
         usage = s.query(Usage).filter_by(tenant_id=tenant_id).one()
     assert usage.requests == 9 and usage.completion_tokens == 3 * 8 + 6 * LONG["max_tokens"]
 
-
-def test_kill_9_of_a_tp2_worker_takes_its_rank_with_it(stack):
-    worker = stack.worker("tp-3", TIDEPOOL_TENSOR_PARALLEL_SIZE=2)
-    (rank1,) = ranks_of(worker)
-    worker.send_signal(signal.SIGKILL)
-    worker.wait()
-    rank1.wait(10)           # psutil.TimeoutExpired if it outlives its parent
+    (rank1,) = ranks_of(again)           # kill -9 of the worker takes its rank with it
+    again.send_signal(signal.SIGKILL)
+    again.wait()
+    rank1.wait(10)                       # psutil.TimeoutExpired if it outlives its parent
