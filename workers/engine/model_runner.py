@@ -64,6 +64,10 @@ def device_memory(config: EngineConfig) -> int | None:
     return None
 
 
+def _amount(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 // 10 else f"{n / 2**20:.1f} MiB"
+
+
 def check_fits(config: EngineConfig) -> None:
     """Refuse (DoesNotFit) a model whose largest rank's weights and one max_model_len sequence of KV exceed one
     device, naming the tensor_parallel_size that fits."""
@@ -71,21 +75,20 @@ def check_fits(config: EngineConfig) -> None:
     if capacity is None:
         return
     m, element = config.model_config, torch.tensor([], dtype=config.torch_dtype).element_size()
+    per_head = config.kv_block_bytes // m.kv_heads_per_rank(config.tensor_parallel_size)   # a block of one KV head
 
     def need(size: int) -> int:
-        blocks = config.blocks_per_sequence
-        heads = m.kv_heads_per_rank(size)
-        return largest_rank_weight_bytes(m, size, element) + blocks * config.kv_block_bytes * heads // \
-            m.kv_heads_per_rank(config.tensor_parallel_size)
+        return (largest_rank_weight_bytes(m, size, element)
+                + config.blocks_per_sequence * per_head * m.kv_heads_per_rank(size))
     size = config.tensor_parallel_size
     if need(size) <= capacity:
         return
     fitting = [n for n in m.tensor_parallel_sizes() if n > size and need(n) <= capacity]
-    hint = (f"tensor_parallel_size={fitting[0]} fits ({need(fitting[0]) / 2**30:.2f} GiB a rank)" if fitting else
+    hint = (f"tensor_parallel_size={fitting[0]} fits ({_amount(need(fitting[0]))} a rank)" if fitting else
             "no tensor_parallel_size this model splits over fits")
-    raise DoesNotFit(f"model {config.model} needs {need(size) / 2**30:.2f} GiB a device at tensor_parallel_size={size} "
+    raise DoesNotFit(f"model {config.model} needs {_amount(need(size))} a device at tensor_parallel_size={size} "
                      f"(weights and one {config.max_model_len}-token sequence of KV), more than the device's "
-                     f"{capacity / 2**30:.2f} GiB; {hint}")
+                     f"{_amount(capacity)}; {hint}")
 
 
 def default_kv_blocks(config: EngineConfig, weight_bytes: int = 0) -> tuple[int, str]:
