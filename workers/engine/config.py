@@ -156,7 +156,7 @@ class EngineConfig:
         shardable = self.model_config.tensor_parallel_sizes()
         if self.tensor_parallel_size not in shardable:
             raise ValueError(f"this model cannot be split over tensor_parallel_size={self.tensor_parallel_size} ranks "
-                             f"(its heads and MLP width divide by {', '.join(map(str, shardable))})")
+                             f"(its KV-head groups split over {', '.join(map(str, shardable))})")
         if self.max_model_len is None:
             self.max_model_len = limit
         elif not 1 <= self.max_model_len <= limit:
