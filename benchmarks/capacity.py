@@ -1,14 +1,16 @@
 """Capacity model: what one accepted job costs each shared part, and what one Postgres and one Redis carry.
 
     python benchmarks/capacity.py [--online 300] [--lines 2000] [--pg-cores 16] [--wal-mb-s 200]
-                                  [--tokens-per-job 500] [--gpu-tokens-s 2500]
+                                  [--tokens-per-job 500] [--gpu-tokens-s 2500] [--clients 16] [--statements]
 
 Runs the production shape on private servers, so the counters are this run's alone: a Postgres cluster
 (initdb in a temporary folder, pg_stat_statements preloaded), a redis-server, gunicorn (the Procfile's web
 process), one `tidepool worker` over a tiny random-weight model and `tidepool beat`. Two phases, each
 measured from a quiet start until every job is terminal (a batch: until it is finalised): online
 `/v1/completions` requests (twice: --max-tokens and --long-tokens, whose difference is the cost of each
-streamed token, added for the projection's online jobs of --tokens-per-job), and the lines of one batch. Per job it prints web CPU, Postgres statements,
+streamed token, added for the projection's online jobs of --tokens-per-job; --clients requests at a time, so
+that many streams share each worker step), and the lines of one batch. --statements lists the online phase's
+statements and Redis commands per job, by query and by command. Per job it prints web CPU, Postgres statements,
 transactions, WAL bytes and backend CPU, Redis commands, network bytes and CPU (an idle window of the same
 length, measured first, is subtracted: beat's sweeps and heartbeats). Then the projection: jobs/s (and
 tokens/s at --tokens-per-job) that one Postgres with --pg-cores cores and --wal-mb-s of WAL, one Redis (one
@@ -107,9 +109,26 @@ class Postgres:
                 " pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
         return {"pg_cpu": cpu, "pg_statements": float(calls), "pg_wal_bytes": float(lsn), "pg_xacts": float(xacts)}
 
+    def statements(self) -> dict[str, float]:
+        """Calls so far by normalised query text (pg_stat_statements)."""
+        with psycopg.connect(f"{self.dsn}/tidepool", autocommit=True) as c:
+            rows = c.execute("SELECT query, sum(calls) FROM pg_stat_statements WHERE query NOT LIKE '%pg_stat%'"
+                             " GROUP BY query").fetchall()
+        return {q: float(n) for q, n in rows}
+
     def stop(self):
         self.proc.terminate()
         self.proc.wait(20)
+
+
+def redis_commands(client: redis.Redis) -> dict[str, float]:
+    return {k.removeprefix("cmdstat_"): float(v["calls"]) for k, v in client.info("commandstats").items()}
+
+
+def breakdown(before: dict, after: dict, n: int, top: int = 25) -> list[tuple[float, str]]:
+    """(calls per job, name) of what grew between two counts, most first."""
+    rows = [((after[k] - before.get(k, 0.0)) / n, k) for k in after]
+    return sorted((r for r in rows if r[0] >= 0.005), reverse=True)[:top]
 
 
 def redis_sample(client: redis.Redis) -> dict:
@@ -177,6 +196,8 @@ def main():
     ap.add_argument("--tokens-per-job", type=float, default=500)
     ap.add_argument("--gpu-tokens-s", type=float, default=2500)
     ap.add_argument("--idle", type=float, default=6)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--statements", action="store_true")
     args = ap.parse_args()
     if PG_BIN is None:
         raise SystemExit("needs a local PostgreSQL installation (/usr/lib/postgresql/*/bin)")
@@ -220,8 +241,9 @@ def main():
         time.sleep(args.idle)
         idle = Meter.delta(a, meter.sample())
 
-        def online_phase(max_tokens: int) -> dict:      # completions from 4 client threads
+        def online_phase(max_tokens: int) -> dict:      # completions from --clients threads
             a = meter.sample()
+            queries, commands = pg.statements(), redis_commands(rc)
             todo = iter(range(args.online))
             lock = threading.Lock()
 
@@ -233,14 +255,22 @@ def main():
                         return
                     http(port, "POST", "/v1/completions", {"prompt": f"online {i}", "max_tokens": max_tokens,
                                                            "ignore_eos": True}, key)
-            threads = [threading.Thread(target=client) for _ in range(4)]
+            threads = [threading.Thread(target=client) for _ in range(args.clients)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
             wait(lambda: unfinished(pg) == 0, 300, "online jobs terminal")
             time.sleep(0.5)         # acks
-            return per_job(Meter.delta(a, meter.sample()), idle, args.online)
+            cost = per_job(Meter.delta(a, meter.sample()), idle, args.online)
+            if args.statements:
+                print(f"\nper online job of {max_tokens} tokens, Postgres statements:")
+                for n, q in breakdown(queries, pg.statements(), args.online):
+                    print(f"  {n:6.2f}  {' '.join(q.split())[:160]}")
+                print("Redis commands:")
+                for n, c in breakdown(commands, redis_commands(rc), args.online):
+                    print(f"  {n:6.2f}  {c}")
+            return cost
 
         online = online_phase(args.max_tokens)
         longer = online_phase(args.long_tokens)

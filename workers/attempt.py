@@ -28,6 +28,7 @@ class Inflight:
     claimed: bool = True
     dropped: bool = False
     entered_at: float | None = None   # when an early attempt was added to the engine
+    result: dict | None = None        # what its completion wrote to the ledger (sent with its end event)
     held: list = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -56,6 +56,7 @@ class Intake:
         self.queues: dict = {}      # lane -> its kombu Queue, bound to the channel
         self.compiling: list[Compiling] = []
         self.wake = wake            # set when a grammar is compiled (the intake loop waits on it)
+        self.one_statement_claims = db.dialect.name == "postgresql"     # jobs.claim
 
     def connect(self) -> None:
         self.queues, self.attempts.held = {}, []     # held messages belong to the old channel
@@ -155,18 +156,21 @@ class Intake:
             return
         token, early = secrets.token_hex(16), None
         try:
-            if queue_name in self.cfg.online_queues:     # prefill and claim overlap
-                early = self._start_early(job_id, token, message, taken_at)
-            with session(self.db, expire_on_commit=False) as s:
-                started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds, token=token,
-                                     at=utc(early.entered_at) if early is not None else None)
-                job = None
-                if started.lease_token is not None:
-                    job = jobs.runnable(s, job_id)
-                elif started.reason == "throttled":
-                    # Over the tenant's max_running: hand the job back to the sweeper, which republishes it.
-                    jobs.undispatch(s, job_id)
-                s.commit()
+            if self.one_statement_claims:       # the claim reads the job too: nothing to overlap
+                started, job = jobs.claim(self.db, job_id, self.cfg.name, self.cfg.lease_seconds, token)
+            else:
+                if queue_name in self.cfg.online_queues:     # prefill and claim overlap
+                    early = self._start_early(job_id, token, message, taken_at)
+                with session(self.db, expire_on_commit=False) as s:
+                    started = jobs.start(s, job_id, self.cfg.name, self.cfg.lease_seconds, token=token,
+                                         at=utc(early.entered_at) if early is not None else None)
+                    job = None
+                    if started.lease_token is not None:
+                        job = jobs.runnable(s, job_id)
+                    elif started.reason == "throttled":
+                        # Over the tenant's max_running: hand the job back to the sweeper, which republishes it.
+                        jobs.undispatch(s, job_id)
+                    s.commit()
         except Exception:  # ledger unreachable: the message goes back to the queue, not into limbo here
             if early is not None:
                 self._drop_early(early)

@@ -20,6 +20,7 @@ from tidepool.workers.streaming import Streaming
 log = logging.getLogger("tidepool.workers.worker")
 WRITE_RETRY_FIRST, WRITE_RETRY_MAX, WRITE_PATIENCE = 0.25, 4.0, 300.0
 RESULT_CHUNK = 8      # finished attempts written per ledger transaction (the online queues are pulled between two)
+FIRST_TOKEN_AFTER = 1.0   # seconds an online attempt runs past its first token before that is written on its own
 
 
 class Results:
@@ -35,6 +36,7 @@ class Results:
         self.between_chunks = between_chunks
         self.fair_window = fair_window  # fair intake: each settled job's served tokens charged to its tenant
         self.unwritten: list[tuple[Inflight, object, float]] = []   # results the ledger refused: (inf, out, since)
+        self.firsts: list[Inflight] = []     # online attempts whose first token is not in the ledger yet
         self.retry_at, self.retry_pause = 0.0, WRITE_RETRY_FIRST
 
     def finish_failed(self, inf: Inflight, error: dict) -> None:
@@ -99,7 +101,7 @@ class Results:
                 requeue(self.name, inf.job_id, inf.message)    # back to the broker: the job is queued again
             else:
                 self.ack(inf)        # only now: the result (or the cancellation) is in the ledger
-            self.streaming.publish_end(inf, "queued" if status == "released" else status)
+            self.streaming.publish_end(inf, "queued" if status == "released" else status, inf.result)
         return None not in statuses
 
     def write_results(self, done: list) -> list[str]:
@@ -119,10 +121,15 @@ class Results:
                                               out.generated_tokens or len(out.token_ids))
                         statuses.append("cancelled")
                     continue
-                if inf.first_token_at is not None and not inf.first_recorded:
-                    jobs.first_token(s, inf.job_id, inf.lease_token, utc(inf.first_token_at))
                 result = ledger_result(out, self.engine.tokenizer, ledger_text, echo=inf.echo)
-                if jobs.complete(s, inf.job_id, inf.lease_token, **result):
+                first = utc(inf.first_token_at) if inf.first_token_at is not None and not inf.first_recorded \
+                    else None
+                finished = time.time()
+                if jobs.complete(s, inf.job_id, inf.lease_token, **result, first_token_at=first,
+                                 finished_at=utc(finished)):
+                    if inf.online:     # its end event carries it: the waiting request reads no row
+                        inf.result = {**result, "first_token_at": inf.first_token_at, "finished_at": finished,
+                                      "started_at": inf.entered_at}
                     statuses.append("completed")
                 elif jobs.settle_cancelled(s, inf.job_id, inf.lease_token, result["prompt_tokens"],
                                            result["completion_tokens"]):
@@ -140,8 +147,15 @@ class Results:
             return None
 
     def record_first_tokens(self) -> None:
-        pending = [inf for inf in self.attempts.drain(self.attempts.firsts)
-                   if self.attempts.current(inf) and inf.claimed and not inf.dropped]
+        """The first token of an online attempt still running FIRST_TOKEN_AFTER seconds later goes to the ledger
+        (GET /v1/jobs shows it while the job runs); a shorter one's goes with its completion, in the same UPDATE."""
+        self.firsts += self.attempts.drain(self.attempts.firsts)
+        due = time.time() - FIRST_TOKEN_AFTER
+        pending = [inf for inf in self.firsts if inf.first_token_at <= due]
+        if not pending:
+            return
+        self.firsts = [inf for inf in self.firsts if inf.first_token_at > due]
+        pending = [inf for inf in pending if self.attempts.current(inf) and inf.claimed and not inf.dropped]
         if not pending:
             return
         with session(self.db) as s:

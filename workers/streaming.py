@@ -63,6 +63,7 @@ class Streaming:
                 self.publish(inf, event)
             inf.held = []
 
-    def publish_end(self, inf: Inflight, status: str) -> None:
+    def publish_end(self, inf: Inflight, status: str, result: dict | None = None) -> None:
+        """After the ledger write: result, what a completion wrote (the waiting request answers from it)."""
         if inf.online:
-            self.publish(inf, {"t": "end", "status": status})
+            self.publish(inf, {"t": "end", "status": status, **({"r": result} if result is not None else {})})

@@ -4,11 +4,13 @@ stays the source of truth for the final text, finish reason and usage."""
 import json
 import logging
 import time
+from datetime import datetime, timezone
 
 from flask import Blueprint, Response, g
 from sqlalchemy.exc import InterfaceError, OperationalError
 
 from tidepool.service.ledger import token_stream
+from tidepool.service.ledger.database import read_only
 
 from ..ledger import adapters, affinity, fair, jobs as transitions, quotas, registry
 from ..protocol import CHAT, COMPLETIONS, EMBEDDINGS
@@ -169,15 +171,16 @@ def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, 
     if not wait:
         return job, None
     conf = cfg()
-    return job, _Waiter(services().sessions, sub, job.id, conf.online_timeout, marks,
-                        start_within=conf.flex_timeout if sla == FLEX else None, slot=slot)
+    return job, _Waiter(services().sessions, sub, job, conf.online_timeout, marks,
+                        start_within=conf.flex_timeout if sla == FLEX else None, slot=slot,
+                        left_queue=dispatcher.left_queue)
 
 
 def first_event(waiter: "_Waiter", whole: bool) -> tuple[dict, Job | None]:
     """(the first event, the terminal job when `whole` or when the first event is the end, else None)."""
     try:
         first = waiter.next_event(keepalive=False)
-        return first, waiter.finish() if whole or first["t"] == "end" else None
+        return first, waiter.finish(first) if whole or first["t"] == "end" else None
     except LedgerUnavailable:   # the job lives on: the client is told its id, to fetch it instead of resubmitting
         waiter.close()
         raise
@@ -206,9 +209,10 @@ class _Waiter:
     """Events for one job from the token stream, with the ledger as fallback when it goes quiet. Ledger
     reads are retried with backoff through a database outage of up to LEDGER_PATIENCE seconds."""
 
-    def __init__(self, sessions, sub, job_id: str, timeout: float, marks: dict | None = None,
-                 start_within: float | None = None, slot=None):
-        self.sessions, self.sub, self.job_id = sessions, sub, job_id
+    def __init__(self, sessions, sub, job: Job, timeout: float, marks: dict | None = None,
+                 start_within: float | None = None, slot=None, left_queue=lambda job_id: None):
+        self.sessions, self.sub, self.job, self.job_id = sessions, sub, job, job.id
+        self.left_queue, self.heard = left_queue, False     # Dispatcher.left_queue
         self.slot = slot     # the request's concurrency slot (quotas.Slot), renewed while it waits
         self.marks = marks if marks is not None else {}   # stage timestamps up to the first token written
         self.deadline = time.monotonic() + timeout
@@ -220,7 +224,7 @@ class _Waiter:
         give_up, pause = time.monotonic() + LEDGER_PATIENCE, 0.1
         while True:
             try:
-                with self.sessions() as s:
+                with read_only(self.sessions.kw["bind"]) as s:
                     return transitions.read(s, self.job_id, whole=full)
             except (OperationalError, InterfaceError):
                 if time.monotonic() + pause > give_up:
@@ -235,6 +239,9 @@ class _Waiter:
                 self.slot.renew()
             ev = self.sub.get(max(0.0, min(QUIET, self.deadline - time.monotonic())))   # never past the deadline
             if ev is not None:
+                if not self.heard:     # a worker claimed the job: it left the queue
+                    self.heard = True
+                    self.left_queue(self.job_id)
                 if "ts" in ev and "event" not in self.marks:
                     self.marks.update(ev["ts"], event=time.time())
                 return ev
@@ -262,13 +269,30 @@ class _Waiter:
         self.close()
         return True
 
-    def finish(self) -> Job:
-        """The terminal ledger row; the end event can race the commit only by a worker crash."""
-        job = self._load(full=True)
-        while job.status not in TERMINAL:
-            self.next_event(keepalive=False)
-            job = self._load(full=True)
+    def finish(self, last: dict | None = None) -> Job:
+        """The terminal job, once the stream ended (`last`: the event the caller read last). A completed attempt's
+        end event carries its result, published after the worker's commit, so the job is that with no ledger
+        read; any other end (or a quiet stream, where next_event reads the ledger) is read from the ledger."""
+        ev = last
+        while True:
+            if ev is not None and ev["t"] == "end" and ev.get("status") != "queued":
+                job = self._ended(ev) if "r" in ev else self._load(full=True)
+                if job.status in TERMINAL:
+                    break
+            ev = self.next_event(keepalive=False)
         self.close()
+        return job
+
+    def _ended(self, ev: dict) -> Job:
+        """The submitted job as the end event's result completed it (jobs.complete's columns)."""
+        job, done = self.job, ev["r"]
+        for column in ("output", "output_token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
+                       "logprobs", "choices"):
+            setattr(job, column, done.get(column))
+        job.status = JobStatus.completed
+        job.started_at, job.first_token_at, job.finished_at = (
+            None if done.get(k) is None else datetime.fromtimestamp(done[k], timezone.utc)
+            for k in ("started_at", "first_token_at", "finished_at"))
         return job
 
     def close(self, cancel: bool = False) -> None:
@@ -432,7 +456,7 @@ def _sse(waiter: _Waiter, fmt: _Format, first: dict):
                         sent_lps[c] = got + len(entries)
                         yield fmt.chunk(piece, entries=entries, index=c)
                 ev = waiter.next_event(keepalive=True)
-            job = waiter.finish()
+            job = waiter.finish(ev)
             every = openai_completions.choices_of(job) if job.status == JobStatus.completed else []
             if job.status != JobStatus.completed:
                 yield _error_event(_job_error(job))

@@ -29,7 +29,7 @@ def text_deltas(waiter: _Waiter, first: dict):
                     piece, sent = attempt[len(sent):], attempt
                     yield piece
             ev = waiter.next_event(keepalive=True)
-        job = waiter.finish()
+        job = waiter.finish(ev)
         if job.status != JobStatus.completed:
             raise _job_error(job)
         text = job.output or ""

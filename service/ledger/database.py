@@ -150,6 +150,14 @@ def outside_transaction(engine: Engine) -> Iterator[Connection]:
         yield conn.execution_options(isolation_level="AUTOCOMMIT")
 
 
+@contextmanager
+def read_only(engine: Engine) -> Iterator[Session]:
+    """A Session for reads alone, each statement outside any transaction (outside_transaction): one round trip per
+    read, no BEGIN or ROLLBACK around it. Nothing may be written through it."""
+    with outside_transaction(engine) as conn, Session(bind=conn, expire_on_commit=False) as s:
+        yield s
+
+
 def ping(engine: Engine) -> None:
     """One round trip to the database (readiness); raises what the driver raises when it cannot."""
     with engine.connect() as conn:

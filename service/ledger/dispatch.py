@@ -45,59 +45,73 @@ WHERE jobs.id = m.id AND jobs.dispatched_at IS NULL
   AND (jobs.status <> 'queued' OR jobs.xmin::text = m.x)
 """
 MARK_INTERVAL = Config.mark_interval  # seconds between two flushes of dispatched_at marks (TIDEPOOL_MARK_INTERVAL)
+MARK_HOLD = 1.0     # seconds a mark waits for its job to leave the queue (well inside TIDEPOOL_REPUBLISH_AFTER)
 
 
 class MarkFlusher:
-    """Records dispatched_at for published jobs on a background thread: at most one UPDATE per interval, for
-    every job published meanwhile, committed without waiting for the WAL flush (a lost mark is a duplicate
-    message, never a lost job). The thread starts on demand (also after a fork) and ends when idle; whatever
-    is pending is flushed at interpreter exit."""
+    """Records dispatched_at for published jobs on a background thread. A mark waits `hold` seconds first: a job that
+    left the queue meanwhile needs none (`discard`; the web process that waits on an online job hears it start),
+    and what is left goes in one UPDATE per flush, at most one flush per `interval`, committed without waiting
+    for the WAL flush (a lost mark is a duplicate message, never a lost job). The thread starts on demand (also
+    after a fork) and ends when idle; whatever is pending is flushed at interpreter exit."""
 
-    def __init__(self, engine: Engine, interval: float = MARK_INTERVAL, idle_exit: float = 5.0):
-        self.engine, self.interval, self.idle_exit = engine, interval, idle_exit
+    def __init__(self, engine: Engine, interval: float = MARK_INTERVAL, idle_exit: float = 5.0,
+                 hold: float = MARK_HOLD):
+        self.engine, self.interval, self.idle_exit, self.hold = engine, interval, idle_exit, hold
         self.lock = threading.Lock()
         self.wake = threading.Event()
-        self.pending: list[tuple[str, str, object]] = []
+        self.pending: dict[str, tuple[str, object, float]] = {}    # job id -> (xmin, published at, monotonic)
         self.thread: threading.Thread | None = None
         self.pid = os.getpid()
         self.background = True  # False: marks wait for an explicit flush() (tests)
-        self.flushed = self.skipped = 0
+        self.flushed = self.skipped = self.discarded = 0
         _flushers.add(self)
 
     def _after_fork(self) -> None:
         """In a forked child: the parent's thread is not running here and its lock may be held."""
         self.lock, self.wake = threading.Lock(), threading.Event()
-        self.pid, self.pending, self.thread = os.getpid(), [], None
+        self.pid, self.pending, self.thread = os.getpid(), {}, None
 
     def add(self, job_id: str, xmin: str) -> None:
         with self.lock:
-            self.pending.append((job_id, xmin, utcnow()))
+            self.pending[job_id] = (xmin, utcnow(), time.monotonic())
             if self.thread is None and self.background:
                 self.thread = threading.Thread(target=self._run, name="tidepool-mark-flusher", daemon=True)
                 self.thread.start()
         self.wake.set()
 
+    def discard(self, job_id: str) -> None:
+        """The job left the queue: its mark is not needed."""
+        with self.lock:
+            if self.pending.pop(job_id, None) is not None:
+                self.discarded += 1
+
     def _run(self) -> None:
         last = float("-inf")
         while True:
-            if not self.wake.wait(self.idle_exit):
-                with self.lock:
-                    if not self.pending:
-                        self.thread = None
-                        return
-            # At most one flush per interval: the first mark after a quiet spell is recorded at once, under
-            # load they are gathered for up to `interval` seconds.
-            delay = last + self.interval - time.monotonic()
+            with self.lock:
+                oldest = next(iter(self.pending.values()), None)    # insertion order is publishing order
+                if oldest is None:
+                    self.wake.clear()
+            if oldest is None:
+                if not self.wake.wait(self.idle_exit):
+                    with self.lock:
+                        if not self.pending:
+                            self.thread = None
+                            return
+                continue
+            delay = max(oldest[2] + self.hold, last + self.interval) - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            self.wake.clear()
             last = time.monotonic()
-            self.flush()
+            self.flush(older_than=self.hold)
 
-    def flush(self) -> int:
-        """Record every pending mark now; returns how many were pending."""
+    def flush(self, older_than: float | None = None) -> int:
+        """Record the pending marks (those held at least `older_than` seconds; None: all) now; returns how many."""
+        cutoff = None if older_than is None else time.monotonic() - older_than
         with self.lock:
-            batch, self.pending = self.pending, []
+            due = [job_id for job_id, mark in self.pending.items() if cutoff is None or mark[2] <= cutoff]
+            batch = [(job_id, *self.pending.pop(job_id)[:2]) for job_id in due]
         if not batch:
             return 0
         ids, xmins, ats = (list(col) for col in zip(*batch))
@@ -240,6 +254,11 @@ class Dispatcher:
                 client.publish(doorbell.CHANNEL, "")
             except Exception:  # workers fall back to polling their queues
                 pass
+
+    def left_queue(self, job_id: str) -> None:
+        """A waiting request heard its job start or end: the job's dispatched mark is not needed (MarkFlusher)."""
+        if self.marks is not None:
+            self.marks.discard(job_id)
 
     def _mark(self, ids: list[str]) -> None:
         with self.engine.begin() as conn:

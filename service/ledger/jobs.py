@@ -4,11 +4,12 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from sqlalchemy import case, delete, select, update
+from sqlalchemy import case, delete, func, literal, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session, undefer
 
 from . import adapters
+from .database import autocommit
 from .models import Job, JobStatus, Quota, Tenant, Usage, utcnow
 
 Q, R = JobStatus.queued, JobStatus.running
@@ -25,17 +26,21 @@ class Started:
     reason: str | None = None  # "not_queued" | "throttled" | "expired" when lease_token is None
 
 
-def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0, released: int = 0,
-              used: int | None = None) -> None:
-    """Move the admission counters; released: budget tokens a finished job no longer holds in reserve; used:
-    the tokens a completed job used, counted against this month's budget."""
+def _counter_values(queued: int = 0, running: int = 0, released=0, used: int | None = None) -> dict:
     values = dict(queued_count=Tenant.queued_count + queued, running_count=Tenant.running_count + running,
                   budget_reserved=Tenant.budget_reserved - released)
     if used is not None:
         now = period()
         values.update(budget_period=now, budget_used=case((Tenant.budget_period == now, Tenant.budget_used + used),
                                                           else_=used))
-    s.execute(update(Tenant).where(Tenant.id == tenant_id).values(**values))
+    return values
+
+
+def _counters(s: Session, tenant_id: str, queued: int = 0, running: int = 0, released: int = 0,
+              used: int | None = None) -> None:
+    """Move the admission counters; released: budget tokens a finished job no longer holds in reserve; used:
+    the tokens a completed job used, counted against this month's budget."""
+    s.execute(update(Tenant).where(Tenant.id == tenant_id).values(_counter_values(queued, running, released, used)))
 
 
 @dataclass
@@ -118,6 +123,66 @@ def start(s: Session, job_id: str, worker: str, lease_seconds: float = 300, toke
     return Started(token)
 
 
+# The claim on Postgres, one statement: the job row locked (as start() does first), the tenant's counters moved
+# unless it runs max_running jobs already or the job is past its deadline, the job started, and what runnable()
+# reads, returned with it. Data-modifying CTEs run to completion whatever the final SELECT reads.
+_CLAIM_PG = text("""
+WITH j AS (
+  SELECT jobs.id, jobs.tenant_id, jobs.deadline, jobs.endpoint, jobs.request, jobs.sla_class, jobs.queued_at,
+         jobs.model, tenants.weight, tenants.prefix_cache_group, quotas.allowed_models, quotas.max_running
+  FROM jobs JOIN tenants ON tenants.id = jobs.tenant_id JOIN quotas ON quotas.tenant_id = jobs.tenant_id
+  WHERE jobs.id = :id AND jobs.status = 'queued'
+  FOR UPDATE OF jobs),
+bump AS (
+  UPDATE tenants SET queued_count = tenants.queued_count - 1, running_count = tenants.running_count + 1
+  FROM j WHERE tenants.id = j.tenant_id AND (j.deadline IS NULL OR j.deadline > :now)
+    AND (j.max_running IS NULL OR tenants.running_count < j.max_running)
+  RETURNING tenants.id),
+claimed AS (
+  UPDATE jobs SET status = 'running', attempts = jobs.attempts + 1, lease_token = :token, worker = :worker,
+    started_at = :now, first_token_at = NULL, lease_expires_at = :expires
+  FROM bump WHERE jobs.id = :id AND jobs.status = 'queued'
+  RETURNING jobs.id)
+SELECT j.*, EXISTS (SELECT 1 FROM claimed) AS started FROM j
+""")
+
+
+def claim(engine, job_id: str, worker: str, lease_seconds: float = 300,
+          token: str | None = None) -> tuple[Started, Runnable | None]:
+    """start() and runnable() together: (Started, the job to run when it started). On Postgres one autocommit
+    statement (a deadline passed or a throttled tenant, both rare, then take start()'s own path); elsewhere
+    start() then runnable() in one transaction."""
+    token = token or secrets.token_hex(16)
+    if engine.dialect.name != "postgresql":
+        return _claim_in_session(engine, job_id, worker, lease_seconds, token)
+    now = utcnow()
+    with autocommit(engine) as conn:
+        row = conn.execute(_CLAIM_PG, {"id": job_id, "now": now, "token": token, "worker": worker,
+                                       "expires": now + timedelta(seconds=lease_seconds)}).first()
+        if row is None:
+            return Started(None, "not_queued"), None
+        if row.started:
+            job = Runnable(JobStatus.running, row.endpoint, row.request, row.sla_class, row.tenant_id,
+                           row.weight or 1.0, row.prefix_cache_group,
+                           None if row.queued_at is None else (now - row.queued_at).total_seconds())
+            try:
+                job.adapter = adapters.for_job(conn, row.tenant_id, row.allowed_models, row.model, row.request)
+            except adapters.NotUsable as exc:
+                job.refused = exc
+            return Started(token), job
+    return _claim_in_session(engine, job_id, worker, lease_seconds, token)    # past its deadline, or throttled
+
+
+def _claim_in_session(engine, job_id: str, worker: str, lease_seconds: float, token: str):
+    with Session(engine, expire_on_commit=False) as s:
+        started = start(s, job_id, worker, lease_seconds, token=token)
+        job = runnable(s, job_id) if started.lease_token is not None else None
+        if started.reason == "throttled":    # over max_running: back to the sweeper, which republishes it
+            undispatch(s, job_id)
+        s.commit()
+    return started, job
+
+
 def renew_lease(s: Session, job_id: str, lease_token: str, lease_seconds: float = 300) -> bool:
     return s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
                      .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))).rowcount == 1
@@ -156,31 +221,52 @@ def first_token(s: Session, job_id: str, lease_token: str, at: datetime | None =
                      .values(first_token_at=at or utcnow())).rowcount == 1
 
 
+def _usage_upsert(insert, prompt_tokens: int, completion_tokens: int):
+    return insert.on_conflict_do_update(index_elements=["tenant_id", "period"], set_={
+        "requests": Usage.requests + 1, "prompt_tokens": Usage.prompt_tokens + prompt_tokens,
+        "completion_tokens": Usage.completion_tokens + completion_tokens})
+
+
 def _add_usage(s: Session, tenant_id: str, prompt_tokens: int, completion_tokens: int) -> None:
     values = dict(tenant_id=tenant_id, period=period(), requests=1, prompt_tokens=prompt_tokens,
                   completion_tokens=completion_tokens)
     insert = (postgresql if s.get_bind().dialect.name == "postgresql" else sqlite).insert
-    stmt = insert(Usage).values(**values)
-    s.execute(stmt.on_conflict_do_update(index_elements=["tenant_id", "period"], set_={
-        "requests": Usage.requests + 1, "prompt_tokens": Usage.prompt_tokens + prompt_tokens,
-        "completion_tokens": Usage.completion_tokens + completion_tokens}))
+    s.execute(_usage_upsert(insert(Usage).values(**values), prompt_tokens, completion_tokens))
 
 
 def complete(s: Session, job_id: str, lease_token: str, *, output: str, output_token_ids: list[int] | None,
              prompt_tokens: int, completion_tokens: int, finish_reason: str, logprobs: list | None = None,
-             choices: list | None = None) -> bool:
-    """running → completed with the result; False (and nothing written) if the lease is not current.
-    n > 1: output & co. are the first choice, `choices` the others (Job.choices); completion_tokens counts all."""
-    tenant_id = s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
-                          .values(status=JobStatus.completed, finished_at=utcnow(), output=output,
-                                  output_token_ids=output_token_ids, prompt_tokens=prompt_tokens,
-                                  completion_tokens=completion_tokens, finish_reason=finish_reason,
-                                  logprobs=logprobs, choices=choices, lease_token=None, lease_expires_at=None)
-                          .returning(Job.tenant_id, Job.estimated_tokens)).first()
-    if tenant_id is None:
+             choices: list | None = None, first_token_at: datetime | None = None,
+             finished_at: datetime | None = None) -> bool:
+    """running → completed with the result, its tenant's counters and budget settled and its usage added; False (and
+    nothing written) if the lease is not current. n > 1: output & co. are the first choice, `choices` the others
+    (Job.choices); completion_tokens counts all. first_token_at: when the first token came, unless first_token
+    recorded it already. On Postgres all of it is one statement."""
+    values = dict(status=JobStatus.completed, finished_at=finished_at or utcnow(), output=output,
+                  output_token_ids=output_token_ids, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                  finish_reason=finish_reason, logprobs=logprobs, choices=choices, lease_token=None,
+                  lease_expires_at=None)
+    if first_token_at is not None:
+        values["first_token_at"] = func.coalesce(Job.first_token_at, literal(first_token_at, Job.first_token_at.type))
+    done = (update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token).values(**values)
+            .returning(Job.tenant_id, Job.estimated_tokens))
+    used = prompt_tokens + completion_tokens
+    if s.get_bind().dialect.name == "postgresql":
+        done = done.cte("done")
+        settled = (update(Tenant).where(Tenant.id == done.c.tenant_id)
+                   .values(_counter_values(running=-1, released=done.c.estimated_tokens, used=used))
+                   .returning(Tenant.id).cte("settled"))
+        billed = _usage_upsert(postgresql.insert(Usage).from_select(
+            ["tenant_id", "period", "requests", "prompt_tokens", "completion_tokens"],
+            select(done.c.tenant_id, literal(period()), literal(1), literal(prompt_tokens),
+                   literal(completion_tokens))), prompt_tokens, completion_tokens).returning(Usage.tenant_id)
+        return s.execute(select(func.count()).select_from(done)
+                         .add_cte(settled, billed.cte("billed"))).scalar() == 1
+    row = s.execute(done).first()
+    if row is None:
         return False
-    tenant_id, reserved = tenant_id
-    _counters(s, tenant_id, running=-1, released=reserved, used=prompt_tokens + completion_tokens)  # settled
+    tenant_id, reserved = row
+    _counters(s, tenant_id, running=-1, released=reserved, used=used)  # settled
     _add_usage(s, tenant_id, prompt_tokens, completion_tokens)
     return True
 

@@ -1,5 +1,6 @@
-"""An online job enters the engine before its claim commits (the claim overlaps the prefill), driven step by
-step: nothing of the attempt reaches the token stream before the claim succeeded, and an attempt whose claim
+"""Where a claim is more than one statement (SQLite: it waits for the write lock), an online job enters the engine
+before its claim commits (the claim overlaps the prefill), driven step by step here on a worker told to claim that
+way (Postgres claims in one statement that also reads the job, so there is nothing to overlap): nothing of the attempt reaches the token stream before the claim succeeded, and an attempt whose claim
 is refused leaves no trace (no stream event, no ledger write, its message acked)."""
 from sqlalchemy.orm import Session
 
@@ -22,6 +23,7 @@ def test_tokens_made_before_the_claim_commits_are_streamed_after_it(stack, monke
     _, key = st.tenant()
     [job_id] = st.submit(key, 1, prompt="early", max_tokens=4, ignore_eos=True, sla_class="realtime", logprobs=1)
     w = _worker(st, "w")
+    w.intake.one_statement_claims = False
     sub = token_stream.for_redis(st.redis).subscribe(job_id)
     real_start, seen = transitions.start, {}
 
@@ -42,7 +44,8 @@ def test_tokens_made_before_the_claim_commits_are_streamed_after_it(stack, monke
         w.finish_done()
         events = _events(sub)
         toks = [e for e in events if e["t"] == "tok"]
-        assert events[-1] == {"t": "end", "status": "completed"}
+        assert events[-1]["t"] == "end" and events[-1]["status"] == "completed"
+        assert events[-1]["r"]["output"] == _job(st, job_id).output
         job = _job(st, job_id)
         assert "".join(e["d"] for e in toks) == job.output and toks[0]["p"] == 0
         assert job.status == JobStatus.completed and job.started_at <= job.first_token_at <= job.finished_at
@@ -56,6 +59,7 @@ def test_an_attempt_whose_claim_is_refused_leaves_no_trace(stack, monkeypatch):
     _, key = st.tenant()
     [job_id] = st.submit(key, 1, prompt="refused", max_tokens=4, ignore_eos=True, sla_class="realtime")
     w = _worker(st, "w")
+    w.intake.one_statement_claims = False
     sub = token_stream.for_redis(st.redis).subscribe(job_id)
     real_start = transitions.start
 
@@ -87,13 +91,13 @@ def test_offline_jobs_are_claimed_before_they_enter_the_engine(stack, monkeypatc
     _, key = st.tenant()
     st.submit(key, 1, prompt="offline", max_tokens=2, sla_class="batch")
     w = _worker(st, "w")
-    real_start, seen = transitions.start, []
+    real_claim, seen = transitions.claim, []
 
-    def start(s, *args, **kwargs):
+    def claim(*args, **kwargs):
         seen.append(dict(w.inflight))
-        return real_start(s, *args, **kwargs)
+        return real_claim(*args, **kwargs)
 
-    monkeypatch.setattr("tidepool.service.ledger.jobs.start", start)
+    monkeypatch.setattr("tidepool.service.ledger.jobs.claim", claim)
     try:
         assert w.pull()
         assert seen == [{}] and len(w.inflight) == 1
