@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from kombu import Connection
 
-from tidepool.service.ledger import batches, files, jobs
+from tidepool.service.ledger import batches, doorbell, files, jobs
 from tidepool.service.ledger.database import session
 from tidepool.service.ledger.services import Services
 
@@ -88,6 +88,7 @@ def restore_orphans(services: Services, grace: float = ORPHAN_GRACE) -> int:
             if gone:
                 client.hdel(OWNERS_KEY, *gone)
     if restored:
+        doorbell.ring(client)
         log.warning("returned %d unacked messages of dead workers to their queues", restored)
     return restored
 
@@ -102,6 +103,7 @@ def drain_private_queues(services: Services) -> int:
         return 0
     moved = affinity.drain_dead(client)
     if moved:
+        doorbell.ring(client)
         log.warning("moved %d messages from dead workers' private queues to the shared queues", moved)
     return moved
 

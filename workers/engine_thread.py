@@ -10,8 +10,10 @@ log = logging.getLogger("tidepool.workers.worker")
 
 
 class EngineThread:
-    def __init__(self, name: str, engine, metrics, attempts: Attempts, wake: threading.Event, stop: threading.Event):
+    def __init__(self, name: str, engine, metrics, attempts: Attempts, wake: threading.Event, stop: threading.Event,
+                 after_step=lambda: None):
         self.name = name
+        self.after_step = after_step    # the step's token events go out (Streaming.flush) before its ends are queued
         self.engine = engine
         self.metrics = metrics
         self.attempts = attempts
@@ -57,7 +59,9 @@ class EngineThread:
     def step(self) -> None:
         """One engine step: finished requests are observed and queued for the intake thread."""
         self.step_at = time.time()
-        for out in self.engine.step():
+        outs = self.engine.step()
+        self.after_step()
+        for out in outs:
             if out.finished:
                 inf = self.attempts.of_request(out.request_id)
                 if inf is not None and not inf.dropped:

@@ -13,7 +13,7 @@ from functools import partial
 
 from kombu import Connection, Queue
 
-from tidepool.service.ledger import jobs
+from tidepool.service.ledger import affinity, jobs
 from tidepool.service.ledger.database import outside_transaction, session
 from tidepool.service.ledger.models import ONLINE_CLASSES, cache_namespace
 from tidepool.service.ledger.wire import job_id as message_job_id, transport_options
@@ -57,6 +57,10 @@ class Intake:
         self.compiling: list[Compiling] = []
         self.wake = wake            # set when a grammar is compiled (the intake loop waits on it)
         self.one_statement_claims = db.dialect.name == "postgresql"     # jobs.claim
+        # The queues that may hold messages: rung by the doorbell since their last take found them empty; every
+        # queue after a ring for any queue and at each full poll (a message requeued or restored without a ring).
+        self.unread: set[str] = set(cfg.queues)
+        self.full_poll_at = 0.0
 
     def connect(self) -> None:
         self.queues, self.attempts.held = {}, []     # held messages belong to the old channel
@@ -69,10 +73,21 @@ class Intake:
         self.broker_errors = (OSError, *self.conn.connection_errors, *self.conn.channel_errors)
         self.conn.ensure_connection(max_retries=3)
         self.channel = self.conn.channel()
+        self.unread.update(self.cfg.queues)
         self.queues = {lane: Queue(lane, routing_key=lane).bind(self.channel)
                        for name in self.cfg.queues for lane in self.affinity.lanes(name)}
         if not self.cfg.fair_intake:      # FIFO: what a fair take sorted in earlier goes back onto the lists
             unsort(self.channel, list(self.queues))
+
+    def rung(self, lane: str | None) -> None:
+        """The doorbell rang for `lane` (None: any queue); any thread."""
+        if lane is None:
+            self.unread.update(self.cfg.queues)
+            return
+        private = affinity.split_private(lane)
+        queue = lane if private is None else private[0]
+        if queue in self.cfg.queues:
+            self.unread.add(queue)
 
     def release(self) -> None:
         """Give back the broker connection: closing the channel restores its unacked messages to their queues."""
@@ -112,34 +127,53 @@ class Intake:
         if self.compiling:
             self._enter_compiled()
         got = False
+        now = time.monotonic()
+        if now >= self.full_poll_at:
+            self.full_poll_at = now + self.cfg.full_poll_interval
+            self.unread.update(self.cfg.queues)
         if self.attempts.held:
             held, self.attempts.held = self.attempts.held, []
             for name, message in held:
                 self._accept(name, message)
         for sla_class, name in zip(self.cfg.classes, self.cfg.queues):
             online = name in self.cfg.online_queues
-            if online_only and not online:
+            if online_only and not online or name not in self.unread:
                 continue
-            # its private queue (prefix affinity), then the shared one; by tenant share with fair intake
-            lanes = [self.queues[lane] for lane in self.affinity.lanes(name)]
-            fair = (name, self.cfg.fair_window) if self.cfg.fair_intake else None
-            while len(self.attempts) < self.cfg.max_inflight:
-                exclude = None
-                if not online:
-                    exclude = self._offline_room(sla_class, fair is not None)
-                    if exclude is None:
-                        return got   # no spare capacity: leave offline work in the broker
-                    exclude = exclude or None     # [] (room): take anyone's
-                message = take(lanes, accept=["json"], owner=self.owner, fair=fair, exclude=exclude)
-                if message is None:
-                    if exclude is not None:
-                        return got
-                    break
-                got = True
-                self._accept(name, message, taken_at=time.time())
-                if not online:
-                    break            # one offline message per pass, then look at the online queues again
+            self.unread.discard(name)        # (before the take: a ring during it marks the queue again)
+            took = drained = full = False
+            try:
+                took, drained, full = self._pull_queue(sla_class, name, online)
+            finally:
+                if not drained:              # (a failed claim's message went back to the queue too)
+                    self.unread.add(name)
+            got = got or took
+            if full:                         # no spare capacity: offline work stays in the broker
+                return got
         return got
+
+    def _pull_queue(self, sla_class: str, name: str, online: bool) -> tuple[bool, bool, bool]:
+        """Take and claim from one queue: (something was taken, the queue was found empty, offline work is left
+        for lack of room)."""
+        # its private queue (prefix affinity), then the shared one; by tenant share with fair intake
+        lanes = [self.queues[lane] for lane in self.affinity.lanes(name)]
+        fair = (name, self.cfg.fair_window) if self.cfg.fair_intake else None
+        took = False
+        while len(self.attempts) < self.cfg.max_inflight:
+            exclude = None
+            if not online:
+                exclude = self._offline_room(sla_class, fair is not None)
+                if exclude is None:
+                    return took, False, True
+                exclude = exclude or None     # [] (room): take anyone's
+            message = take(lanes, accept=["json"], owner=self.owner, fair=fair, exclude=exclude)
+            if message is None:
+                # an over-take looked only at tenants under their share: others' work may wait
+                return took, exclude is None, exclude is not None
+            took = True
+            self._accept(name, message, taken_at=time.time())
+            if not online:
+                return True, False, False     # one offline message per pass, then look at the online queues again
+        return took, False, False             # as many attempts as it may hold: the rest waits
 
     def _accept(self, queue_name: str, message, taken_at: float | None = None) -> None:
         """Claim the message's job and run it: take -> (online: into the engine at once) -> claim -> engine."""

@@ -37,6 +37,7 @@ class Results:
         self.fair_window = fair_window  # fair intake: each settled job's served tokens charged to its tenant
         self.unwritten: list[tuple[Inflight, object, float]] = []   # results the ledger refused: (inf, out, since)
         self.firsts: list[Inflight] = []     # online attempts whose first token is not in the ledger yet
+        self.rung = lambda lane: None        # a message went back to `lane` (the worker rings the doorbell)
         self.retry_at, self.retry_pause = 0.0, WRITE_RETRY_FIRST
 
     def finish_failed(self, inf: Inflight, error: dict) -> None:
@@ -99,6 +100,7 @@ class Results:
             self.charge(inf, out)
             if status == "released":
                 requeue(self.name, inf.job_id, inf.message)    # back to the broker: the job is queued again
+                self.rung(getattr(inf.message, "delivery_info", {}).get("routing_key"))
             else:
                 self.ack(inf)        # only now: the result (or the cancellation) is in the ledger
             self.streaming.publish_end(inf, "queued" if status == "released" else status, inf.result)

@@ -1,10 +1,12 @@
 """The worker's token events (engine thread): each step's new text, logprobs and, with `echo`, the prompt go out on
-the token stream (service/ledger/token_stream.py) as "tok" events for online attempts; an attempt that entered the
-engine before its claim committed holds its events until the claim succeeded. The intake thread announces each
-online attempt's end ("end" event). A waiter that misses an event falls back to the ledger."""
+the token stream (service/ledger/token_stream.py) as "tok" events for online attempts, gathered per web process
+(the inbox its job's message names) and published once per step (`flush`); an attempt that entered the engine
+before its claim committed holds its events until the claim succeeded. The intake thread announces each online
+attempt's end ("end" event). A waiter that misses an event falls back to the ledger."""
 import threading
 import time
 
+from tidepool.service.ledger.wire import reply_to
 from tidepool.workers.attempt import Attempts, Inflight, ledger_text
 from tidepool.workers.openai_bodies import logprob_entries, prompt_entries
 
@@ -16,6 +18,8 @@ class Streaming:
         self.attempts = attempts
         self.wake = wake                # first tokens are written by the intake thread
         self.step_began = step_began    # () -> when the engine's current step began (stage marks)
+        self.inboxes = hasattr(stream, "publish_inboxes")     # Redis: one message per web process per step
+        self.pending: dict[str, list] = {}    # inbox -> this step's [job id, event] pairs (engine thread)
 
     def on_token(self, inf: Inflight, out) -> None:
         if not self.attempts.current(inf):
@@ -45,13 +49,32 @@ class Streaming:
             inf.pos[out.index] = inf.pos.get(out.index, 0) + len(delta)
             with inf.lock:
                 if inf.claimed:
-                    self.publish(inf, event)
+                    inbox = reply_to(inf.message) if self.inboxes else None
+                    if inbox is None:
+                        self.publish(inf, event)
+                    else:
+                        self.pending.setdefault(inbox, []).append([inf.job_id, event])
                 elif not inf.dropped:
                     inf.held.append(event)
 
-    def publish(self, inf: Inflight, event: dict) -> None:
+    def flush(self) -> None:
+        """This step's events, one message per web process (engine thread, after each step)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, {}
         try:
-            self.stream.publish(inf.job_id, event)
+            self.stream.publish_inboxes(pending)
+        except Exception:  # the waiters fall back to the ledger
+            pass
+
+    def publish(self, inf: Inflight, event: dict) -> None:
+        """One event now (the intake thread's: held events, ends)."""
+        inbox = reply_to(inf.message) if self.inboxes else None
+        try:
+            if inbox is None:
+                self.stream.publish(inf.job_id, event)
+            else:
+                self.stream.publish_inboxes({inbox: [[inf.job_id, event]]})
         except Exception:  # the waiter falls back to the ledger
             pass
 

@@ -29,6 +29,7 @@ import signal
 import socket
 import threading
 import time
+from functools import partial
 from dataclasses import dataclass, field
 
 from tidepool.service.ledger import doorbell, token_stream
@@ -88,7 +89,8 @@ class WorkerConfig:
     fair_window: float = Config.fair_window  # decay time constant of the tenants' service, seconds
     metrics_port: int | None = None      # first port tried for /metrics; None: DEFAULT_PORTS[kind], 0: none
     max_inflight: int = 512
-    poll_interval: float = 0.1           # idle intake looks at its queues this often even if no doorbell rang
+    poll_interval: float = 0.1           # idle intake looks at the queues rung for this often
+    full_poll_interval: float = 1.0      # and at every queue this often, even if no doorbell rang for it
     check_interval: float = 0.5          # cancellations reach the engine within this (plus one step)
     heartbeat_interval: float = 2.0
     grammar_budget: float = 10.0         # seconds a structured request's grammar may take to compile, else it fails
@@ -153,11 +155,13 @@ class Worker:
         self.engine_thread = EngineThread(cfg.name, self.engine, self.metrics, self.attempts, self._wake, self._stop)
         self.streaming = Streaming(self.engine.tokenizer, token_stream.for_redis(redis_client), self.attempts,
                                    self._wake, lambda: self.engine_thread.step_at)
+        self.engine_thread.after_step = self.streaming.flush
         self.results = Results(cfg.name, self._db, self.engine, self.attempts, self.streaming, self.counters,
                                self.preempted, between_chunks=self._pull_between_writes,
                                fair_window=cfg.fair_window if cfg.fair_intake else None)
         self.intake = Intake(cfg, self._db, self.engine, self.affinity, self.attempts, self.streaming, self.results,
                              self.counters, self.started_at, wake=self._wake)
+        self.results.rung = partial(self._requeued, redis_client)
         self._next_check = self._next_renew = self._next_beat = 0.0
         self.metrics_port: int | None = None     # its own /metrics (process mode), shown in the heartbeat
 
@@ -214,6 +218,12 @@ class Worker:
     def check_leases(self, renew: bool) -> None:
         self.results.check_leases(self.cfg.lease_seconds if renew else None)
 
+    def _requeued(self, redis_client, lane: str | None) -> None:
+        """A message went back to `lane`: this worker and the others look at it again."""
+        self.intake.rung(lane)
+        if redis_client is not None:
+            doorbell.ring(redis_client, lane or "")
+
     def _pull_between_writes(self) -> None:
         """Claim what arrived on the online queues between two chunks of result writes (not while stopping:
         release_all would hand it straight back). A broker or ledger error here must not strand the results still
@@ -234,9 +244,9 @@ class Worker:
     def run(self) -> None:
         """Serve until stop(); in-flight jobs are then released back to the queue."""
         engine_thread = self.engine_thread.start()
-        doorbell.register(self._wake)
+        doorbell.register(self._wake, self.intake.rung)
         if self.cfg.broker_url.startswith(("redis://", "rediss://", "unix://")):
-            doorbell.listen(self.cfg.broker_url, self._wake, self._stop)
+            doorbell.listen(self.cfg.broker_url, self._wake, self._stop, self.intake.rung)
         log.info("worker %s: %s on %s, queues %s", self.cfg.name, self.cfg.model, self.cfg.device, self.cfg.queues)
         try:
             self.connect()

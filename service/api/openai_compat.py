@@ -159,12 +159,14 @@ def submit(checked: bodies.Checked, sla: str, model, marks: dict | None = None, 
               attempts=0, created_at=now, queued_at=now, hidden=hidden)
     xmin = admission.admit(job)    # counted against max_queued and the budget, inserted and committed: one statement
     marks["insert"] = time.time()
-    sub = _hub().subscribe(job.id) if wait else None      # before dispatch, so no event can be missed
+    hub = _hub()
+    sub = hub.subscribe(job.id) if wait else None      # before dispatch, so no event can be missed
     dispatcher = services().dispatcher
     published = dispatcher.publish_one(
         job.id, dispatcher.queue(sla, model.name), xmin,    # a chat's history
         prefix=affinity.job_prefix_key(g.tenant.id, g.tenant.prefix_cache_group, checked.endpoint, checked.body),
-        fair=fair.meta(g.tenant.id, g.tenant.weight, None, checked.estimated_tokens))
+        fair=fair.meta(g.tenant.id, g.tenant.weight, None, checked.estimated_tokens),
+        reply_to=hub.inbox if wait else None)
     if published and not wait:
         job.dispatched_at = utcnow()
     marks["publish"] = time.time()

@@ -208,21 +208,22 @@ class Dispatcher:
         return self.router.route(queue, prefix)
 
     def publish_one(self, job_id: str, queue: str, xmin: str | None = None, prefix: str | None = None,
-                    fair: list | None = None) -> bool:
+                    fair: list | None = None, reply_to: str | None = None) -> bool:
         """Publish one job committed with the given xmin (Postgres) and record it dispatched in the
         background; True once the message is in the broker. Without an xmin or a plain Redis broker this is
         publish([(job_id, queue)]), which records dispatched_at before returning. prefix: the job's prefix
-        key, for affinity routing; fair: its fair-intake header (fair.meta)."""
+        key, for affinity routing; fair: its fair-intake header (fair.meta); reply_to: the inbox of the web process
+        waiting on it (token_stream), on a plain Redis broker."""
         queue = self.route(queue, prefix)
         client = self._direct_client() if xmin is not None and self.marks is not None else None
         if client is None:
             return self.publish([(job_id, queue, None, fair)]) == 1
         try:
-            _lpush(client, queue, task_message(job_id, queue, fair), ring=True)
+            _lpush(client, queue, task_message(job_id, queue, fair, reply_to or ""), ring=True)
         except Exception:  # the broker is down: the row stays undispatched and the sweeper retries
             log.exception("publishing job %s failed", job_id)
             return False
-        doorbell.ring_local()
+        doorbell.ring_local(queue)
         self.marks.add(job_id, xmin)
         return True
 

@@ -1,38 +1,53 @@
 """Wakes idle workers the moment a job message is published, so an idle worker blocks instead of polling
 its queues. The dispatcher rings after every publish: PUBLISH on a Redis channel (sent in the same round
 trip as the message, see dispatch.py) and, for workers in this very process (embedded mode), a plain
-in-process event. A ring says only "look at your queues"; a missed one costs at most the worker's fallback
-poll interval, so nothing depends on it for correctness."""
+in-process event. A ring names the queue the message went to ("" or None: any queue), so a worker takes only from
+the queues rung since it last found them empty; a missed ring costs at most the worker's fallback poll interval,
+when it looks at every queue again, so nothing depends on it for correctness."""
 import logging
 import threading
 
 CHANNEL = "tidepool:doorbell"
 log = logging.getLogger(__name__)
-_local: set[threading.Event] = set()
+_local: dict[threading.Event, object] = {}
 _lock = threading.Lock()
 
 
-def ring_local() -> None:
+def _nothing(_queue) -> None:
+    pass
+
+
+def ring_local(queue: str | None = None) -> None:
     with _lock:
-        events = list(_local)
-    for event in events:
+        rings = list(_local.items())
+    for event, on_ring in rings:
+        on_ring(queue)
         event.set()
 
 
-def register(event: threading.Event) -> None:
-    """Set `event` whenever a job is published in this process."""
+def register(event: threading.Event, on_ring=_nothing) -> None:
+    """Set `event` whenever a job is published in this process, after on_ring(the queue, or None for any)."""
     with _lock:
-        _local.add(event)
+        _local[event] = on_ring
 
 
 def unregister(event: threading.Event) -> None:
     with _lock:
-        _local.discard(event)
+        _local.pop(event, None)
 
 
-def listen(url: str, event: threading.Event, stop: threading.Event) -> threading.Thread:
-    """A daemon thread that sets `event` whenever the Redis doorbell rings, until `stop`; it reconnects after
-    errors and sets `event` on every (re)subscription, for messages published while it was not listening."""
+def ring(client, queue: str = "") -> None:
+    """Ring for a message put back on `queue` outside the dispatcher (a requeue, a restore); errors are the poll's."""
+    try:
+        client.publish(CHANNEL, queue)
+    except Exception:
+        pass
+
+
+def listen(url: str, event: threading.Event, stop: threading.Event, on_ring=_nothing) -> threading.Thread:
+    """A daemon thread that sets `event` whenever the Redis doorbell rings, until `stop`, after on_ring(the queue it
+    names, or None for any); it reconnects after errors and rings for any queue on every (re)subscription, for
+    messages published while it was not listening."""
 
     def run():
         import redis
@@ -42,9 +57,13 @@ def listen(url: str, event: threading.Event, stop: threading.Event) -> threading
                 pubsub = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2).pubsub(
                     ignore_subscribe_messages=True)
                 pubsub.subscribe(CHANNEL)
+                on_ring(None)
                 event.set()
                 while not stop.is_set():
-                    if pubsub.get_message(timeout=1.0) is not None:
+                    msg = pubsub.get_message(timeout=1.0)
+                    if msg is not None:
+                        data = msg.get("data")
+                        on_ring((data.decode() if isinstance(data, bytes) else str(data or "")) or None)
                         event.set()
             except Exception as exc:  # Redis restarting: the worker polls meanwhile
                 log.debug("doorbell: %s; listening again in 1 s", exc)

@@ -32,8 +32,9 @@ def make_celery(broker_url: str, name: str = "tidepool.service", publisher: bool
 
 
 def transport_options(visibility_timeout: float) -> dict:
-    # priority: a consumer of several queues drains them in the listed order (strict class order).
-    return {"visibility_timeout": visibility_timeout, "queue_order_strategy": "priority"}
+    # priority: a consumer of several queues drains them in the listed order (strict class order). Every message
+    # has priority 0 (the class is the queue), so each queue is one list, not kombu's four (one RPOP per take).
+    return {"visibility_timeout": visibility_timeout, "queue_order_strategy": "priority", "priority_steps": [0]}
 
 
 def _headers(task_id: str, job_id: str, fair: list | None = None) -> dict:
@@ -54,16 +55,22 @@ def publish_task(producer, job_id: str, queue: str, fair: list | None = None) ->
                      delivery_mode=2)
 
 
-def task_message(job_id: str, queue: str, fair: list | None = None) -> str:
+def task_message(job_id: str, queue: str, fair: list | None = None, reply_to: str = "") -> str:
     """The exact Redis list entry kombu's Redis transport writes for publish_task(producer, job_id, queue)
-    (tests/service compare the two field by field), built without a producer, a channel or a client."""
+    (tests/service compare the two field by field), built without a producer, a channel or a client. reply_to: the
+    inbox of the web process waiting on the job (service/ledger/token_stream.py), where its tokens go."""
     task_id = str(uuid.uuid4())
     body = base64.b64encode(kombu_dumps(([job_id], {}, _EMBED)).encode()).decode()
     return kombu_dumps({"body": body, "content-encoding": "utf-8", "content-type": "application/json",
                         "headers": _headers(task_id, job_id, fair),
-                        "properties": {"correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
+                        "properties": {"correlation_id": task_id, "reply_to": reply_to, "delivery_mode": 2,
                                        "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0,
                                        "body_encoding": "base64", "delivery_tag": str(uuid.uuid4())}})
+
+
+def reply_to(message) -> str | None:
+    """The inbox a taken message names for its job's token stream (task_message), None when it names none."""
+    return (getattr(message, "properties", None) or {}).get("reply_to") or None
 
 
 def job_id(message) -> str:
