@@ -1,7 +1,9 @@
 """The worker's intake (intake thread): the broker channel, the pull loop's one pass, and the claim of each message's
 job (queued -> running under a fresh lease) that puts the job into the engine. Online queues are pulled eagerly;
-offline ones one message at a time while the engine has room. An online job enters the engine before its claim
-commits (prefill and claim overlap); a refused claim drops that attempt unseen."""
+offline ones one message at a time while the engine has room; only the queues the doorbell rang for since they were
+last found empty, and every queue once per full poll. On Postgres a claim is one statement that also reads the job;
+elsewhere an online job enters the engine before its claim commits (prefill and claim overlap) and a refused claim
+drops that attempt unseen."""
 import json
 import logging
 import secrets

@@ -1,6 +1,6 @@
 """OpenAI-compatible online endpoints. Each request is a ledger job (class interactive, or realtime
-with `sla_class`), dispatched like any other and answered from the worker's token stream; the ledger
-stays the source of truth for the final text, finish reason and usage."""
+with `sla_class`), dispatched like any other and answered from the worker's token stream, whose end event carries the
+result the worker committed to the ledger (the source of truth, read when that event is missed)."""
 import json
 import logging
 import time
