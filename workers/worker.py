@@ -191,6 +191,7 @@ class Worker:
             engine = {}
         return {"name": self.cfg.name, "kind": self.cfg.kind, "device": self.cfg.device, "model": self.cfg.model,
                 "queues": list(self.cfg.queues), "inflight": len(self.inflight), "started_at": self.started_at,
+                "serves": self.cfg.serves, "seats": getattr(getattr(self.engine, "config", None), "max_num_seqs", None),
                 "at": time.time(), "metrics_port": self.metrics_port, **self.counters,
                 "preempted_by_class": dict(self.preempted), "engine": engine, **self.affinity.stats()}
 

@@ -334,16 +334,18 @@ def objective(problem: Problem, plan_: Plan) -> float:
 # -- the forecast ---------------------------------------------------------------------------------------------
 
 def hourly_profile(history: list[tuple], now: float, days: int = 7) -> dict[tuple, list[float]]:
-    """(key, hour start in Unix seconds, tokens) buckets of the last `days` days -> key -> mean tokens/s in each
-    hour of day (UTC), over the days the history covers (a day without arrivals counts as zero)."""
-    since = now - days * 86400
-    seen = [start for _, start, _ in history if start >= since]
+    """(key, hour start in Unix seconds, tokens) buckets -> key -> mean tokens/s in each hour of day (UTC), over
+    the whole hours of the last `days` days (each hour of day once a day), or the days the history covers (a day
+    without arrivals counts as zero)."""
+    end = now - now % 3600
+    since = end - days * 86400
+    seen = [start for _, start, _ in history if since <= start < end]
     if not seen:
         return {}
-    covered = max(1, min(days, math.ceil((now - min(seen)) / 86400)))
+    covered = max(1, min(days, math.ceil((end - min(seen)) / 86400)))
     out: dict[tuple, list[float]] = {}
     for key, start, tokens in history:
-        if since <= start < now:
+        if since <= start < end:
             hour = int(start // 3600) % 24
             out.setdefault(key, [0.0] * 24)[hour] += tokens / 3600.0 / covered
     return out
