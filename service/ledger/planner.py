@@ -28,7 +28,7 @@ import numpy as np
 RESERVE = 0.10                   # online capacity above the forecast peak
 LATE_PRICE = 10.0                # a late token costs this many times the dearest worker-interval there is
 DEFAULT_TIME_LIMIT = 1.0         # seconds the MIPs may take (all models together) before greedy plans are used
-MIP_GAP = 1e-3                   # a plan within 0.1% of the solver's bound is optimal enough
+MIP_GAP = 5e-3                   # a plan within 0.5% of the solver's bound is optimal enough
 
 
 @dataclass(frozen=True)
