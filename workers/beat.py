@@ -135,9 +135,10 @@ def finalize_batches(services: Services) -> int:
     return closed
 
 
-def plan_fleet(services: Services, time_limit: float = planner.DEFAULT_TIME_LIMIT, now: float | None = None) -> dict:
-    """Decide the workers of every pool over the next day and store the plan, which the web's /metrics exports as
-    tidepool:desired_workers{pool}; returns the stored plan."""
+def plan_fleet(services: Services, time_limit: float = planner.DEFAULT_TIME_LIMIT, now: float | None = None,
+               durations: list[float] | None = None) -> dict:
+    """Decide the workers of every pool over the next day (or the given intervals: a compressed tide) and store the
+    plan, which the web's /metrics exports as tidepool:desired_workers{pool}; returns the stored plan."""
     from tidepool.service.ledger.models import utcnow
     from tidepool.service.ledger.snapshots import Heartbeats
     cfg = services.config
@@ -149,10 +150,10 @@ def plan_fleet(services: Services, time_limit: float = planner.DEFAULT_TIME_LIMI
     at = utcnow() if now is None else datetime.fromtimestamp(now, timezone.utc)
     with session(services.database) as s:
         history = fleet.arrival_history(s, at, default)
-        recent = fleet.recent_rates(s, at, default)
+        recent = fleet.recent_rates(s, at, default, durations[0] if durations else fleet.RECENT_S)
         work = fleet.queued_work(s, default)
     problem, starts = fleet.build(models, fleet.parse_pools(cfg.planner_pools), rates, history, recent, work,
-                                  at.timestamp())
+                                  at.timestamp(), durations)
     result = planner.plan(problem, time_limit)
     stored = fleet.plan_json(problem, result, starts, at.timestamp())
     store.put(stored)

@@ -111,11 +111,11 @@ def arrival_history(s: Session, now: datetime, default_model: str | None) -> lis
             for tenant, cls, model, h, tokens in rows]
 
 
-def recent_rates(s: Session, now: datetime, default_model: str | None) -> dict[tuple, float]:
+def recent_rates(s: Session, now: datetime, default_model: str | None, window: float = RECENT_S) -> dict[tuple, float]:
     rows = s.execute(select(Job.tenant_id, Job.sla_class, Job.model, func.sum(Job.estimated_tokens))
-                     .where(Job.created_at >= now - timedelta(seconds=RECENT_S), Job.created_at < now)
+                     .where(Job.created_at >= now - timedelta(seconds=window), Job.created_at < now)
                      .group_by(Job.tenant_id, Job.sla_class, Job.model)).all()
-    return {(tenant, cls.value, model or default_model): float(tokens or 0) / RECENT_S
+    return {(tenant, cls.value, model or default_model): float(tokens or 0) / window
             for tenant, cls, model, tokens in rows}
 
 
@@ -134,10 +134,11 @@ def queued_work(s: Session, default_model: str | None) -> list[tuple[str, str, f
 # -- the problem ------------------------------------------------------------------------------------------------
 
 def build(models: dict[str, str], kinds: dict[str, int], rates: dict[str, float], history: list[tuple],
-          recent: dict[tuple, float], work: list[tuple], now: float) -> tuple[planner.Problem, list[float]]:
+          recent: dict[tuple, float], work: list[tuple], now: float,
+          durations: list[float] | None = None) -> tuple[planner.Problem, list[float]]:
     """The planner's problem: `models` name -> tier (enabled ones), `kinds` kind -> most workers, `rates` pool ->
-    tokens/s. Returns it with the intervals' start times."""
-    durations = planner.intervals(now)
+    tokens/s, over `durations` (default: planner.intervals). Returns it with the intervals' start times."""
+    durations = durations or planner.intervals(now)
     starts = [now + sum(durations[:t]) for t in range(len(durations))]
     pools = []
     for model, tier in sorted(models.items()):
