@@ -146,7 +146,11 @@ def plan_fleet(services: Services, time_limit: float = planner.DEFAULT_TIME_LIMI
     models = {e.name: e.tier for e in services.registry.entries().values() if e.enabled}
     store = fleet.PlanStore(services.redis)
     beats = Heartbeats(services.redis).read()
-    rates = store.rates() | fleet.measured_rates(beats, default)
+    stored, previous = store.rates()
+    rates = stored | fleet.measured_rates(beats, default)
+    served, samples = fleet.served_rates(beats, previous, default)
+    for pool, rate in served.items():
+        rates[pool] = min(rates.get(pool, rate), rate)
     at = utcnow() if now is None else datetime.fromtimestamp(now, timezone.utc)
     with session(services.database) as s:
         history = fleet.arrival_history(s, at, default)
@@ -155,10 +159,10 @@ def plan_fleet(services: Services, time_limit: float = planner.DEFAULT_TIME_LIMI
     problem, starts = fleet.build(models, fleet.parse_pools(cfg.planner_pools), rates, history, recent, work,
                                   at.timestamp(), durations)
     result = planner.plan(problem, time_limit)
-    stored = fleet.plan_json(problem, result, starts, at.timestamp())
-    store.put(stored)
+    plan = fleet.plan_json(problem, result, starts, at.timestamp(), samples)
+    store.put(plan)
     log.info("fleet plan (%s, %.3f s): %s", result.method, result.solve_s, result.desired)
-    return stored
+    return plan
 
 
 def run_forever(services: Services, interval: float = 5.0, stop=None, **sweep_kwargs) -> None:

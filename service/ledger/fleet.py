@@ -9,9 +9,10 @@ shows it with the forecast.
   --kind auto` on a CPU host does). A hot model keeps one worker of its first pool that serves online work;
   warm and cold models go to zero when they have neither forecast online traffic nor queued work.
 - Throughput: each live worker's own cost model (engine stats in its heartbeat: fixed, per-token and
-  per-context seconds of a step, fitted from its measured steps) at a full decode batch; a pool's rate is the
-  median of its workers', kept in the stored plan so that a pool scaled to zero plans with its last measurement.
-  Never measured: FALLBACK_TOKENS_PER_S.
+  per-context seconds of a step, fitted from its measured steps) at a full decode batch, or, lower, the tokens its
+  busy workers served since the previous plan (what the cost model does not see: the host's other load, the
+  service's own work per job); a pool's rate is the median of its workers', kept in the stored plan so that a pool
+  scaled to zero plans with its last measurement. Never measured: FALLBACK_TOKENS_PER_S.
 - Forecast: the ledger's jobs by (tenant, class, model) and hour of arrival over HISTORY_DAYS, their estimated
   tokens (the figure admission charges), and the rate of the last RECENT_S as a floor for the next hour.
 - Work: queued and running offline jobs by (model, class, deadline: the job's own or its batch's expiry).
@@ -72,16 +73,36 @@ def worker_rate(heartbeat: dict) -> float | None:
     return batch / step if step > 0 else None
 
 
+def _pool(hb: dict, default_model: str | None) -> str | None:
+    model = hb.get("serves") or default_model
+    if not model:
+        return None
+    return f"{model}/{'gpu' if str(hb.get('device', 'cpu')).startswith('cuda') else 'cpu'}"
+
+
+def served_rates(heartbeats: list[dict], previous: dict, default_model: str | None) -> tuple[dict[str, float], dict]:
+    """pool -> median tokens/s its busy workers served since the previous plan (a worker counts when its engine had
+    work waiting at both ends: it ran at what it can, whatever its cost model says); and this plan's samples, per
+    worker [at, tokens served, waiting, started_at], for the next one."""
+    samples, rates = {}, {}
+    for hb in heartbeats:
+        engine = hb.get("engine") or {}
+        tokens = engine.get("total_prompt_tokens", 0) + engine.get("total_generation_tokens", 0)
+        sample = [hb.get("at", 0.0), tokens, engine.get("waiting", 0), hb.get("started_at")]
+        samples[hb["name"]] = sample
+        before, pool = previous.get(hb["name"]), _pool(hb, default_model)
+        if before and pool and before[3] == sample[3] and before[2] > 0 and sample[2] > 0 and sample[0] > before[0]:
+            rates.setdefault(pool, []).append((sample[1] - before[1]) / (sample[0] - before[0]))
+    return {pool: statistics.median(r) for pool, r in rates.items()}, samples
+
+
 def measured_rates(heartbeats: list[dict], default_model: str | None) -> dict[str, float]:
     """pool -> median tokens/s of its live workers."""
     rates: dict[str, list[float]] = {}
     for hb in heartbeats:
-        rate = worker_rate(hb)
-        model = (hb.get("serves") or default_model)
-        if rate is None or not model:
-            continue
-        kind = "gpu" if str(hb.get("device", "cpu")).startswith("cuda") else "cpu"
-        rates.setdefault(f"{model}/{kind}", []).append(rate)
+        rate, pool = worker_rate(hb), _pool(hb, default_model)
+        if rate is not None and pool:
+            rates.setdefault(pool, []).append(rate)
     return {pool: statistics.median(r) for pool, r in rates.items()}
 
 
@@ -162,8 +183,9 @@ def build(models: dict[str, str], kinds: dict[str, int], rates: dict[str, float]
     return planner.Problem(pools, durations, online, items, ONLINE_CLASSES), starts
 
 
-def plan_json(problem: planner.Problem, plan: planner.Plan, starts: list[float], now: float) -> dict:
-    return {"at": now, "starts": starts, "durations": problem.durations,
+def plan_json(problem: planner.Problem, plan: planner.Plan, starts: list[float], now: float,
+              samples: dict | None = None) -> dict:
+    return {"at": now, "starts": starts, "durations": problem.durations, "samples": samples or {},
             "pools": {p.name: {"model": p.model, "desired": plan.workers[p.name][0], "workers": plan.workers[p.name],
                                "tokens_per_s": p.tokens_per_s, "max_workers": p.max_workers,
                                "min_workers": p.min_workers} for p in problem.pools},
@@ -203,7 +225,8 @@ class PlanStore:
         now = time.time() if now is None else now
         return plan if max_age is None or now - plan.get("at", 0) <= max_age else None
 
-    def rates(self) -> dict[str, float]:
-        """The last measured tokens/s of each pool (a pool at zero has no worker to measure)."""
+    def rates(self) -> tuple[dict[str, float], dict]:
+        """The last measured tokens/s of each pool (a pool at zero has no worker to measure), and the workers'
+        samples of the last plan (served_rates)."""
         plan = self.get(max_age=None) or {}
-        return {name: p["tokens_per_s"] for name, p in plan.get("pools", {}).items()}
+        return {name: p["tokens_per_s"] for name, p in plan.get("pools", {}).items()}, plan.get("samples", {})

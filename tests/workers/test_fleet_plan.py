@@ -95,3 +95,21 @@ def test_the_plan_follows_the_ledger_and_is_exported_and_shown(app, tiny_model):
     assert client.post("/admin/login", data={"token": ADMIN, "csrf_token": csrf}, **https).status_code == 302
     html = client.get("/admin/models", **https).text
     assert 'id="fleet-plan"' in html and f'data-pool="{model}/gpu"' in html and 'id="fleet-forecast"' in html
+
+
+def test_a_pools_rate_is_what_its_busy_workers_served_when_that_is_lower_than_their_cost_model():
+    from tidepool.service.ledger import fleet
+    cost = {"fixed_s": 0.032, "per_token_s": 0.0005, "per_context_s": 0.0, "observations": 100}   # 1,000 tokens/s
+
+    def beat(name, at, tokens, waiting, started=1.0):
+        return {"name": name, "device": "cuda", "seats": 64, "at": at, "started_at": started,
+                "engine": {"cost_model": cost, "total_prompt_tokens": tokens // 4, "total_generation_tokens":
+                           tokens - tokens // 4, "waiting": waiting}}
+    first = [beat("a", 100.0, 0, 3), beat("b", 100.0, 0, 0), beat("c", 100.0, 0, 2)]
+    rates, samples = fleet.served_rates(first, {}, "m")
+    assert rates == {} and set(samples) == {"a", "b", "c"}
+    # a: busy throughout, 24,000 tokens in 60 s; b: idle at first (its rate says nothing); c: restarted meanwhile
+    later = [beat("a", 160.0, 24_000, 5), beat("b", 160.0, 3_000, 4), beat("c", 160.0, 90_000, 4, started=2.0)]
+    rates, _ = fleet.served_rates(later, samples, "m")
+    assert rates == {"m/gpu": 400.0}
+    assert fleet.measured_rates(later, "m") == {"m/gpu": 1000.0}
