@@ -59,6 +59,8 @@ SECTIONS = [
     ("The fleet", [
         ("tide", "tide.py", "Scaling with the tide: a week of tidal traffic, three ways to size the fleet",
          "CPU (a simulation over the planner's own code)"),
+        ("tide_fleet", "tide_fleet.py", "Scaling with the tide, real workers: a compressed tide, KEDA played by a "
+         "harness", "Postgres, redis-server"),
     ]),
     ("GPU kernels", [
         ("kernel_bench", "kernel_bench.py", "Decode attention bandwidth", "a CUDA GPU"),
@@ -242,8 +244,27 @@ def plot_tide(result: dict, assets: Path) -> list[str]:
     return [_save(plt, fig, assets, "tide"), ""]
 
 
+def plot_tide_fleet(result: dict, assets: Path) -> list[str]:
+    timeline = result.get("timeline") or []
+    if not timeline:
+        return []
+    plt, fig, ax = _figure()
+    t = [p["t"] for p in timeline]
+    ax.step(t, [p["desired"] or 0 for p in timeline], where="post", color="C0", label="desired_workers")
+    ax.step(t, [p["live"] for p in timeline], where="post", color="C1", ls="--", label="workers running")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("workers")
+    ax2 = ax.twinx()
+    ax2.fill_between(t, [p["level"] or 0 for p in timeline], step="post", color="0.85", zorder=0)
+    ax2.set_ylabel("offered batch work (x one worker's rate)")
+    ax.set_zorder(ax2.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    ax.legend(fontsize=8, loc="upper right")
+    return [_save(plt, fig, assets, "tide_fleet"), ""]
+
+
 PLOTS = {"hybrid_http": plot_hybrid_http, "decode_graphs": plot_decode_graphs, "kernel_bench": plot_kernel_bench,
-         "tide": plot_tide}
+         "tide": plot_tide, "tide_fleet": plot_tide_fleet}
 
 
 # -- the page -------------------------------------------------------------------------------------------------
@@ -258,7 +279,7 @@ def section(name: str, script: str, title: str, needs: str, res: dict | None, as
     out += [provenance(res), "", "```", res.get("command", ""), "```", ""]
     result = res.get("result")
     if isinstance(result, dict):
-        body = {k: v for k, v in result.items() if k not in ("servers", "week")}   # week: tide's plot
+        body = {k: v for k, v in result.items() if k not in ("servers", "week", "timeline")}   # the tides' plots
         if name == "hybrid_http":
             for line in result.get("servers", []):
                 out += [f"`{line.get('server')}`:", ""]

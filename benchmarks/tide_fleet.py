@@ -18,7 +18,7 @@ scale down one worker per tick after --stabilise seconds below; a worker scaled 
 past its grace.
 
     python benchmarks/tide_fleet.py [--pg postgresql+psycopg://postgres@127.0.0.1:5432] [--interval 10]
-        [--phases 0.2:40,0.8:60,0.1:60,0.5:40] [--max-workers 3] [--grace 6]
+        [--phases 0.1:30,0.7:60,0.05:80,0.4:40] [--max-workers 3] [--grace 6]
 """
 import argparse
 import json
@@ -52,7 +52,7 @@ def parse_args(argv=None):
     ap.add_argument("--pg", default="postgresql+psycopg://postgres@127.0.0.1:5432")
     ap.add_argument("--interval", type=float, default=10.0, help="seconds standing for 15 minutes")
     ap.add_argument("--tick", type=float, default=2.0)
-    ap.add_argument("--phases", default="0.2:40,0.8:60,0.1:60,0.5:40",
+    ap.add_argument("--phases", default="0.1:30,0.7:60,0.05:80,0.4:40",
                     help="level:seconds,... (level: offered batch tokens/s over one worker's measured tokens/s)")
     ap.add_argument("--max-workers", type=int, default=3)
     ap.add_argument("--grace", type=float, default=6.0)
