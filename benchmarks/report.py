@@ -256,7 +256,7 @@ def plot_tide_fleet(result: dict, assets: Path) -> list[str]:
     ax.set_ylabel("workers")
     ax2 = ax.twinx()
     ax2.fill_between(t, [p["level"] or 0 for p in timeline], step="post", color="0.85", zorder=0)
-    ax2.set_ylabel("offered batch work (x one worker's rate)")
+    ax2.set_ylabel("offered online work (x one worker's rate)")
     ax.set_zorder(ax2.get_zorder() + 1)
     ax.patch.set_visible(False)
     ax.legend(fontsize=8, loc="upper right")

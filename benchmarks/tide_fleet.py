@@ -8,9 +8,9 @@ web app in this process (jobs are submitted and `/metrics` is read through it), 
 `cpu=MAX`). Time is compressed: the planner's 15-minute intervals last --interval seconds (beat.plan_fleet with
 those intervals; the recent-rate window is one interval), and beat's upkeep and plan run every --tick seconds.
 
-The tide: phases of offered batch work (jobs with a deadline DEADLINE_INTERVALS intervals after submission), each
-at a level times one worker's measured tokens/s (its cost model, as the planner reads it), plus a trickle of
-interactive jobs. The harness, as KEDA with the ScaledObject's behaviour: scale up at once to desired_workers,
+The tide: phases of online (interactive) work, each at a level times one worker's measured tokens/s (its cost
+model, as the planner reads it), which the planner forecasts from the last interval's arrivals; plus a batch job
+each tick with a deadline DEADLINE_INTERVALS intervals after submission. The harness, as KEDA with the ScaledObject's behaviour: scale up at once to desired_workers,
 scale down one worker per tick after --stabilise seconds below; a worker scaled down gets SIGTERM and drains
 (TIDEPOOL_DRAIN_GRACE_S = --grace), and must exit within the pod's grace period (the manifests' margin: --grace +
 20 s). At the end every worker is stopped the same way and the ledger is checked: every job terminal, none lost
@@ -18,7 +18,7 @@ scale down one worker per tick after --stabilise seconds below; a worker scaled 
 past its grace.
 
     python benchmarks/tide_fleet.py [--pg postgresql+psycopg://postgres@127.0.0.1:5432] [--interval 10]
-        [--phases 0.1:30,0.7:60,0.05:80,0.4:40] [--max-workers 3] [--grace 6]
+        [--phases 0.3:30,2.2:50,0.2:70,1.4:40] [--max-workers 3] [--grace 6]
 """
 import argparse
 import json
@@ -37,10 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 ROOT = Path(__file__).resolve().parent.parent
 ADMIN = "admin"
-DEADLINE_INTERVALS = 8
+DEADLINE_INTERVALS = 16
 SEATS = 4                     # sequences per engine: the planner's rate (a full batch of them) near what a worker does
 POD_MARGIN_S = 20.0           # terminationGracePeriodSeconds - TIDEPOOL_DRAIN_GRACE_S in the manifests
-JOB_TOKENS = 256
+JOB_TOKENS = 256              # a batch job's max_tokens
+ONLINE_TOKENS = 64           # an online job's
 
 
 def log(msg: str) -> None:
@@ -52,8 +53,8 @@ def parse_args(argv=None):
     ap.add_argument("--pg", default="postgresql+psycopg://postgres@127.0.0.1:5432")
     ap.add_argument("--interval", type=float, default=10.0, help="seconds standing for 15 minutes")
     ap.add_argument("--tick", type=float, default=2.0)
-    ap.add_argument("--phases", default="0.1:30,0.7:60,0.05:80,0.4:40",
-                    help="level:seconds,... (level: offered batch tokens/s over one worker's measured tokens/s)")
+    ap.add_argument("--phases", default="0.3:30,2.2:50,0.2:70,1.4:40",
+                    help="level:seconds,... (level: offered online tokens/s over one worker's measured tokens/s)")
     ap.add_argument("--max-workers", type=int, default=3)
     ap.add_argument("--grace", type=float, default=6.0)
     ap.add_argument("--stabilise", type=float, default=10.0)
@@ -204,12 +205,12 @@ def run(h: Harness, args) -> dict:
         now = time.monotonic()
         elapsed = now - t0
         level = next((lv for lv, end in _phase_ends(phases) if elapsed < end), None) if now < end_of_tide else None
-        if level is not None:                         # the tide's offered work for this tick
-            carry += level * rate * args.tick / (JOB_TOKENS + 8)
+        if level is not None:                         # the tide: online work at `level` workers' worth
+            carry += level * rate * args.tick / (ONLINE_TOKENS + 8)
             n = int(carry)
             carry -= n
-            ids += h.submit(key, n, JOB_TOKENS, "batch", time.time() + deadline_s)
-            ids += h.submit(key, 1, 16, "interactive", None)
+            ids += h.submit(key, n, ONLINE_TOKENS, "interactive", None)
+            ids += h.submit(key, 1, JOB_TOKENS, "batch", time.time() + deadline_s)
         h.upkeep()
         desired = h.desired()
         h.reap()
