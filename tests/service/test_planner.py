@@ -70,9 +70,9 @@ def test_cold_models_scale_to_zero_and_a_warm_floor_is_kept():
 
 def test_impossible_deadlines_are_reported_late_at_the_pools_maximum():
     problem = Problem([gpu(most=2)], [900.0], {"m": [0.0]}, [Work("m", "batch", 1_000_000.0, 0)])
-    for plan in (planner.plan(problem), ):
-        assert plan.workers["m/gpu"] == [2]
-        assert plan.late_tokens == pytest.approx(1_000_000.0 - 2 * 100.0 * 900.0, rel=1e-6)
+    plan = planner.plan(problem)
+    assert plan.workers["m/gpu"] == [2]
+    assert plan.late_tokens == pytest.approx(1_000_000.0 - 2 * 100.0 * 900.0, rel=1e-6)
     workers, late = planner.greedy(problem)
     assert workers["m/gpu"] == [2] and late == pytest.approx(820_000.0, rel=1e-6)
 
