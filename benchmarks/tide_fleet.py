@@ -78,7 +78,7 @@ class Harness:
                     "TIDEPOOL_MODEL": self.model, "TIDEPOOL_STORAGE_DIR": str(tmp / "storage"),
                     "TIDEPOOL_LOG_LEVEL": "INFO", "TIDEPOOL_LOG_FORMAT": "json", "OMP_NUM_THREADS": "1",
                     "TIDEPOOL_DRAIN_GRACE_S": str(args.grace), "TIDEPOOL_PLANNER_POOLS": f"cpu={args.max_workers}",
-                    "TIDEPOOL_LEASE_SECONDS": "10", "TIDEPOOL_METRICS_PORT": "0", "TIDEPOOL_MAX_NUM_SEQS": str(SEATS),
+                    "TIDEPOOL_METRICS_PORT": "0", "TIDEPOOL_MAX_NUM_SEQS": str(SEATS),
                     "PYTHONPATH": str(ROOT)}
         up = subprocess.run([sys.executable, "-m", "tidepool.workers.cli", "db", "upgrade"], env=self.env,
                             capture_output=True, text=True, cwd=tmp)
@@ -87,7 +87,7 @@ class Harness:
         from tidepool.service import create_app
         self.app = create_app({"database_url": self.db_url, "redis_url": self.redis_url, "model": self.model,
                                "storage_dir": str(tmp / "storage"), "admin_token": ADMIN,
-                               "planner_pools": f"cpu={args.max_workers}", "lease_seconds": 10.0})
+                               "planner_pools": f"cpu={args.max_workers}"})
         self.client = self.app.test_client()
         self.pool = f"{Path(self.model).name}/cpu"
         self.workers: list[dict] = []       # name, proc, started, term (monotonic), exited
