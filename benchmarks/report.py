@@ -56,6 +56,12 @@ SECTIONS = [
         ("capacity", "capacity.py", "Capacity: what a job costs Postgres and Redis", "PostgreSQL binaries, "
          "redis-server"),
     ]),
+    ("The fleet", [
+        ("tide", "tide.py", "Scaling with the tide: a week of tidal traffic, three ways to size the fleet",
+         "CPU (a simulation over the planner's own code)"),
+        ("tide_fleet", "tide_fleet.py", "Scaling with the tide, real workers: a compressed tide, KEDA played by a "
+         "harness", "Postgres, redis-server"),
+    ]),
     ("GPU kernels", [
         ("kernel_bench", "kernel_bench.py", "Decode attention bandwidth", "a CUDA GPU"),
         ("decode_graphs", "decode_graphs.py", "Decode steps with CUDA graphs", "a CUDA GPU"),
@@ -222,7 +228,43 @@ def plot_kernel_bench(result: dict, assets: Path) -> list[str]:
     return [_save(plt, fig, assets, "kernel_bench"), ""]
 
 
-PLOTS = {"hybrid_http": plot_hybrid_http, "decode_graphs": plot_decode_graphs, "kernel_bench": plot_kernel_bench}
+def plot_tide(result: dict, assets: Path) -> list[str]:
+    week = result.get("week") or []
+    if not week:
+        return []
+    plt, fig, ax = _figure()
+    hours = [r["hour"] for r in week]
+    ax.fill_between(hours, [r["demand"] for r in week], color="0.85", label="online demand (GPU workers' worth)")
+    for key, color in (("static", "0.4"), ("queue", "C1"), ("planner", "C0")):
+        ax.step(hours, [r[key] for r in week], where="post", color=color, lw=1.2, label=f"{key}: workers ready")
+    ax.set_xlabel("hour of the week")
+    ax.set_ylabel("workers (all pools)")
+    ax.set_xticks(range(0, len(hours) + 1, 24))
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    return [_save(plt, fig, assets, "tide"), ""]
+
+
+def plot_tide_fleet(result: dict, assets: Path) -> list[str]:
+    timeline = result.get("timeline") or []
+    if not timeline:
+        return []
+    plt, fig, ax = _figure()
+    t = [p["t"] for p in timeline]
+    ax.step(t, [p["desired"] or 0 for p in timeline], where="post", color="C0", label="desired_workers")
+    ax.step(t, [p["live"] for p in timeline], where="post", color="C1", ls="--", label="workers running")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("workers")
+    ax2 = ax.twinx()
+    ax2.fill_between(t, [p["level"] or 0 for p in timeline], step="post", color="0.85", zorder=0)
+    ax2.set_ylabel("offered online work (x one worker's rate)")
+    ax.set_zorder(ax2.get_zorder() + 1)
+    ax.patch.set_visible(False)
+    ax.legend(fontsize=8, loc="upper right")
+    return [_save(plt, fig, assets, "tide_fleet"), ""]
+
+
+PLOTS = {"hybrid_http": plot_hybrid_http, "decode_graphs": plot_decode_graphs, "kernel_bench": plot_kernel_bench,
+         "tide": plot_tide, "tide_fleet": plot_tide_fleet}
 
 
 # -- the page -------------------------------------------------------------------------------------------------
@@ -237,7 +279,7 @@ def section(name: str, script: str, title: str, needs: str, res: dict | None, as
     out += [provenance(res), "", "```", res.get("command", ""), "```", ""]
     result = res.get("result")
     if isinstance(result, dict):
-        body = {k: v for k, v in result.items() if k != "servers"}
+        body = {k: v for k, v in result.items() if k not in ("servers", "week", "timeline")}   # the tides' plots
         if name == "hybrid_http":
             for line in result.get("servers", []):
                 out += [f"`{line.get('server')}`:", ""]

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 
 from .error_responses import error_response
-from .ledger import affinity, counters, eta, fair
+from .ledger import affinity, counters, eta, fair, fleet
 from .ledger import database as ledger_db
 from .ledger.counters import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
 from .ledger.models import utcnow
@@ -59,6 +59,26 @@ class LedgerCollector:
         yield depth
         yield from self.batches()
         yield from self.fairness()
+        yield from self.fleet()
+
+    def fleet(self):
+        """The fleet planner's last plan (beat, service/ledger/fleet.py), while it is younger than PLAN_TTL."""
+        desired = GaugeMetricFamily("tidepool:desired_workers", "Workers the fleet planner wants in each pool "
+                                    "(model/device kind) now, which KEDA's prometheus scaler follows; absent while no "
+                                    "plan younger than 5 minutes is stored.", labels=["pool"])
+        forecast = GaugeMetricFamily("tidepool:forecast_online_tokens_per_s", "The planner's forecast peak of online "
+                                     "tokens per second over the next 15 minutes, per model.", labels=["model"])
+        try:
+            plan = fleet.PlanStore(self.services.redis).get()
+        except Exception:  # Redis down: report no plan rather than fail the scrape
+            current_app.logger.warning("fleet plan unavailable for /metrics")
+            plan = None
+        for name, pool in sorted((plan or {}).get("pools", {}).items()):
+            desired.add_metric([name], pool["desired"])
+        for model, series in sorted((plan or {}).get("forecast", {}).items()):
+            forecast.add_metric([model], series[0] if series else 0.0)
+        yield desired
+        yield forecast
 
     def batches(self):
         tenant = ["tenant"] if self.by_tenant else []

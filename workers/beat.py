@@ -1,14 +1,15 @@
-"""Periodic upkeep that keeps the ledger and the broker consistent: the sweeper and the batch finaliser.
+"""Periodic upkeep that keeps the ledger and the broker consistent: the sweeper and the batch finaliser; and the
+fleet planner, which sizes every pool once a minute (service/ledger/fleet.py, service/ledger/planner.py).
 Plain functions over a process's services (service/ledger/services.py: ledger database, dispatcher, storage,
 Redis); `tidepool beat` runs them as Celery beat tasks, embedded mode runs them on a thread."""
 import json
 import logging
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from kombu import Connection
 
-from tidepool.service.ledger import batches, doorbell, files, jobs
+from tidepool.service.ledger import batches, doorbell, files, fleet, jobs, planner
 from tidepool.service.ledger.database import session
 from tidepool.service.ledger.services import Services
 
@@ -136,12 +137,46 @@ def finalize_batches(services: Services) -> int:
     return closed
 
 
+def plan_fleet(services: Services, time_limit: float = planner.DEFAULT_TIME_LIMIT, now: float | None = None,
+               durations: list[float] | None = None) -> dict:
+    """Decide the workers of every pool over the next day (or the given intervals: a compressed tide) and store the
+    plan, which the web's /metrics exports as tidepool:desired_workers{pool}; returns the stored plan."""
+    from tidepool.service.ledger.models import utcnow
+    from tidepool.service.ledger.snapshots import Heartbeats
+    cfg = services.config
+    default = cfg.served_model_name
+    models = {e.name: e.tier for e in services.registry.entries().values() if e.enabled}
+    store = fleet.PlanStore(services.redis)
+    beats = Heartbeats(services.redis).read()
+    stored, previous = store.rates()
+    rates = stored | fleet.measured_rates(beats, default)
+    served, samples = fleet.served_rates(beats, previous, default)
+    for pool, rate in served.items():
+        rates[pool] = min(rates.get(pool, rate), rate)
+    at = utcnow() if now is None else datetime.fromtimestamp(now, timezone.utc)
+    with session(services.database) as s:
+        history = fleet.arrival_history(s, at, default)
+        recent = fleet.recent_rates(s, at, default, durations[0] if durations else fleet.RECENT_S)
+        work = fleet.queued_work(s, default)
+    problem, starts = fleet.build(models, fleet.parse_pools(cfg.planner_pools), rates, history, recent, work,
+                                  at.timestamp(), durations)
+    result = planner.plan(problem, time_limit)
+    plan = fleet.plan_json(problem, result, starts, at.timestamp(), samples)
+    store.put(plan)
+    log.info("fleet plan (%s, %.3f s): %s", result.method, result.solve_s, result.desired)
+    return plan
+
+
 def run_forever(services: Services, interval: float = 5.0, stop=None, **sweep_kwargs) -> None:
-    """Embedded mode: the same upkeep on a thread."""
+    """Embedded mode: the same upkeep on a thread (the fleet plan too: the panel shows it)."""
+    next_plan = 0.0
     while stop is None or not stop.is_set():
         try:
             sweep(services, **sweep_kwargs)
             finalize_batches(services)
+            if time.monotonic() >= next_plan:
+                next_plan = time.monotonic() + fleet.PLAN_INTERVAL
+                plan_fleet(services)
         except Exception:
             log.exception("upkeep failed; retrying")
         if stop is not None:

@@ -1,5 +1,5 @@
 """Beat's Celery app: service/ledger/wire.py's, with reliability settings shared with the workers' consumers, and
-the beat schedule (sweeper, batch finaliser) whose tasks run on the `maintenance` queue of `tidepool beat`, over the
+the beat schedule (sweeper, batch finaliser, fleet planner) whose tasks run on the `maintenance` queue of `tidepool beat`, over the
 ledger's services (service/ledger/services.py) built from the settings: beat never imports Flask.
 
 Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|deferrable) are consumed
@@ -11,6 +11,7 @@ from celery import Celery
 from kombu import Queue
 
 from tidepool.service.ledger.settings import Config
+from tidepool.service.ledger.fleet import PLAN_INTERVAL
 from tidepool.service.ledger.services import Services
 
 
@@ -29,6 +30,8 @@ def make_celery(cfg: Config | None = None) -> Celery:
             "sweep": {"task": "tidepool.sweep", "schedule": every, "options": {"expires": every * 2}},
             "finalize-batches": {"task": "tidepool.finalize_batches", "schedule": every,
                                  "options": {"expires": every * 2}},
+            "plan-fleet": {"task": "tidepool.plan_fleet", "schedule": PLAN_INTERVAL,
+                           "options": {"expires": PLAN_INTERVAL}},
         })
 
     @functools.cache
@@ -41,6 +44,11 @@ def make_celery(cfg: Config | None = None) -> Celery:
         from tidepool.workers import beat
         return beat.sweep(services(), republish_after=cfg.republish_after, max_attempts=cfg.max_attempts,
                           visibility_timeout=cfg.visibility_timeout)
+
+    @app.task(name="tidepool.plan_fleet")
+    def plan_task():
+        from tidepool.workers import beat
+        beat.plan_fleet(services())
 
     @app.task(name="tidepool.finalize_batches")
     def finalize_task():

@@ -20,7 +20,7 @@ def worker_fields(settings, device: str) -> dict:
                 lease_seconds=settings.lease_seconds, visibility_timeout=settings.visibility_timeout,
                 low_water=settings.low_water, metrics_port=settings.metrics_port,
                 fair_intake=settings.fair_intake, fair_window=settings.fair_window,
-                engine=engine_fields(settings, device))
+                drain_grace_s=settings.drain_grace_s, engine=engine_fields(settings, device))
 
 
 def model_engine_fields(entry) -> dict:

@@ -47,6 +47,7 @@ from tidepool.workers.results import Results
 from tidepool.workers.streaming import Streaming
 
 log = logging.getLogger(__name__)
+DRAIN_SLACK = 5.0     # seconds after the drain's deadline for the handed-back attempts to leave the engine
 QUEUES = {"gpu": SLA_CLASSES, "cpu": (SlaClass.deferrable.value,)}   # the SLA classes each kind of worker serves
 KINDS = ("auto", *QUEUES)       # what `tidepool worker --kind` takes
 
@@ -94,6 +95,7 @@ class WorkerConfig:
     check_interval: float = 0.5          # cancellations reach the engine within this (plus one step)
     heartbeat_interval: float = 2.0
     grammar_budget: float = 10.0         # seconds a structured request's grammar may take to compile, else it fails
+    drain_grace_s: float = Config.drain_grace_s   # told to stop: finish what runs for this long, then hand it back
     engine: dict = field(default_factory=dict)   # EngineConfig overrides
     serves: str | None = None            # registry name of the model when it is not the deployment's default
 
@@ -151,6 +153,9 @@ class Worker:
         self.preempted = {c: 0 for c in QUEUES["gpu"]}   # engine preemptions suffered, by SLA class
         self._stop = threading.Event()
         self._wake = threading.Event()      # wakes the intake loop: doorbell, finished requests, first tokens, stop
+        self._drain_until: float | None = None   # monotonic: draining (drain()) until then
+        self._drain_started = False
+        self.drained: dict = {}             # what the drain did: handed back at once / at the deadline, seconds
         self.attempts = Attempts()
         self.engine_thread = EngineThread(cfg.name, self.engine, self.metrics, self.attempts, self._wake, self._stop)
         self.streaming = Streaming(self.engine.tokenizer, token_stream.for_redis(redis_client), self.attempts,
@@ -195,12 +200,27 @@ class Worker:
             engine = {}
         return {"name": self.cfg.name, "kind": self.cfg.kind, "device": self.cfg.device, "model": self.cfg.model,
                 "queues": list(self.cfg.queues), "inflight": len(self.inflight), "started_at": self.started_at,
+                "serves": self.cfg.serves, "draining": self.draining, "seats": getattr(getattr(self.engine, "config", None), "max_num_seqs", None),
                 "at": time.time(), "metrics_port": self.metrics_port, **self.counters,
                 "preempted_by_class": dict(self.preempted), "engine": engine, **self.affinity.stats()}
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+
+    def drain(self, grace: float | None = None) -> None:
+        """Told to stop (SIGTERM; thread-safe): take nothing new, hand offline work the engine has not started back
+        to the queue at once, let the rest finish for up to `grace` seconds (TIDEPOOL_DRAIN_GRACE_S), then hand back
+        what still runs and stop. A hand-back is the release at shutdown: the job is queued again, its message back on
+        the broker, the attempt not counted; the tokens it had computed are lost (an engine's KV cache does not
+        leave its process), which is why the drain lets started work finish first."""
+        if self._drain_until is None:
+            self._drain_until = time.monotonic() + (self.cfg.drain_grace_s if grace is None else grace)
+        self._wake.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_until is not None
 
     # -- the flow: take -> claim -> engine (pull); finished -> ledger -> ack (finish_done) ------------------
     def connect(self) -> None:
@@ -228,7 +248,7 @@ class Worker:
         """Claim what arrived on the online queues between two chunks of result writes (not while stopping:
         release_all would hand it straight back). A broker or ledger error here must not strand the results still
         to write: the intake loop's next pull meets it again and reconnects."""
-        if self._stop.is_set():
+        if self._stop.is_set() or self.draining:
             return
         try:
             self.intake.pull(online_only=True)
@@ -254,7 +274,10 @@ class Worker:
                 busy = False
                 self._wake.clear()            # a ring from here on makes the wait below return at once
                 try:
-                    busy = self.pull()       # online first: bookkeeping of offline work can wait
+                    if self.draining:
+                        self._drain_step()
+                    else:
+                        busy = self.pull()       # online first: bookkeeping of offline work can wait
                 except self.intake.broker_errors as exc:  # broker gone (restart, network): reconnect, carry on
                     log.warning("worker %s: broker error %s; reconnecting", self.cfg.name, exc)
                     time.sleep(1.0)
@@ -289,6 +312,47 @@ class Worker:
             self.db.dispose()
         if self.engine_thread.error is not None:
             raise RuntimeError(f"engine loop failed: {self.engine_thread.error!r}") from self.engine_thread.error
+
+    def _drain_step(self) -> None:
+        """One pass of the drain (intake thread): at its start, hand back the offline attempts not started; at its
+        deadline, every attempt; stop once none is left (or DRAIN_SLACK after the deadline, whatever the engine
+        still holds: the shutdown's release covers it)."""
+        now = time.monotonic()
+        if not self._drain_started:
+            self._drain_started = True
+            self.drained = {"at_once": 0, "at_deadline": 0, "running": len(self.attempts), "started": now}
+            for inf in self.attempts.values():
+                if not inf.online and not self._started(inf):
+                    self._hand_back(inf)
+                    self.drained["at_once"] += 1
+            log.info("worker %s: draining: %d attempts running, %d not started handed back, %.0f s to finish",
+                     self.cfg.name, len(self.attempts), self.drained["at_once"], self._drain_until - now,
+                     extra={"worker": self.cfg.name, "event": "worker.drain"})
+        if now >= self._drain_until:
+            for inf in self.attempts.values():
+                if not inf.aborted:
+                    self._hand_back(inf)
+                    self.drained["at_deadline"] += 1
+        if not len(self.attempts) and not self.results.unwritten or now >= self._drain_until + DRAIN_SLACK:
+            self.drained["seconds"] = round(now - self.drained["started"], 3)
+            log.info("worker %s: drained in %.1f s: %s", self.cfg.name, self.drained["seconds"], self.drained,
+                     extra={"worker": self.cfg.name, "event": "worker.drained"})
+            self._stop.set()
+
+    def _started(self, inf: Inflight) -> bool:
+        """The engine has begun the attempt (computed some of it); not yet in the engine or waiting untouched: not.
+        Read without the engine's lock: a dict lookup and two fields, and a stale answer only delays a hand-back."""
+        request = getattr(self.engine, "requests", {}).get(inf.request_id)
+        if request is None:
+            return False
+        seq = getattr(request, "seq", None) or request.seqs[0]     # a generation, or an embedding's first input
+        return seq.num_computed_tokens > 0 or seq.status.name != "WAITING"
+
+    def _hand_back(self, inf: Inflight) -> None:
+        """Abort the attempt in the engine; its output (reason abort) is written as a release and its message
+        requeued (workers/results.py)."""
+        inf.aborted = True
+        self.engine.abort(inf.request_id)
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -344,8 +408,9 @@ def main(args) -> int:
         print(json.dumps({"worker": cfg.name, "kind": cfg.kind, "device": cfg.device, "model": cfg.model,
                           "queues": list(cfg.queues), "metrics_port": port}), flush=True)
         workers.append(worker)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: [w.stop() for w in workers])
+    # SIGTERM (a pod scaled down, a rolling update): drain, inside TIDEPOOL_DRAIN_GRACE_S; SIGINT (Ctrl-C): stop now
+    signal.signal(signal.SIGTERM, lambda *_: [w.drain() for w in workers])
+    signal.signal(signal.SIGINT, lambda *_: [w.stop() for w in workers])
     if len(workers) == 1:
         workers[0].run()
         return 0

@@ -57,6 +57,12 @@ def _speculative(text: str) -> str:
     return text.strip()
 
 
+def _pools(text: str) -> str:
+    from .fleet import parse_pools
+    parse_pools(text)
+    return text.strip()
+
+
 def _level(text: str) -> str:
     if text.strip().upper() not in LOG_LEVELS:
         raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}")
@@ -180,6 +186,13 @@ class Config:
     republish_after: float = setting("TIDEPOOL_REPUBLISH_AFTER", 30.0, "Seconds before beat republishes a queued "
                                      "job that was never published", parse=FLOAT, check=NON_NEGATIVE)
     beat_schedule: str = setting("TIDEPOOL_BEAT_SCHEDULE", "var/celerybeat-schedule", "Celery beat's schedule file")
+    drain_grace_s: float = setting("TIDEPOOL_DRAIN_GRACE_S", 90.0, "Seconds a worker told to stop (SIGTERM) keeps "
+                                   "finishing what it runs, taking nothing new, before it hands the rest back to "
+                                   "the queue; keep it below the pod's terminationGracePeriodSeconds", parse=FLOAT,
+                                   check=NON_NEGATIVE)
+    planner_pools: str = setting("TIDEPOOL_PLANNER_POOLS", "gpu=8,cpu=4", "The device kinds the fleet planner sizes "
+                                 "a pool of for each enabled model, with each pool's most workers (`kind=max`, kinds "
+                                 "`gpu` and `cpu`)", parse=_pools)
     # ---- engine: EngineConfig fields; unset, the engine's own default applies (`shown` states it and
     # tests/workers/test_settings_wiring.py checks that); the worker, serve and run-batch flags win over them 
     num_kv_blocks: int | None = setting("TIDEPOOL_NUM_KV_BLOCKS", None, "KV pool size in blocks", parse=INT,

@@ -1,9 +1,11 @@
 """Panel page for the model registry: register a model, retier it, enable or disable it, grant it to tenants or
 revoke it, and see each model's tensor_parallel_size (its own or the deployment's) and queues (depth per SLA class,
-and whether a live worker serves them)."""
+and whether a live worker serves them); and the fleet planner's last plan with its forecast."""
+from datetime import datetime, timezone
+
 from flask import flash, redirect, render_template, request, url_for
 
-from ..ledger import registry
+from ..ledger import fleet, registry
 from ..app import services
 from ..api.admin import model_queues
 from ..db import session as db
@@ -25,8 +27,14 @@ def _page(form: dict | None = None, errors: dict | None = None, status: int = 20
         by_model.setdefault(row["model"], []).append(row)
     tenants = registry.grants(db())
     deployment = registry.tensor_parallel_size(None, services().config.tensor_parallel_size)  # a model without its own
+    try:
+        plan = fleet.PlanStore(services().redis).get()
+    except Exception:   # Redis down: the registry is still shown
+        plan = None
+    if plan is not None:
+        plan["at"] = datetime.fromtimestamp(plan["at"], timezone.utc)
     return render_template("models.html", entries=entries, queues=by_model, tenants=tenants, tiers=registry.TIERS,
-                           tensor_parallel_size=deployment, form=form or {}, errors=errors or {}), status
+                           tensor_parallel_size=deployment, plan=plan, form=form or {}, errors=errors or {}), status
 
 
 @bp.get("/models")

@@ -36,7 +36,7 @@ PROMETHEUS_REQUIRED = {"serverAddress", "query", "threshold"}
 PROMETHEUS_METADATA = PROMETHEUS_REQUIRED | {"queryParameters", "activationThreshold", "namespace", "customHeaders",
                                              "ignoreNullValues", "unsafeSsl", "awsRegion", "timeout",
                                              "identityOwner"}
-PLANNER_METRIC = "tidepool:desired_workers"      # the planner's; absent until a planner exports it
+PLANNER_METRIC = "tidepool:desired_workers"      # the fleet planner's (beat, service/ledger/fleet.py)
 
 
 @functools.cache
@@ -456,11 +456,12 @@ def _reference_metrics() -> set[str]:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_scaled_objects_follow_metrics_tidepool_exports_over_the_queues_the_pods_consume(overlay):
+    from tidepool.service.ledger.models import ONLINE_CLASSES
     from tidepool.workers.worker import QUEUES, host_workers
     objects = rendered(overlay)
     served = Path(settings(objects)["TIDEPOOL_MODEL"]).name
     exported = _reference_metrics()
-    assert "tidepool:queue_depth" in exported
+    assert {"tidepool:queue_depth", PLANNER_METRIC} <= exported
     for scaled in find(objects, "ScaledObject"):
         _, _, args = _worker(objects, scaled["spec"]["scaleTargetRef"]["name"])
         classes = {c for kind, _ in host_workers(args.kind, args.device) for c in QUEUES[kind]}
@@ -473,16 +474,19 @@ def test_scaled_objects_follow_metrics_tidepool_exports_over_the_queues_the_pods
             float(meta["threshold"])
             assert re.match(r"(sum|max)\(", meta["query"]), "KEDA refuses a query that returns several series"
             metric, = set(re.findall(r"tidepool:[a-z_]+", meta["query"]))
+            assert metric in exported, f"{metric} is not a metric Tidepool exports"
             if metric == PLANNER_METRIC:
                 planner = meta
             else:
-                assert metric in exported, f"{metric} is not a metric Tidepool exports"
                 depth = meta
         assert planner is not None and depth is not None
         assert f'pool="{pool}"' in planner["query"] and planner["threshold"] == "1"
-        assert planner["ignoreNullValues"] == "true", "without the planner the metric is absent: 0, not an error"
+        assert planner["ignoreNullValues"] == "true", "a plan older than PLAN_TTL is not exported: 0, not an error"
+        # the queue backs the planner up for online work (the planner owns offline work and its deadlines: a batch
+        # of 10,000 jobs must not scale a pool to its maximum); a pool without online classes counts its own queues
         labels = dict(re.findall(r'(\w+)=~"([^"]*)"', depth["query"]))
-        assert set(labels["sla_class"].split("|")) == classes, f"{scaled['metadata']['name']} counts other queues"
+        expected = (classes & set(ONLINE_CLASSES)) or classes
+        assert set(labels["sla_class"].split("|")) == expected, f"{scaled['metadata']['name']} counts other queues"
         assert set(labels["model"].split("|")) == {"", served}
 
 
@@ -496,3 +500,32 @@ def test_the_dashboard_config_map_is_the_repositorys_dashboard(overlay):
     assert text == (ROOT / "web" / "grafana" / "tidepool-dashboard.json").read_text(), \
         "deploy/k8s/base/grafana/tidepool-dashboard.json differs from web/grafana/tidepool-dashboard.json: copy it"
     assert json.loads(text)["uid"]
+
+
+# -- the fleet planner and the drain --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_planners_pools_are_the_scaled_objects(overlay):
+    """Each pool beat plans (TIDEPOOL_PLANNER_POOLS) is a ScaledObject's target with the same most workers, and
+    each ScaledObject's pool is one beat plans."""
+    from tidepool.service.ledger.fleet import parse_pools
+    from tidepool.service.ledger.settings import Config
+    objects = rendered(overlay)
+    kinds = parse_pools(Config.env_values(settings(objects)).get("planner_pools", Config.planner_pools))
+    scaled = {}
+    for obj in find(objects, "ScaledObject"):
+        _, _, args = _worker(objects, obj["spec"]["scaleTargetRef"]["name"])
+        scaled["gpu" if args.device.startswith("cuda") else "cpu"] = obj["spec"]["maxReplicaCount"]
+    assert scaled == kinds
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_drain_fits_inside_the_grace_period(overlay):
+    """A worker drains for TIDEPOOL_DRAIN_GRACE_S, then hands back what still runs (its engine thread gets at most
+    10 s to stop, the ledger writes a few more): all before the kubelet's SIGKILL."""
+    from tidepool.service.ledger.settings import Config
+    objects = rendered(overlay)
+    drain = Config.env_values(settings(objects)).get("drain_grace_s", Config.drain_grace_s)
+    for deployment in find(objects, "Deployment"):
+        if "worker" in deployment["metadata"]["name"]:
+            assert drain + 20 <= deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
