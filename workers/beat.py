@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from kombu import Connection
 
-from tidepool.service.ledger import batches, files, jobs
+from tidepool.service.ledger import batches, files, jobs, partitions
 from tidepool.service.ledger.database import session
 from tidepool.service.ledger.services import Services
 
@@ -134,12 +134,18 @@ def finalize_batches(services: Services) -> int:
     return closed
 
 
+def create_partitions(services: Services) -> list[str]:
+    """Postgres: the current month's job partition and the next few, where missing (service/ledger/partitions.py)."""
+    return partitions.ensure_ahead(services.database)
+
+
 def run_forever(services: Services, interval: float = 5.0, stop=None, **sweep_kwargs) -> None:
     """Embedded mode: the same upkeep on a thread."""
     while stop is None or not stop.is_set():
         try:
             sweep(services, **sweep_kwargs)
             finalize_batches(services)
+            create_partitions(services)
         except Exception:
             log.exception("upkeep failed; retrying")
         if stop is not None:

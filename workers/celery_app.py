@@ -1,5 +1,5 @@
 """Beat's Celery app: service/ledger/wire.py's, with reliability settings shared with the workers' consumers, and
-the beat schedule (sweeper, batch finaliser) whose tasks run on the `maintenance` queue of `tidepool beat`, over the
+the beat schedule (sweeper, batch finaliser, job partitions) whose tasks run on the `maintenance` queue of `tidepool beat`, over the
 ledger's services (service/ledger/services.py) built from the settings: beat never imports Flask.
 
 Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|deferrable) are consumed
@@ -12,6 +12,8 @@ from kombu import Queue
 
 from tidepool.service.ledger.settings import Config
 from tidepool.service.ledger.services import Services
+
+PARTITIONS_EVERY = 3600.0   # seconds between two checks that the coming months' job partitions exist
 
 
 def make_celery(cfg: Config | None = None) -> Celery:
@@ -29,6 +31,8 @@ def make_celery(cfg: Config | None = None) -> Celery:
             "sweep": {"task": "tidepool.sweep", "schedule": every, "options": {"expires": every * 2}},
             "finalize-batches": {"task": "tidepool.finalize_batches", "schedule": every,
                                  "options": {"expires": every * 2}},
+            "partitions": {"task": "tidepool.partitions", "schedule": PARTITIONS_EVERY,
+                           "options": {"expires": PARTITIONS_EVERY}},
         })
 
     @functools.cache
@@ -46,6 +50,11 @@ def make_celery(cfg: Config | None = None) -> Celery:
     def finalize_task():
         from tidepool.workers import beat
         return beat.finalize_batches(services())
+
+    @app.task(name="tidepool.partitions")
+    def partitions_task():
+        from tidepool.workers import beat
+        return beat.create_partitions(services())
 
     return app
 
