@@ -56,9 +56,19 @@ def is_partition(table: str) -> bool:
     return table == DEFAULT or _NAME.match(table) is not None
 
 
+def _range(month: date) -> str:
+    return f"FOR VALUES FROM ('{bound(month)}') TO ('{bound(next_month(month))}')"
+
+
 def create_sql(month: date) -> str:
-    return (f"CREATE TABLE IF NOT EXISTS {name(month)} PARTITION OF jobs "
-            f"FOR VALUES FROM ('{bound(month)}') TO ('{bound(next_month(month))}')")
+    return f"CREATE TABLE {name(month)} PARTITION OF jobs {_range(month)}"
+
+
+def attach_sql(month: date) -> list[str]:
+    """A month's partition for a live table: created apart, then attached, which (unlike CREATE TABLE ...
+    PARTITION OF) does not lock the jobs table against inserts and updates while it waits for its lock."""
+    return [f"CREATE TABLE {name(month)} (LIKE jobs INCLUDING DEFAULTS)",
+            f"ALTER TABLE jobs ATTACH PARTITION {name(month)} {_range(month)}"]
 
 
 def partitioned(conn: Connection) -> bool:
@@ -91,7 +101,8 @@ def ensure_ahead(engine: Engine, now: datetime | None = None, ahead: int = AHEAD
             continue
         with engine.begin() as conn:
             conn.execute(text("SET LOCAL lock_timeout = '5s'"))
-            conn.execute(text(create_sql(month)))
+            for statement in attach_sql(month):
+                conn.execute(text(statement))
         created.append(name(month))
         log.info("created partition %s", name(month))
     return created
