@@ -3,6 +3,7 @@ from sqlalchemy import engine_from_config, pool
 
 from tidepool.service.ledger.settings import Config
 from tidepool.service.ledger.models import Base
+from tidepool.service.ledger.partitions import schema_filter
 
 config = context.config
 target_metadata = Base.metadata
@@ -22,7 +23,8 @@ def run_migrations_offline() -> None:
 def run_migrations_online() -> None:
     connectable = config.attributes.get("connection")
     if connectable is not None:
-        context.configure(connection=connectable, target_metadata=target_metadata, render_as_batch=True)
+        context.configure(connection=connectable, target_metadata=target_metadata, render_as_batch=True,
+                          include_object=schema_filter(connectable.dialect.name))
         with context.begin_transaction():
             context.run_migrations()
         return
@@ -30,7 +32,8 @@ def run_migrations_online() -> None:
     section["sqlalchemy.url"] = _url()
     engine = engine_from_config(section, prefix="sqlalchemy.", poolclass=pool.NullPool)
     with engine.connect() as connection:
-        context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
+        context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True,
+                          include_object=schema_filter(connection.dialect.name))
         with context.begin_transaction():
             context.run_migrations()
 

@@ -8,6 +8,10 @@ def register(sub) -> None:
     p = db.add_parser("downgrade", help="roll migrations back")
     p.add_argument("revision", nargs="?", default="base")
     p.set_defaults(func=_db_downgrade)
+    p = db.add_parser("prune", help="drop the jobs of finished months before MONTH (their usage and files are kept)")
+    p.add_argument("--before", required=True, metavar="MONTH",
+                   help="YYYY-MM: months strictly before it go; at the latest the current month")
+    p.set_defaults(func=_db_prune)
 
     tenants = sub.add_parser("tenants", help="tenants").add_subparsers(dest="tenants_command", required=True)
     p = tenants.add_parser("create", help="create a tenant; prints its id and a fresh API key as JSON")
@@ -176,6 +180,28 @@ def _db_downgrade(args) -> int:
     from tidepool.service import migrate
     migrate.downgrade(_config().database_url, args.revision)
     print(json.dumps({"downgraded": args.revision}))
+    return 0
+
+
+def _db_prune(args) -> int:
+    import sys
+
+    from tidepool.service.ledger import partitions
+    from tidepool.service.ledger.database import make_engine
+    try:
+        before = partitions.parse_month(args.before)
+    except ValueError as exc:
+        print(f"tidepool db prune: {exc}", file=sys.stderr)
+        return 2
+    engine = make_engine(_config().database_url)
+    try:
+        pruned = partitions.prune(engine, before)
+    except partitions.Refused as exc:
+        print(f"tidepool db prune: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        engine.dispose()
+    print(json.dumps({"pruned": pruned.months, "jobs": pruned.jobs}))
     return 0
 
 

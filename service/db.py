@@ -1,4 +1,5 @@
-"""Per-request sessions and connections over the ledger's database engine (the app's services hold it)."""
+"""Per-request sessions and connections over the ledger's database engine and its read replica (the app's services
+hold them)."""
 from contextlib import AbstractContextManager
 
 from flask import g
@@ -28,7 +29,19 @@ def session() -> Session:
     return g.db_session
 
 
+def reads() -> Session:
+    """The request's session for reads that may lag by the replication delay (listings, the admin panel's pages,
+    usage reports): over the read replica when TIDEPOOL_DATABASE_REPLICA_URL is set, else session() itself."""
+    svc = services()
+    if svc.replica is svc.database:
+        return session()
+    if "db_reads" not in g:
+        g.db_reads = svc.replica_sessions()
+    return g.db_reads
+
+
 def _close_session(_exc=None) -> None:
-    s = g.pop("db_session", None)
-    if s is not None:
-        s.close()
+    for name in ("db_session", "db_reads"):
+        s = g.pop(name, None)
+        if s is not None:
+            s.close()

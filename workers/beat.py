@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 from kombu import Connection
 
-from tidepool.service.ledger import batches, doorbell, files, fleet, jobs, planner
+from tidepool.service.ledger import batches, doorbell, files, fleet, jobs, partitions, planner
 from tidepool.service.ledger.database import session
 from tidepool.service.ledger.services import Services
 
@@ -167,6 +167,11 @@ def plan_fleet(services: Services, time_limit: float = planner.DEFAULT_TIME_LIMI
     return plan
 
 
+def create_partitions(services: Services) -> list[str]:
+    """Postgres: the current month's job partition and the next few, where missing (service/ledger/partitions.py)."""
+    return partitions.ensure_ahead(services.database)
+
+
 def run_forever(services: Services, interval: float = 5.0, stop=None, **sweep_kwargs) -> None:
     """Embedded mode: the same upkeep on a thread (the fleet plan too: the panel shows it)."""
     next_plan = 0.0
@@ -177,6 +182,7 @@ def run_forever(services: Services, interval: float = 5.0, stop=None, **sweep_kw
             if time.monotonic() >= next_plan:
                 next_plan = time.monotonic() + fleet.PLAN_INTERVAL
                 plan_fleet(services)
+            create_partitions(services)
         except Exception:
             log.exception("upkeep failed; retrying")
         if stop is not None:

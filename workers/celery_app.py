@@ -1,5 +1,5 @@
 """Beat's Celery app: service/ledger/wire.py's, with reliability settings shared with the workers' consumers, and
-the beat schedule (sweeper, batch finaliser, fleet planner) whose tasks run on the `maintenance` queue of `tidepool beat`, over the
+the beat schedule (sweeper, batch finaliser, fleet planner, job partitions) whose tasks run on the `maintenance` queue of `tidepool beat`, over the
 ledger's services (service/ledger/services.py) built from the settings: beat never imports Flask.
 
 Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|deferrable) are consumed
@@ -13,6 +13,8 @@ from kombu import Queue
 from tidepool.service.ledger.settings import Config
 from tidepool.service.ledger.fleet import PLAN_INTERVAL
 from tidepool.service.ledger.services import Services
+
+PARTITIONS_EVERY = 3600.0   # seconds between two checks that the coming months' job partitions exist
 
 
 def make_celery(cfg: Config | None = None) -> Celery:
@@ -32,6 +34,8 @@ def make_celery(cfg: Config | None = None) -> Celery:
                                  "options": {"expires": every * 2}},
             "plan-fleet": {"task": "tidepool.plan_fleet", "schedule": PLAN_INTERVAL,
                            "options": {"expires": PLAN_INTERVAL}},
+            "partitions": {"task": "tidepool.partitions", "schedule": PARTITIONS_EVERY,
+                           "options": {"expires": PARTITIONS_EVERY}},
         })
 
     @functools.cache
@@ -54,6 +58,11 @@ def make_celery(cfg: Config | None = None) -> Celery:
     def finalize_task():
         from tidepool.workers import beat
         return beat.finalize_batches(services())
+
+    @app.task(name="tidepool.partitions")
+    def partitions_task():
+        from tidepool.workers import beat
+        return beat.create_partitions(services())
 
     return app
 

@@ -4,7 +4,7 @@ from flask import Blueprint, g, request
 from ..ledger import batches as ledger, eta, pages, quotas, tenants
 from ..protocol import request_bodies as bodies
 from ..auth import tenant_required
-from ..db import session
+from ..db import reads, session
 from ..protocol.errors import APIError, bad_request, not_found
 from ..ledger.models import OFFLINE_CLASSES, Batch, BatchStatus, File, SlaClass, new_id, utcnow
 from . import cfg, json_body, limit_arg, owned, page, ts
@@ -14,9 +14,11 @@ bp = Blueprint("batches", __name__)
 FIELDS = {"input_file_id", "endpoint", "completion_window", "metadata", "sla_class"}
 
 
-def batch_json(b: Batch) -> dict:
+def batch_json(b: Batch, s=None) -> dict:
+    """s: the session b was read in (a listing's reads()), else the request's session."""
+    s = s or session()
     errors = {"object": "list", "data": b.errors} if b.errors else None
-    usage, model = ledger.usage_and_model(session(), b, cfg().served_model_name)
+    usage, model = ledger.usage_and_model(s, b, cfg().served_model_name)
     return {"id": b.id, "object": "batch", "endpoint": b.endpoint, "errors": errors, "model": model, "usage": usage,
             "input_file_id": b.input_file_id, "completion_window": b.completion_window,
             "status": b.status.value, "output_file_id": b.output_file_id, "error_file_id": b.error_file_id,
@@ -24,15 +26,15 @@ def batch_json(b: Batch) -> dict:
             "expires_at": ts(b.expires_at), "finalizing_at": ts(b.finalizing_at),
             "completed_at": ts(b.completed_at), "failed_at": ts(b.failed_at), "expired_at": ts(b.expired_at),
             "cancelling_at": ts(b.cancelling_at), "cancelled_at": ts(b.cancelled_at),
-            "request_counts": ledger.request_counts(session(), b), "metadata": b.metadata_,
-            "sla_class": b.sla_class.value, "x_tidepool": _x_tidepool(b)}
+            "request_counts": ledger.request_counts(s, b), "metadata": b.metadata_,
+            "sla_class": b.sla_class.value, "x_tidepool": _x_tidepool(s, b)}
 
 
-def _x_tidepool(b: Batch) -> dict:
+def _x_tidepool(s, b: Batch) -> dict:
     """Tidepool's extra fields (the OpenAI SDK keeps them as extras): an in-progress batch's estimated completion
     time (unix seconds, null until its class has a measured drain rate), its position behind its tenant's earlier
     work, what is left of it, and whether the estimate misses its window (service/ledger/eta.py)."""
-    est = eta.estimate(session(), b)
+    est = eta.estimate(s, b)
     if est is None:
         return {"eta": None, "position": 0, "remaining": 0, "drain_rate": None, "share": None, "at_risk": False}
     return est.json()
@@ -95,8 +97,9 @@ def get_batch(batch_id):
 @tenant_required
 def list_batches():
     limit = limit_arg(20, 100)
-    rows = pages.page(session(), Batch, limit, after=request.args.get("after"), tenant_id=g.tenant.id)
-    return page(rows, limit, batch_json)
+    s = reads()
+    rows = pages.page(s, Batch, limit, after=request.args.get("after"), tenant_id=g.tenant.id)
+    return page(rows, limit, lambda b: batch_json(b, s))
 
 
 @bp.post("/v1/batches/<batch_id>/cancel")

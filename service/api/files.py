@@ -9,7 +9,7 @@ from flask import Blueprint, g, request, send_file
 from ..auth import tenant_required
 from ..ledger import files as kept, pages, quotas
 from ..protocol.request_bodies import bad_text
-from ..db import session
+from ..db import reads, session
 from ..protocol.errors import APIError, bad_request, not_found
 from ..ledger.models import File, new_id, utcnow
 from . import cfg, limit_arg, owned, page, ts
@@ -98,7 +98,7 @@ def list_files():
     if order not in ("asc", "desc"):
         raise bad_request("'order' must be 'asc' or 'desc'.", "order")
     limit = limit_arg(10_000, 10_000)
-    rows = pages.page(session(), File, limit, after=request.args.get("after"), ascending=order == "asc",
+    rows = pages.page(reads(), File, limit, after=request.args.get("after"), ascending=order == "asc",
                       tenant_id=g.tenant.id, **({"purpose": purpose} if purpose else {}))
     return page(rows, limit, file_json)
 

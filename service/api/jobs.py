@@ -11,7 +11,7 @@ from ..protocol import (embeddings, logprobs, openai_completions, request_bodies
                         structured_output as structured)
 from .. import admission
 from ..auth import tenant_required
-from ..db import session
+from ..db import reads, session
 from ..protocol.errors import APIError, bad_request, not_found
 from ..ledger.logging import log_job
 from ..ledger.models import SLA_CLASSES, Job, JobStatus, SlaClass, new_id, utcnow
@@ -171,7 +171,7 @@ def list_jobs():
             raise bad_request(f"'sla_class' must be one of {list(SLA_CLASSES)}.", "sla_class")
         filters["sla_class"] = sla
     limit, with_request = list_args()
-    rows = pages.page(session(), Job, limit, after=cursor, tenant_id=g.tenant.id, hidden=False, **filters)
+    rows = pages.page(reads(), Job, limit, after=cursor, tenant_id=g.tenant.id, hidden=False, **filters)
     out = page(rows, limit, lambda j: job_json(j, with_request=with_request))
     out["next_cursor"] = out["last_id"] if out["has_more"] else None
     return out

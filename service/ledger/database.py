@@ -80,6 +80,13 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
+def make_replica_engine(url: str) -> Engine:
+    """The read replica's engine (TIDEPOOL_DATABASE_REPLICA_URL): its transactions are READ ONLY on Postgres, so a
+    write sent there by mistake fails at once, as it would on a hot standby."""
+    engine = make_engine(url)
+    return engine.execution_options(postgresql_readonly=True) if engine.dialect.name == "postgresql" else engine
+
+
 # A pooled connection idle for longer than this is pinged (one round trip) before it is handed out.
 PING_IDLE_AFTER = 10.0
 

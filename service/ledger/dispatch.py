@@ -37,11 +37,12 @@ def queue_name(sla_class: str, model: str | None = None) -> str:
     return sla_class if model is None else f"{sla_class}@{model}"
 
 
-# Marks one flush records (or skips): on a row left untouched since its INSERT (xmin) or no longer queued.
+# Marks one flush records (or skips): on a row left untouched since its INSERT (xmin) or no longer queued. The id
+# range (the flush's smallest and largest id) lets Postgres skip every month partition but the marks' own.
 _MARK_SQL = """
 UPDATE jobs SET dispatched_at = m.at
 FROM unnest(%(ids)s::varchar[], %(xmins)s::text[], %(ats)s::timestamptz[]) AS m(id, x, at)
-WHERE jobs.id = m.id AND jobs.dispatched_at IS NULL
+WHERE jobs.id = m.id AND jobs.id BETWEEN %(lo)s AND %(hi)s AND jobs.dispatched_at IS NULL
   AND (jobs.status <> 'queued' OR jobs.xmin::text = m.x)
 """
 MARK_INTERVAL = Config.mark_interval  # seconds between two flushes of dispatched_at marks (TIDEPOOL_MARK_INTERVAL)
@@ -118,7 +119,8 @@ class MarkFlusher:
         try:
             with self.engine.begin() as conn:
                 conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
-                marked = conn.exec_driver_sql(_MARK_SQL, {"ids": ids, "xmins": xmins, "ats": ats}).rowcount
+                marked = conn.exec_driver_sql(_MARK_SQL, {"ids": ids, "xmins": xmins, "ats": ats,
+                                                            "lo": min(ids), "hi": max(ids)}).rowcount
             self.flushed += marked
             self.skipped += len(batch) - marked
         except Exception:  # the sweeper republishes them: one duplicate message each, dropped at claim

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session, undefer
 
 from . import adapters
 from .database import autocommit
-from .models import Job, JobStatus, Quota, Tenant, Usage, utcnow
+from .models import Job, JobIdempotencyKey, JobStatus, Quota, Tenant, Usage, utcnow
 
 Q, R = JobStatus.queued, JobStatus.running
 
@@ -64,7 +64,10 @@ def read(s: Session, job_id: str, whole: bool = False) -> Job | None:
 
 
 def by_idempotency_key(s: Session, tenant_id: str, key: str) -> Job | None:
-    """The tenant's job submitted with this Idempotency-Key."""
+    """The tenant's job submitted with this Idempotency-Key (on Postgres found through job_idempotency_keys)."""
+    if s.get_bind().dialect.name == "postgresql":
+        return s.scalar(select(Job).join(JobIdempotencyKey, JobIdempotencyKey.job_id == Job.id).where(
+            JobIdempotencyKey.tenant_id == tenant_id, JobIdempotencyKey.idempotency_key == key))
     return s.scalar(select(Job).where(Job.tenant_id == tenant_id, Job.idempotency_key == key))
 
 

@@ -222,11 +222,14 @@ class Batch(Base):
 
 
 class Job(Base):
+    """On Postgres partitioned by month over its id (service/ledger/partitions.py), where an Idempotency-Key is
+    unique through JobIdempotencyKey; on SQLite one table with the unique constraint below."""
     __tablename__ = "jobs"
     __table_args__ = (
-        UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency"),
+        UniqueConstraint("tenant_id", "idempotency_key", name="uq_jobs_tenant_idempotency", info={"dialect": "sqlite"}),
         Index("ix_jobs_tenant_status", "tenant_id", "status"),
         Index("ix_jobs_undispatched", "status", "dispatched_at"),
+        {"postgresql_partition_by": "RANGE (id)"},
     )
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_id("job_"))
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
@@ -269,6 +272,16 @@ class Job(Base):
     # (the first is output, output_token_ids, finish_reason and logprobs above); NULL for one choice.
     # Deferred like logprobs: undefer(Job.choices) where a response needs it (protocol/openai_completions.py).
     choices: Mapped[list | None] = mapped_column(JSON, deferred=True)
+
+
+class JobIdempotencyKey(Base):
+    """Postgres: the job a tenant submitted with an Idempotency-Key, inserted by the statement that inserts the job
+    (quotas.admit_pg), so a retry finds it whatever month partition holds the job."""
+    __tablename__ = "job_idempotency_keys"
+    __table_args__ = {"info": {"dialect": "postgresql"}}
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True)
+    idempotency_key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
 
 
 class StoredResponse(Base):

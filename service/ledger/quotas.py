@@ -335,22 +335,31 @@ def _recordset_types() -> str:
 
 # POST /v1/jobs on Postgres: one statement counts n jobs of one tenant, submitted with one key, against the
 # admission rule (all or none) and inserts them, run in autocommit mode: it returns only once the rows are durably
-# committed. It returns each row's id and xmin; the dispatcher marks a job dispatched only if its row still
-# has that xmin (nobody touched it since) or has left the queued state.
-_ADMIT_PG = None
+# committed. It returns each row's id and xmin (the inserting transaction's id: a partitioned table cannot return
+# xmin itself); the dispatcher marks a job dispatched only if its row still has that xmin (nobody touched it since)
+# or has left the queued state. Jobs with an Idempotency-Key also get their job_idempotency_keys row in the same
+# statement (its primary key refuses a second job under the key, whatever month partition holds the first).
+_ADMIT_PG: dict[bool, str] = {}
 
 
-def _admit_pg_statement() -> str:
-    global _ADMIT_PG
-    if _ADMIT_PG is None:
+def _admit_pg_statement(keyed: bool) -> str:
+    if keyed not in _ADMIT_PG:
         columns = ", ".join(JOB_COLUMNS)
         picked = ", ".join("admitted.id" if c == "tenant_id" else "coalesce(r.metadata, CAST('null' AS json))"
                            if c == "metadata" else f"r.{c}" for c in JOB_COLUMNS)     # metadata None: JSON null
-        _ADMIT_PG = (f"WITH admitted AS ({ADMIT}\n    RETURNING tenants.id)\n"
-                     f"INSERT INTO jobs ({columns})\nSELECT {picked}\n"
-                     f"FROM admitted, json_to_recordset(CAST(:rows AS json)) AS r({_recordset_types()})\n"
-                     "RETURNING jobs.id, CAST(xmin AS text)")
-    return _ADMIT_PG
+        insert = (f"INSERT INTO jobs ({columns})\nSELECT {picked}\n"
+                  f"FROM admitted, json_to_recordset(CAST(:rows AS json)) AS r({_recordset_types()})\n")
+        xmin = "CAST(CAST(pg_current_xact_id() AS xid) AS text)"
+        if keyed:
+            _ADMIT_PG[keyed] = (
+                f"WITH admitted AS ({ADMIT}\n    RETURNING tenants.id),\n"
+                f"inserted AS ({insert}RETURNING jobs.id, jobs.tenant_id, jobs.idempotency_key),\n"
+                "keyed AS (INSERT INTO job_idempotency_keys (tenant_id, idempotency_key, job_id)\n"
+                "SELECT tenant_id, idempotency_key, id FROM inserted WHERE idempotency_key IS NOT NULL)\n"
+                f"SELECT id, {xmin} FROM inserted")
+        else:
+            _ADMIT_PG[keyed] = f"WITH admitted AS ({ADMIT}\n    RETURNING tenants.id)\n{insert}RETURNING jobs.id, {xmin}"
+    return _ADMIT_PG[keyed]
 
 
 def _iso(value):
@@ -374,7 +383,8 @@ def _params(jobs: list, key_id: int | None) -> dict:
 def admit_pg(conn: Connection, jobs: list, key_id: int | None) -> dict[str, str] | None:
     """Insert queued jobs (transient Job instances, one tenant) and count them against max_queued in one
     autocommit statement: {job id: xmin} for all of them, or None when refused (nothing written)."""
-    rows = conn.execute(text(_admit_pg_statement()), _params(jobs, key_id)).all()
+    keyed = any(j.idempotency_key is not None for j in jobs)
+    rows = conn.execute(text(_admit_pg_statement(keyed)), _params(jobs, key_id)).all()
     return dict(rows) if rows else None
 
 

@@ -10,7 +10,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
 from .settings import Config
-from .database import make_engine, sessions as session_factory
+from .database import make_engine, make_replica_engine, sessions as session_factory
 from .dispatch import Dispatcher, make_celery
 from .quotas import GroupAdmission, MemoryLimiter, MemorySlots, RedisLimiter, RedisSlots
 from .registry import Registry
@@ -22,6 +22,8 @@ class Services:
     config: Config
     database: Engine
     sessions: sessionmaker          # sessions over `database`, expire_on_commit off
+    replica: Engine                 # TIDEPOOL_DATABASE_REPLICA_URL's engine (read only); `database` when unset
+    replica_sessions: sessionmaker
     storage: Storage
     redis: redis_lib.Redis | None   # None in embedded mode (no TIDEPOOL_REDIS_URL)
     limiter: RedisLimiter | MemoryLimiter
@@ -34,6 +36,7 @@ class Services:
     @classmethod
     def from_config(cls, cfg: Config) -> "Services":
         database = make_engine(cfg.database_url)
+        replica = make_replica_engine(cfg.database_replica_url) if cfg.database_replica_url else database
         if cfg.redis_url:
             client = redis_lib.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
             limiter, slots = RedisLimiter(client), RedisSlots(client)
@@ -41,6 +44,7 @@ class Services:
             client, limiter, slots = None, MemoryLimiter(), MemorySlots()
         celery = make_celery(cfg.broker_url)
         return cls(config=cfg, database=database, sessions=session_factory(database),
+                   replica=replica, replica_sessions=session_factory(replica),
                    storage=Storage(cfg.storage_dir), redis=client, limiter=limiter, slots=slots,
                    admission=GroupAdmission(), celery=celery,
                    dispatcher=Dispatcher(celery, database, cfg.dispatch_chunk_size, mark_interval=cfg.mark_interval,

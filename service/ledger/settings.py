@@ -116,6 +116,12 @@ class Config:
     database_url: str = setting(
         "TIDEPOOL_DATABASE_URL", "", "Ledger database (SQLAlchemy URL); use `postgresql+psycopg://user@host/db` in "
         "production", shown="`sqlite:///<cwd>/var/tidepool.db`")
+    database_replica_url: str | None = setting(
+        "TIDEPOOL_DATABASE_REPLICA_URL", None, "A read replica of the ledger (SQLAlchemy URL, e.g. a Postgres hot "
+        "standby): the job, batch and file listings, the admin panel's listings and dashboard and the usage reports "
+        "read from it, so they may lag the primary by the replication delay; everything that writes, and every "
+        "read of one object its client just wrote (a job's status, a stream), stays on `TIDEPOOL_DATABASE_URL`",
+        shown="unset (everything on the primary)")
     redis_url: str | None = setting(
         "TIDEPOOL_REDIS_URL", None, "Redis used as Celery broker, token stream and rate-limit counters. While Redis "
         "is unreachable, rate limits fail open within a bound: each web process counts them in memory, so a tenant "

@@ -7,7 +7,7 @@ from flask import current_app, render_template, request
 from tidepool.service.ledger.snapshots import SNAPSHOT_TTL, Heartbeats, SnapshotStore
 
 from ..app import services
-from ..db import session as db
+from ..db import reads
 from ..ledger import counters
 from ..ledger.models import SLA_CLASSES, utcnow
 from .blueprint import bp
@@ -28,7 +28,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def _latency() -> dict:
     """TTFT (created → first token) and end-to-end (created → finished) of jobs completed recently."""
-    rows = counters.completed_since(db(), utcnow() - LATENCY_WINDOW, MAX_SAMPLES)
+    rows = counters.completed_since(reads(), utcnow() - LATENCY_WINDOW, MAX_SAMPLES)
     samples = {c: {"ttft": [], "e2e": []} for c in SLA_CLASSES}
     for sla, created, first, finished, _ in rows:
         if first is not None:
@@ -48,7 +48,7 @@ def history() -> list[dict]:
     live readings: their charts start at the first poll)."""
     now = utcnow()
     start = now - HISTORY_WINDOW
-    rows = counters.completed_since(db(), start, MAX_SAMPLES)
+    rows = counters.completed_since(reads(), start, MAX_SAMPLES)
     steps = int(HISTORY_WINDOW / HISTORY_STEP)
     buckets = [{"tokens": 0, "ttft": {c: [] for c in SLA_CLASSES}, "e2e": {c: [] for c in SLA_CLASSES}}
                for _ in range(steps)]
@@ -99,7 +99,7 @@ def worker_snapshots() -> list[dict]:
 
 
 def dashboard_json() -> dict:
-    s = db()
+    s = reads()
     jobs = {c: {"queued": 0, "running": 0} for c in SLA_CLASSES}
     for sla, status, n in counters.active_by_class(s):
         jobs[sla.value][status.value] = n

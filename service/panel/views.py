@@ -10,7 +10,7 @@ from ..protocol import embeddings
 from ..api import cfg
 from ..app import services
 from ..auth import admin_failed, admin_throttled
-from ..db import session as db
+from ..db import reads, session as db
 from ..protocol.errors import APIError
 from ..ledger.logging import log_job
 from ..protocol import EMBEDDINGS
@@ -71,12 +71,12 @@ def logout():
 # --- tenants -------------------------------------------------------------------------------------------
 
 def _usage_by_tenant() -> dict[str, dict]:
-    return tenants.usage(db(), datetime.now(timezone.utc))
+    return tenants.usage(reads(), datetime.now(timezone.utc))
 
 
 @bp.get("/tenants")
 def tenants_page():
-    rows = tenants.with_quotas(db(), order_by="name")
+    rows = tenants.with_quotas(reads(), order_by="name")
     return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
                            online_classes=ONLINE_CLASSES, form={}, errors={})
 
@@ -101,7 +101,7 @@ def create_tenant():
         else:
             flash(f"Tenant '{tenant.name}' created.", "ok")
             return _show_key_once(tenant.id, key)
-    rows = tenants.with_quotas(db(), order_by="name")
+    rows = tenants.with_quotas(reads(), order_by="name")
     return render_template("tenants.html", rows=rows, usage=_usage_by_tenant(), classes=SLA_CLASSES,
                            online_classes=ONLINE_CLASSES,
                            form={"name": name, "weight": raw_weight, "default_sla_class": raw_class}, errors=errors), 400
@@ -148,7 +148,7 @@ def _tenant_page(tenant_id: str, *, new_key: str | None = None, quota_form: dict
         quota_form["allowed_sla_classes"] = list(quota.allowed_sla_classes or [])
     if scheduling_form is None:
         scheduling_form = {"weight": f"{t.weight:g}", "default_sla_class": t.default_sla_class or ""}
-    recent = pages.page(s, Job, 10, tenant_id=tenant_id)[:10]
+    recent = pages.page(reads(), Job, 10, tenant_id=tenant_id)[:10]
     return render_template("tenant.html", t=t, quota=quota, keys=keys, new_key=new_key, qf=quota_form,
                            sf=scheduling_form, errors=errors or {}, fields=INT_FIELDS, help=FIELD_HELP,
                            classes=SLA_CLASSES, online_classes=ONLINE_CLASSES,
@@ -278,7 +278,7 @@ def _parse_time(name: str, errors: dict) -> datetime | None:
 
 
 def _tenant_names() -> dict[str, str]:
-    return {t.id: t.name for t in tenants.by_name(db())}
+    return {t.id: t.name for t in tenants.by_name(reads())}
 
 
 @bp.get("/jobs")
@@ -300,7 +300,7 @@ def jobs_page():
         filters["batch_id"] = args["batch"]
     since, until = _parse_time("since", errors), _parse_time("until", errors)
     limit = cfg().page_size * 2
-    rows = pages.page(db(), Job, limit, after=args.get("cursor"), created_from=since, created_before=until,
+    rows = pages.page(reads(), Job, limit, after=args.get("cursor"), created_from=since, created_before=until,
                       **filters) if not errors else []
     more = rows[limit - 1].id if len(rows) > limit else None
     query = {k: v for k, v in args.items() if k != "cursor" and v}
@@ -363,8 +363,8 @@ def batches_page():
     if args.get("status") in BatchStatus.__members__:
         filters["status"] = BatchStatus(args["status"])
     limit = cfg().page_size * 2
-    rows = pages.page(db(), Batch, limit, after=args.get("cursor"), **filters)
-    s = db()
+    s = reads()
+    rows = pages.page(s, Batch, limit, after=args.get("cursor"), **filters)
     counts = {b.id: ledger.request_counts(s, b) for b in rows[:limit]}
     estimates = {b.id: eta.estimate(s, b) for b in rows[:limit]}
     query = {k: v for k, v in args.items() if k != "cursor" and v}
