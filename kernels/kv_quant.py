@@ -1,0 +1,42 @@
+"""Quantized KV cache: its element types, and quantize-on-store / dequantize-on-read as pure torch (the reference
+the native CPU and Triton kernels are tested against).
+
+A quantized cache keeps keys and values as 8-bit codes; each layer holds one fp32 scale per KV head for K and one
+for V ([Hkv] each), and a stored value is code * scale. Codes saturate at the type's largest finite value, so a
+value beyond the calibrated range is clipped, never NaN.
+"""
+import torch
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")     # "auto": the model's dtype, unquantized
+STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
+QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
+
+
+def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return model_dtype if kv_cache_dtype == "auto" else STORAGE[kv_cache_dtype]
+
+
+def is_quantized(cache: torch.Tensor) -> bool:
+    return cache.dtype in QMAX
+
+
+def scales_from_amax(amax: torch.Tensor, dtype: torch.dtype, headroom: float = 1.0) -> torch.Tensor:
+    """Scales that map |x| <= amax * headroom onto the type's range; an all-zero head gets scale 1."""
+    amax = amax.float()
+    return torch.where(amax > 0, amax * headroom / QMAX[dtype], torch.ones_like(amax))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [N, Hkv, D], scale [Hkv] -> codes [N, Hkv, D] of `dtype` (int8 rounded to nearest, fp8 as torch rounds)."""
+    limit = QMAX[dtype]
+    y = (x.float() / scale.view(-1, 1)).clamp_(-limit, limit)
+    if dtype == torch.int8:
+        y = y.round_()
+    return y.to(dtype)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., Hkv, D], scale [Hkv] -> values of `dtype`."""
+    return (codes.float() * scale.view(-1, 1)).to(dtype)
