@@ -1,5 +1,6 @@
 """Panel page for the model registry: register a model, retier it, enable or disable it, grant it to tenants or
-revoke it, and see each model's tensor_parallel_size (its own or the deployment's) and queues (depth per SLA class,
+revoke it, and see each model's tensor_parallel_size (its own or the deployment's), its KV cache dtype (asked for,
+in use, and the loss its calibration measured) and queues (depth per SLA class,
 and whether a live worker serves them)."""
 from flask import flash, redirect, render_template, request, url_for
 
@@ -25,8 +26,9 @@ def _page(form: dict | None = None, errors: dict | None = None, status: int = 20
         by_model.setdefault(row["model"], []).append(row)
     tenants = registry.grants(db())
     deployment = registry.tensor_parallel_size(None, services().config.tensor_parallel_size)  # a model without its own
+    kv = {e.name: registry.kv_cache_use(e, services().config.kv_cache_dtype) for e in entries}
     return render_template("models.html", entries=entries, queues=by_model, tenants=tenants, tiers=registry.TIERS,
-                           tensor_parallel_size=deployment, form=form or {}, errors=errors or {}), status
+                           tensor_parallel_size=deployment, kv=kv, form=form or {}, errors=errors or {}), status
 
 
 @bp.get("/models")

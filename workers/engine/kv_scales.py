@@ -66,6 +66,15 @@ def loss(accuracy: dict) -> float:
     return max(1.0 - accuracy["top1_agreement"], accuracy["ppl_increase"])
 
 
+def judge(record: dict) -> dict:
+    """Mark each dtype's figures in a calibration record with its loss and the guard's verdict (`refused`), which
+    the registry shows as they are."""
+    for figures in (record.get("accuracy") or {}).values():
+        figures["loss"] = loss(figures)
+        figures["refused"] = figures["loss"] > MAX_LOSS
+    return record
+
+
 def resolve(kv_cache_dtype: str, calibration: dict | None, model: str = "") -> KVChoice:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
