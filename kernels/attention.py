@@ -7,6 +7,7 @@ against (tests/kernels)."""
 
 import torch
 
+from tidepool.kernels.kv_quant import per_channel
 from tidepool.kernels.paged_attention import paged_attention_ref, paged_decode_ref, store_kv_ref
 
 BACKENDS = ("torch", "triton")
@@ -59,8 +60,8 @@ def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     if k_scale is not None:     # q and the output stay fp32 or bf16
         wide = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
         out = op(q.to(wide).contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables,
-                 context_lens.to(torch.int32).contiguous(), float(scale), k_scale.float().contiguous(),
-                 v_scale.float().contiguous())
+                 context_lens.to(torch.int32).contiguous(), float(scale), per_channel(k_scale, head_dim),
+                 per_channel(v_scale, head_dim))
         return out.to(q.dtype)
     out = op(q.to(k_cache.dtype).contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables,
              context_lens.to(torch.int32).contiguous(), float(scale))

@@ -215,7 +215,8 @@ def _self_check(op) -> None:
         if not err <= 1e-4:
             raise RuntimeError(f"self-check: max abs err {err} against the torch path (head_dim {dim})")
         for dtype in (torch.float8_e4m3fn, torch.int8):     # a quantized cache: codes widened in the kernel
-            k_scale, v_scale = torch.rand(num_kv_heads, generator=gen) + 0.01, torch.rand(num_kv_heads, generator=gen)
+            k_scale = torch.rand(num_kv_heads, dim, generator=gen) + 0.01     # per (KV head, channel)
+            v_scale = torch.rand(num_kv_heads, dim, generator=gen) + 0.01
             kq, vq = quantize(k_cache, k_scale, dtype), quantize(v_cache, v_scale, dtype)
             got = op(q, kq, vq, tables, lens, 0.3, k_scale, v_scale)
             want = paged_decode_ref(q, kq, vq, tables, lens, 0.3, k_scale, v_scale)

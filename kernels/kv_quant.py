@@ -1,8 +1,9 @@
 """Quantized KV cache: its element types, and quantize-on-store / dequantize-on-read as pure torch (the reference
 the native CPU and Triton kernels are tested against).
 
-A quantized cache keeps keys and values as 8-bit codes; each layer holds one fp32 scale per KV head for K and one
-for V ([Hkv] each), and a stored value is code * scale. Codes saturate at the type's largest finite value, so a
+A quantized cache keeps keys and values as 8-bit codes; each layer holds fp32 scales for K and for V per KV head
+([Hkv]) or per KV head and channel ([Hkv, D], which the kernels fold into q and into the output at no cost per
+element), and a stored value is code * scale. Codes saturate at the type's largest finite value, so a
 value beyond the calibrated range is clipped, never NaN.
 """
 import torch
@@ -28,15 +29,20 @@ def scales_from_amax(amax: torch.Tensor, dtype: torch.dtype, headroom: float = 1
     return torch.where(amax > 0, amax * headroom / QMAX[dtype], torch.ones_like(amax))
 
 
+def per_channel(scale: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Scales [Hkv] or [Hkv, D] as the kernels take them: contiguous fp32 [Hkv, D]."""
+    return scale.float().reshape(scale.shape[0], -1).expand(-1, head_dim).contiguous()
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [N, Hkv, D], scale [Hkv] -> codes [N, Hkv, D] of `dtype` (int8 rounded to nearest, fp8 as torch rounds)."""
+    """x [N, Hkv, D], scale [Hkv] or [Hkv, D] -> codes [N, Hkv, D] of `dtype` (int8 rounded to nearest, fp8 as torch rounds)."""
     limit = QMAX[dtype]
-    y = (x.float() / scale.view(-1, 1)).clamp_(-limit, limit)
+    y = (x.float() / scale.view(scale.shape[0], -1)).clamp_(-limit, limit)
     if dtype == torch.int8:
         y = y.round_()
     return y.to(dtype)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., Hkv, D], scale [Hkv] -> values of `dtype`."""
-    return (codes.float() * scale.view(-1, 1)).to(dtype)
+    """codes [..., Hkv, D], scale [Hkv] or [Hkv, D] -> values of `dtype`."""
+    return (codes.float() * scale.view(scale.shape[0], -1)).to(dtype)

@@ -5,12 +5,12 @@ import torch
 import triton
 import triton.language as tl
 
-from tidepool.kernels.kv_quant import QMAX
+from tidepool.kernels.kv_quant import QMAX, per_channel
 
 
 @triton.jit
-def _quantize(x, scale_ptr, heads, mask, QMAX: tl.constexpr, INT8: tl.constexpr):
-    y = x.to(tl.float32) / tl.load(scale_ptr + heads, mask=mask, other=1.0)
+def _quantize(x, scale_ptr, offs, mask, QMAX: tl.constexpr, INT8: tl.constexpr):
+    y = x.to(tl.float32) / tl.load(scale_ptr + offs, mask=mask, other=1.0)       # scales [Hkv, D]
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
     if INT8:
         y = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
@@ -29,8 +29,8 @@ def _store_kv_kernel(key, value, k_cache, v_cache, slot_mapping, key_stride, val
         k = tl.load(key + token.to(tl.int64) * key_stride + offs, mask=mask)
         v = tl.load(value + token.to(tl.int64) * value_stride + offs, mask=mask)
         if QUANT:
-            k = _quantize(k, k_scale, offs // HEAD_DIM, mask, QMAX, INT8)
-            v = _quantize(v, v_scale, offs // HEAD_DIM, mask, QMAX, INT8)
+            k = _quantize(k, k_scale, offs, mask, QMAX, INT8)
+            v = _quantize(v, v_scale, offs, mask, QMAX, INT8)
         tl.store(k_cache + slot * ROW + offs, k.to(k_cache.dtype.element_ty), mask=mask)
         tl.store(v_cache + slot * ROW + offs, v.to(v_cache.dtype.element_ty), mask=mask)
 
@@ -53,6 +53,8 @@ def store_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
         return
     row = num_kv_heads * head_dim
     quant = k_scale is not None
+    if quant:
+        k_scale, v_scale = per_channel(k_scale, head_dim), per_channel(v_scale, head_dim)
     _store_kv_kernel[(n,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
                            k_scale if quant else key, v_scale if quant else value,
                            ROW=row, BLOCK=triton.next_power_of_2(row), HEAD_DIM=head_dim, QUANT=quant,

@@ -10,7 +10,7 @@ Both gather cache rows token by token through the block table, so any block size
 grids from host-known shapes (block table width, max_seqlen_q), never from context_lens, so neither syncs.
 Softmax runs in base 2 with fp32 accumulators; a sequence with no keys (context 0, e.g. a padding row) gets zeros.
 A quantized cache (fp8 e4m3 / e5m2, int8; kernels/kv_quant.py) is read as codes and dequantized in registers: K's
-scale of the program's KV head folded into the scores, V's into the output.
+scales (per channel of the program's KV head) folded into q, V's into the output.
 """
 import functools
 import math
@@ -21,6 +21,8 @@ import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+
+from tidepool.kernels.kv_quant import per_channel  # noqa: E402
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MIN_SPLIT_TOKENS = 512   # a split shorter than this costs more in the merge than it wins in parallelism
 
@@ -36,11 +38,6 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_ou
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    k_mul = 1.0
-    v_mul = 1.0
-    if QUANT:
-        k_mul = tl.load(k_scale + kv_head)
-        v_mul = tl.load(v_scale + kv_head)
     context = tl.load(context_lens + seq)
     start = split * split_len
     end = tl.minimum(context, start + split_len)
@@ -54,6 +51,11 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_ou
     qo_mask = g_mask[:, None] & d_mask[None, :]
     q_tile = tl.load(q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                      mask=qo_mask, other=0.0).to(dot_ty)            # [G, D]
+    v_mul = tl.full([BLOCK_D], 1.0, tl.float32)
+    if QUANT:       # scales per (KV head, channel): K's into q, V's into the output
+        k_mul = tl.load(k_scale + kv_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        q_tile = (q_tile.to(tl.float32) * k_mul[None, :]).to(dot_ty)
+        v_mul = tl.load(v_scale + kv_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -67,7 +69,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_ou
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)   # [N, D]
         v = tl.load(v_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)
-        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * (scale_log2 * k_mul)          # [G, N]
+        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale_log2          # [G, N]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -77,7 +79,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_ou
         m = m_new
 
     safe_l = tl.where(l > 0, l, 1.0)
-    o = acc * (v_mul / safe_l)[:, None]
+    o = acc / safe_l[:, None] * v_mul[None, :]
     if NUM_SPLITS == 1:
         tl.store(out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out.dtype.element_ty), mask=qo_mask)
@@ -126,11 +128,6 @@ def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     context = tl.load(context_lens + seq)
     kv_head = head // GROUP
-    k_mul = 1.0
-    v_mul = 1.0
-    if QUANT:
-        k_mul = tl.load(k_scale + kv_head)
-        v_mul = tl.load(v_scale + kv_head)
 
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -142,6 +139,11 @@ def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q
     q_pos = context - q_len + offs_m                                                      # [M]
     q_tile = tl.load(q + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                      mask=qo_mask, other=0.0).to(dot_ty)              # [M, D]
+    v_mul = tl.full([BLOCK_D], 1.0, tl.float32)
+    if QUANT:
+        k_mul = tl.load(k_scale + kv_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        q_tile = (q_tile.to(tl.float32) * k_mul[None, :]).to(dot_ty)
+        v_mul = tl.load(v_scale + kv_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
     # keys up to the tile's last query; a tile past the sequence's queries runs no iterations
     kv_end = tl.where(tile * BLOCK_M < q_len, tl.minimum(context, context - q_len + (tile + 1) * BLOCK_M), 0)
 
@@ -157,7 +159,7 @@ def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)
         v = tl.load(v_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)
-        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * (scale_log2 * k_mul)          # [M, N]
+        s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale_log2          # [M, N]
         s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         # rows past q_len may see no key in this tile; keep their max finite so no NaN reaches acc
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -168,7 +170,7 @@ def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
-    o = acc * (v_mul / tl.where(l > 0, l, 1.0))[:, None]
+    o = acc / tl.where(l > 0, l, 1.0)[:, None] * v_mul[None, :]
     tl.store(out + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=qo_mask)
 
@@ -290,6 +292,8 @@ def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_s
     """Same contract as paged_attention_ref; max_seqlen_q must bound every q_len (host int, no sync)."""
     _check(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
     assert (k_cache.dtype in QUANTIZED_DTYPES) == (k_scale is not None), "a quantized cache comes with its scales"
+    if k_scale is not None:
+        k_scale, v_scale = per_channel(k_scale, q.shape[-1]), per_channel(v_scale, q.shape[-1])
     if max_seqlen_q == 1 and q.shape[0] == block_tables.shape[0]:
         return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, k_scale, v_scale)
     return paged_varlen(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale,

@@ -80,15 +80,16 @@ inline vec8 load8(const T* p) {
 #endif
 }
 
-// A quantized cache's per-KV-head scales (null for a 16/32-bit cache): K's folded into q, V's into the output.
+// A quantized cache's scales per (KV head, channel), [Hkv, D] (null for a 16/32-bit cache): K's folded into q
+// (q . k = sum_c q_c s_c code_c), V's into the output (sum_t p_t s_c code_tc = s_c sum_t p_t code_tc).
 struct Scales {
   const float* k = nullptr;
   const float* v = nullptr;
 };
 template <typename T>
-inline float k_factor(const Scales& sc, int64_t h) { return sc.k[h] * kCodeScale<T>; }
+inline float k_factor(const Scales& sc, int64_t hc) { return sc.k[hc] * kCodeScale<T>; }
 template <typename T>
-inline float v_factor(const Scales& sc, int64_t h) { return sc.v[h] * kCodeScale<T>; }
+inline float v_factor(const Scales& sc, int64_t hc) { return sc.v[hc] * kCodeScale<T>; }
 
 // each of `rows` rows of `len` scores becomes its softmax, in place
 void softmax_rows(float* scores, int64_t rows, int64_t len) {
@@ -173,7 +174,9 @@ void attend(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int3
         vec8 qv[NC ? NC : 32];
         for (int64_t c = 0; c < nc; ++c) qv[c] = load8(q + (h * group + g) * dim + 8 * c);
         if constexpr (kQuantized<T>) {
-          for (int64_t c = 0; c < nc; ++c) qv[c] *= splat8(k_factor<T>(sc, h));
+          for (int64_t c = 0; c < nc; ++c) {
+            for (int i = 0; i < 8; ++i) qv[c][i] *= k_factor<T>(sc, h * dim + 8 * c + i);
+          }
         }
         float* sr = scores + r * ctx + j * s.block_size;
         int64_t t = 0;
@@ -231,7 +234,9 @@ void attend(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int3
     }
   }
   if constexpr (kQuantized<T>) {
-    for (int64_t i = 0; i < rows * dim; ++i) oh[i] = static_cast<QT>(acc[i] * v_factor<T>(sc, h0 + i / dim / group));
+    for (int64_t i = 0; i < rows * dim; ++i) {
+      oh[i] = static_cast<QT>(acc[i] * v_factor<T>(sc, (h0 + i / dim / group) * dim + i % dim));
+    }
   } else {
     for (int64_t i = 0; i < rows * dim; ++i) oh[i] = static_cast<QT>(acc[i]);
   }
@@ -376,7 +381,7 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
   float* alpha = pw + group * kTile;          // [group] and the tile's rescale of its accumulator rows
   for (int64_t i = 0; i < rows * dim; ++i) qf[i] = static_cast<float>(qh[i]);
   if constexpr (kQuantized<T>) {
-    for (int64_t i = 0; i < rows * dim; ++i) qf[i] *= k_factor<T>(sc, h0 + i / dim / group);
+    for (int64_t i = 0; i < rows * dim; ++i) qf[i] *= k_factor<T>(sc, (h0 + i / dim / group) * dim + i % dim);
   }
   std::fill(acc, acc + rows * dim, 0.0f);
   std::fill(den, den + rows * kTile, 0.0f);
@@ -506,9 +511,13 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float inv = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(den + r * kTile));
-    if constexpr (kQuantized<T>) inv *= v_factor<T>(sc, h0 + r / group);
-    for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv);
+    const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(den + r * kTile));
+    if constexpr (kQuantized<T>) {
+      const int64_t hc = (h0 + r / group) * dim;
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv * v_factor<T>(sc, hc + i));
+    } else {
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv);
+    }
   }
 }
 
@@ -594,7 +603,7 @@ void attend8(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int
   float* den = mx + rows;                     // [rows] running softmax denominator
   for (int64_t i = 0; i < rows * dim; ++i) qf[i] = static_cast<float>(qh[i]);
   if constexpr (kQuantized<T>) {
-    for (int64_t i = 0; i < rows * dim; ++i) qf[i] *= k_factor<T>(sc, h0 + i / dim / group);
+    for (int64_t i = 0; i < rows * dim; ++i) qf[i] *= k_factor<T>(sc, (h0 + i / dim / group) * dim + i % dim);
   }
   std::fill(acc, acc + rows * dim, 0.0f);
   std::fill(zero, zero + span, 0.0f);
@@ -691,9 +700,13 @@ void attend8(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    float inv = 1.0f / den[r];
-    if constexpr (kQuantized<T>) inv *= v_factor<T>(sc, h0 + r / group);
-    for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv);
+    const float inv = 1.0f / den[r];
+    if constexpr (kQuantized<T>) {
+      const int64_t hc = (h0 + r / group) * dim;
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv * v_factor<T>(sc, hc + i));
+    } else {
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv);
+    }
   }
 }
 
@@ -824,9 +837,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
   TORCH_CHECK(!quantized || (v_scale.has_value() && k_scale->scalar_type() == at::kFloat &&
                              v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
-                             v_scale->is_contiguous() && k_scale->numel() == k_cache.size(2) &&
-                             v_scale->numel() == k_cache.size(2)),
-              "k_scale and v_scale must be contiguous fp32 [Hkv]");
+                             v_scale->is_contiguous() && k_scale->numel() == k_cache.size(2) * k_cache.size(3) &&
+                             v_scale->numel() == k_cache.size(2) * k_cache.size(3)),
+              "k_scale and v_scale must be contiguous fp32 [Hkv, D]");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 8 == 0 && q.size(2) <= 256,
               "head_dim must match and be a multiple of 8 up to 256");
   TORCH_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "Hq must be a multiple of Hkv");

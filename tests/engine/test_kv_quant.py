@@ -47,8 +47,9 @@ def calibrated(tiny_model_dir, tmp_path_factory):
 
 def test_calibration_measures_every_dtype_within_the_guard_for_int8(calibrated):
     folder, record = calibrated
-    layers = EngineConfig(model=folder).model_config.num_hidden_layers
-    assert len(record["k_amax"]) == layers and all(a > 0 for row in record["k_amax"] for a in row)
+    m = EngineConfig(model=folder).model_config
+    k_amax = torch.tensor(record["k_amax"])      # per (layer, KV head, channel)
+    assert k_amax.shape == (m.num_hidden_layers, m.num_key_value_heads, m.head_dim) and (k_amax > 0).all()
     assert set(record["accuracy"]) == set(QUANTIZED)
     int8 = record["accuracy"]["int8"]
     assert int8["top1_agreement"] >= 1 - MAX_LOSS and int8["ppl_increase"] <= 0.01 and not int8["refused"]
@@ -74,7 +75,7 @@ def test_greedy_agrees_with_the_16bit_cache(calibrated, random_prompts, kv):
     got, engine = run(kv)
     assert engine.runner.kv_dtype.itemsize == 1
     first = [a[0] == b[0] for a, b in zip(ref, got)]      # the first token reads the prompt's KV only
-    assert sum(first) / len(first) >= record["accuracy"][kv]["top1_agreement"] - 0.1
+    assert sum(first) / len(first) >= record["accuracy"][kv]["top1_agreement"] - 0.2     # 12 draws: ~0.09 noise
 
 
 @pytest.mark.parametrize("scenario", ["suspend", "swap", "recompute"])
@@ -138,4 +139,4 @@ def test_dynamic_scales_are_said_once_at_start(tiny_model_dir, caplog):
     lines = [r.getMessage() for r in caplog.records if "dynamic scales" in r.getMessage()]
     assert len(lines) == 1
     attn = engine.runner.model.layers[0].self_attn
-    assert attn.k_scale.shape == (attn.num_kv_heads,) and (attn.k_scale > 0).all()
+    assert attn.k_scale.shape == (attn.num_kv_heads, attn.head_dim) and (attn.k_scale > 0).all()

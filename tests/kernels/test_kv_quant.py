@@ -51,10 +51,10 @@ def quantized_batch(seed, contexts, num_heads, num_kv_heads, head_dim, block_siz
     tables = torch.full((len(contexts), max(blocks) + 1), -1, dtype=torch.int32)
     for b, n in enumerate(blocks):
         tables[b, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
-    k_scale = torch.rand(num_kv_heads, generator=gen) * 0.05 + 0.005
-    v_scale = torch.rand(num_kv_heads, generator=gen) * 0.05 + 0.005
-    k = torch.randn(pool * block_size, num_kv_heads, head_dim, generator=gen) * k_scale[:, None] * 60
-    v = torch.randn(pool * block_size, num_kv_heads, head_dim, generator=gen) * v_scale[:, None] * 60
+    k_scale = torch.rand(num_kv_heads, head_dim, generator=gen) * 0.05 + 0.005     # per (KV head, channel)
+    v_scale = torch.rand(num_kv_heads, head_dim, generator=gen) * 0.05 + 0.005
+    k = torch.randn(pool * block_size, num_kv_heads, head_dim, generator=gen) * k_scale * 60
+    v = torch.randn(pool * block_size, num_kv_heads, head_dim, generator=gen) * v_scale * 60
     k_cache = torch.empty(pool, block_size, num_kv_heads, head_dim, dtype=dtype)
     v_cache = torch.empty_like(k_cache)
     store_kv_ref(k, v, k_cache, v_cache, torch.arange(pool * block_size), k_scale, v_scale)
@@ -93,7 +93,7 @@ def test_native_decode_reads_quantized_cache(native_op, dtype, q_dtype, head_dim
         q, kc, vc, tables, lens, ks, vs = quantized_batch(head_dim + len(contexts), contexts, 6, 2, head_dim,
                                                           block_size, dtype)
         q = q.to(q_dtype)
-        got = native_op(q, kc, vc, tables, lens, head_dim ** -0.5, ks, vs)
+        got = native_op(q, kc, vc, tables, lens, head_dim ** -0.5, ks.contiguous(), vs.contiguous())
         want = paged_decode_ref(q.float(), kc, vc, tables, lens, head_dim ** -0.5, ks, vs)
         tol = 1e-5 if q_dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

@@ -214,9 +214,10 @@ class ModelRunner:
                 torch.inference_mode():
             self._forward(step, n, None)
         if shard.rank == 0:
-            log.info("kv_cache_dtype %s without a calibration for %s: dynamic scales per (layer, KV head) from a "
+            log.info("kv_cache_dtype %s without a calibration for %s: dynamic scales per (layer, KV head, channel) from a "
                      "%d-token probe at start (x%.1f headroom); `tidepool models calibrate-kv` measures and stores "
-                     "calibrated ones", self.kv_choice.in_use, self.config.model, n, kv_scales.DYNAMIC_HEADROOM)
+                     "calibrated ones", self.kv_choice.in_use, self.config.model, n,
+                     kv_scales.DYNAMIC_HEADROOM * kv_scales.HEADROOM[self.kv_dtype])
 
     def make_decode_graphs(self, capture: bool, sizes: list[int] | None = None) -> DecodeGraphs:
         """Static decode buffers for a ladder of batch sizes (default: by max_num_seqs); `capture` records a
