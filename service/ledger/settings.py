@@ -208,8 +208,8 @@ class Config:
     kv_cache_dtype: str | None = setting(
         "TIDEPOOL_KV_CACHE_DTYPE", None, "KV cache element type: `auto` (the model's dtype), `fp8_e4m3`, `fp8_e5m2` "
         "or `int8` (8-bit: twice the tokens of a 16-bit cache in the same memory); scales from `tidepool models "
-        "calibrate-kv`, else dynamic ones at start; a calibration that measured more than 2% lost keeps the 16-bit "
-        "cache (a registered model may carry its own: `tidepool models set NAME --kv-cache-dtype D`)",
+        "calibrate-kv`, else dynamic ones at start; a dtype its calibration refused (over 2 percent lost) keeps the "
+        "16-bit cache (a registered model may carry its own: `tidepool models set NAME --kv-cache-dtype D`)",
         parse=_choice("auto", "fp8_e4m3", "fp8_e5m2", "int8"), shown="`auto`", flag="--kv-cache-dtype")
     max_loras: int | None = setting("TIDEPOOL_MAX_LORAS", None, "LoRA adapter slots on the device (`0`: adapters "
                                     "off)", parse=INT, check=NON_NEGATIVE, shown="`0`", engine=True)
