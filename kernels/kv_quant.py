@@ -35,7 +35,8 @@ def per_channel(scale: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [N, Hkv, D], scale [Hkv] or [Hkv, D] -> codes [N, Hkv, D] of `dtype` (int8 rounded to nearest, fp8 as torch rounds)."""
+    """x [N, Hkv, D], scale [Hkv] or [Hkv, D] -> codes [N, Hkv, D] of `dtype` (int8 rounded to nearest, fp8 as
+    torch rounds)."""
     limit = QMAX[dtype]
     y = (x.float() / scale.view(scale.shape[0], -1)).clamp_(-limit, limit)
     if dtype == torch.int8:

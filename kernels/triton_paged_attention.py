@@ -258,7 +258,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float,
         part_out = part_lse = out
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        k_scale if quant else q, v_scale if quant else q, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_scale if quant else q, v_scale if quant else q, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2), split_len, **meta)
     if splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
@@ -282,7 +283,8 @@ def paged_varlen(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, 
     grid = (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), num_heads, num_seqs)
     _varlen_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
-        k_scale if quant else q, v_scale if quant else q, scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_scale if quant else q, v_scale if quant else q, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2), **meta)
     return out
 

@@ -360,8 +360,8 @@ class Registry:
             return cached[2]
         generation = _generation
         with self.engine.connect() as conn:   # autocommit: no write lock on SQLite, nothing held open
-            columns = (Model.name, Model.source, Model.tier, Model.enabled, Model.created_at, Model.tensor_parallel_size,
-                       Model.kv_cache_dtype, Model.kv_cache_calibration)
+            columns = (Model.name, Model.source, Model.tier, Model.enabled, Model.created_at,
+                       Model.tensor_parallel_size, Model.kv_cache_dtype, Model.kv_cache_calibration)
             rows = conn.execution_options(isolation_level="AUTOCOMMIT").execute(select(*columns)
                                                                                 .order_by(Model.name)).all()
         out = {r.name: Entry(r.name, r.source, r.tier, bool(r.enabled), int(r.created_at.timestamp()), True,

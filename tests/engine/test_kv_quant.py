@@ -140,3 +140,42 @@ def test_dynamic_scales_are_said_once_at_start(tiny_model_dir, caplog):
     assert len(lines) == 1
     attn = engine.runner.model.layers[0].self_attn
     assert attn.k_scale.shape == (attn.num_kv_heads, attn.head_dim) and (attn.k_scale > 0).all()
+
+
+def test_calibrate_kv_round_trips_through_the_registry(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """`tidepool models calibrate-kv NAME`: the folder's kv_cache_scales.json and the registry's copy are one record,
+    which the workers pass on (model_engine_fields) and the registry shows (dtype in use, loss)."""
+    import json
+    import shutil
+
+    from tidepool.service.ledger.database import make_engine
+    from tidepool.service.ledger.registry import Registry, entry_json
+    from tidepool.workers.cli import main
+    from tidepool.workers.config_fields import model_engine_fields
+    folder = tmp_path / "tiny"
+    shutil.copytree(tiny_model_dir("llama-gqa"), folder)
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    monkeypatch.setenv("TIDEPOOL_DATABASE_URL", url)
+    monkeypatch.delenv("TIDEPOOL_MODEL", raising=False)
+    monkeypatch.delenv("TIDEPOOL_KV_CACHE_DTYPE", raising=False)
+    assert main(["db", "upgrade"]) == 0
+    assert main(["models", "register", "tiny", str(folder), "--kv-cache-dtype", "int8"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["kv_cache_dtype"] == "int8"
+    assert main(["models", "calibrate-kv", "tiny", "--samples", "16"]) == 0
+    printed = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert printed["registry"] and printed["samples"] == 16 and set(printed["accuracy"]) == set(QUANTIZED)
+    record = load_calibration(folder)
+    db = make_engine(url)
+    try:
+        entry = Registry(db, ttl=0).entries()["tiny"]
+    finally:
+        db.dispose()
+    assert entry.kv_cache_calibration == record
+    shown = entry_json(entry)
+    assert shown["kv_cache_dtype"] == "int8" and shown["kv_cache_loss"] == record["accuracy"]["int8"]["loss"]
+    assert shown["kv_cache_dtype_in_use"] == ("auto" if record["accuracy"]["int8"]["refused"] else "int8")
+    fields = model_engine_fields(entry)
+    assert fields["kv_cache_dtype"] == "int8" and fields["kv_cache_calibration"] == record
+    (folder / "kv_cache_scales.json").unlink()      # the registry's copy alone serves the engine
+    config = EngineConfig(model=str(folder), **fields)
+    assert config.kv_choice.calibration == record and config.kv_choice.measured == record["accuracy"]["int8"]

@@ -21,7 +21,8 @@ def compile_one(fn, dtype: str, meta: dict, pointers: dict | None = None) -> str
     meta = dict(meta)
     num_warps = meta.pop("num_warps")
     ptr_dtypes = {"part_out": "fp32", "part_lse": "fp32", "block_tables": "i32", "context_lens": "i32",
-                  "cu_seqlens_q": "i32", "slot_mapping": "i64", "k_scale": "fp32", "v_scale": "fp32", **(pointers or {})}
+                  "cu_seqlens_q": "i32", "slot_mapping": "i64", "k_scale": "fp32", "v_scale": "fp32",
+                  **(pointers or {})}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in meta:
