@@ -7,7 +7,8 @@ memory, accuracy on held-out text, the decode kernel alone, and engine decode th
   weights in --accuracy-dtype: next-token top-1 agreement, mean KL and perplexity against the 16-bit cache;
 * kernel: the native CPU decode op alone, SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64), bf16 q, a bf16
   cache against 8-bit codes, --kernel-batch sequences of --long-len tokens;
-* engine: the shared workload (../shared/bench/workload.py) of --num-requests with bf16 weights, output tokens per
+* engine: the shared workload (../shared/bench/workload.py) of --num-requests, --engine-dtype weights (bf16 by
+  default: the `auto` cache is then 16-bit), output tokens per
   second end to end and in decode-only steps; then --long-seqs prompts of --long-len tokens each generating
   --long-out tokens (attention-bound decode). Every quantized figure is a ratio to the `auto` cache's, same run.
 
@@ -89,8 +90,8 @@ def kernel(kvs: list[str], batch: int, ctx: int) -> list[dict]:
     return rows
 
 
-def run_engine(model: str, kv: str, requests, max_num_seqs: int) -> dict:
-    engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", kv_cache_dtype=kv, max_num_seqs=max_num_seqs,
+def run_engine(model: str, kv: str, requests, max_num_seqs: int, dtype: str) -> dict:
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_dtype=kv, max_num_seqs=max_num_seqs,
                                     online_reserve=0.0, sla_targets={}))
     for i, (prompt, olen) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
@@ -113,12 +114,12 @@ def run_engine(model: str, kv: str, requests, max_num_seqs: int) -> dict:
             "decode_tok_s": round(decode_tokens / decode_s, 1) if decode_s else None}
 
 
-def engine_rows(model: str, kvs: list[str], requests, max_num_seqs: int, label: str) -> list[dict]:
-    run_engine(model, "auto", requests[:2], max_num_seqs)       # warm-up: the first engine of a process pays more
-    rows = [run_engine(model, kv, requests, max_num_seqs) for kv in ["auto", *kvs]]
+def engine_rows(model: str, kvs: list[str], requests, max_num_seqs: int, label: str, dtype: str) -> list[dict]:
+    run_engine(model, "auto", requests[:2], max_num_seqs, dtype)    # warm-up: the first engine of a process pays more
+    rows = [run_engine(model, kv, requests, max_num_seqs, dtype) for kv in ["auto", *kvs]]
     base = rows[0]
     for r in rows:
-        r["workload"] = label
+        r["workload"], r["weights"] = label, dtype
         r["x_auto"] = round(r["tok_s"] / base["tok_s"], 3)
         if r["decode_tok_s"] and base["decode_tok_s"]:
             r["decode_x_auto"] = round(r["decode_tok_s"] / base["decode_tok_s"], 3)
@@ -137,6 +138,7 @@ def main() -> int:
     p.add_argument("--long-out", type=int, default=32)
     p.add_argument("--kernel-batch", type=int, default=64)
     p.add_argument("--accuracy-dtype", default="float32")
+    p.add_argument("--engine-dtype", default="bfloat16", help="the engine runs' weights (bf16: a 16-bit cache)")
     p.add_argument("--samples", type=int, default=1000)
     p.add_argument("--skip", default="", help="parts to leave out: accuracy,kernel,engine,long")
     args = p.parse_args()
@@ -152,7 +154,7 @@ def main() -> int:
         from workload import make_workload
         vocab = EngineConfig(model=args.model).model_config.vocab_size
         result["engine"] = engine_rows(args.model, engine_kvs, make_workload(args.num_requests, vocab), 256,
-                                       f"workload n={args.num_requests}")
+                                       f"workload n={args.num_requests}", args.engine_dtype)
         record("kv_quant", result)
     if "long" not in skip:
         rng = random.Random(0)
@@ -160,7 +162,7 @@ def main() -> int:
         requests = [([rng.randint(100, vocab - 1) for _ in range(args.long_len)], args.long_out)
                     for _ in range(args.long_seqs)]
         result["long_context"] = engine_rows(args.model, engine_kvs, requests, args.long_seqs,
-                                             f"{args.long_seqs} x {args.long_len} tokens")
+                                             f"{args.long_seqs} x {args.long_len} tokens", args.engine_dtype)
         record("kv_quant", result)
     if "accuracy" not in skip:
         result["accuracy"] = accuracy(args.model, kvs, args.accuracy_dtype, args.samples)
