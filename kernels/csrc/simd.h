@@ -4,7 +4,8 @@
 //
 // 8-bit KV codes (kernels/kv_quant.py): int8, fp8 e5m2 and fp8 e4m3fn. They are widened by integer shifts and the
 // F16C conversion, not by a table: an e5m2 byte is the top half of an fp16; an e4m3 byte b becomes the fp16 bits
-// ((b & 0x7F) << 7) | ((b & 0x80) << 8), whose value is b's divided by 2^8 (subnormals included), so its reader
+// ((b & 0x7F) << 7) | ((b & 0x80) << 8) (vectors: b sign-extended to 16 bits, << 7, & 0xBF80), whose value is b's
+// divided by 2^8 (subnormals included), so its reader
 // multiplies by kCodeScale (folded into the per-head scale, no extra multiply per element). e4m3fn's NaN code is
 // never stored (the store saturates).
 //
@@ -59,10 +60,8 @@ inline __m256 load8_codes(const Fp8E5M2* p) {
   return _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
 }
 inline __m256 load8_codes(const Fp8E4M3* p) {
-  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(0x3F80)),
-                                 _mm_and_si128(_mm_slli_epi16(x, 8), _mm_set1_epi16(static_cast<short>(0x8000))));
-  return _mm256_cvtph_ps(h);
+  const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(static_cast<short>(0xBF80))));
 }
 #endif
 
@@ -95,10 +94,8 @@ inline __m512 load16(const Fp8E5M2* p) {
   return _mm512_cvtph_ps(_mm256_slli_epi16(x, 8));
 }
 inline __m512 load16(const Fp8E4M3* p) {
-  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(0x3F80)),
-                                    _mm256_and_si256(_mm256_slli_epi16(x, 8), _mm256_set1_epi16(static_cast<short>(0x8000))));
-  return _mm512_cvtph_ps(h);
+  const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
 }
 #endif
 
