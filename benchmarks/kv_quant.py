@@ -7,10 +7,10 @@ memory, accuracy on held-out text, the decode kernel alone, and engine decode th
   weights in --accuracy-dtype: next-token top-1 agreement, mean KL and perplexity against the 16-bit cache;
 * kernel: the native CPU decode op alone, SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64), bf16 q, a bf16
   cache against 8-bit codes, --kernel-batch sequences of --long-len tokens;
-* engine: the shared workload (../shared/bench/workload.py) of --num-requests, --engine-dtype weights (bf16 by
-  default: the `auto` cache is then 16-bit), output tokens per
-  second end to end and in decode-only steps; then --long-seqs prompts of --long-len tokens each generating
-  --long-out tokens (attention-bound decode). Every quantized figure is a ratio to the `auto` cache's, same run.
+* engine: the shared workload (../shared/bench/workload.py) of --num-requests with --engine-dtype weights (bf16 by
+  default, so that the `auto` cache is 16-bit), output tokens per second end to end and in decode-only steps; then
+  --long-seqs prompts of --long-len tokens each generating --long-out tokens (attention-bound decode). Every
+  quantized figure is a ratio to the `auto` cache's, same run.
 
     python benchmarks/kv_quant.py [--model models/smollm2-135m] [--kv int8,fp8_e4m3] [--engine-kv int8]
                                   [--num-requests 256] [--long-seqs 16 --long-len 2048 --long-out 32]
