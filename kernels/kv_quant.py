@@ -1,5 +1,5 @@
-"""Quantized KV cache: its element types, and quantize-on-store / dequantize-on-read as pure torch (the reference
-the native CPU and Triton kernels are tested against).
+"""Quantized KV cache: its element types and scales. Quantize-on-store and dequantize-on-read are defined in pure
+torch by the reference (kernels/paged_attention.py), which the native CPU and Triton kernels are tested against.
 
 A quantized cache keeps keys and values as 8-bit codes; each layer holds fp32 scales for K and for V per KV head
 ([Hkv]) or per KV head and channel ([Hkv, D], which the kernels fold into q and into the output at no cost per
@@ -8,9 +8,10 @@ value beyond the calibrated range is clipped, never NaN.
 """
 import torch
 
+from tidepool.kernels.paged_attention import QMAX, dequantize, quantize  # noqa: F401 (the reference defines them)
+
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")     # "auto": the model's dtype, unquantized
 STORAGE = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "int8": torch.int8}
-QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -32,18 +33,3 @@ def scales_from_amax(amax: torch.Tensor, dtype: torch.dtype, headroom: float = 1
 def per_channel(scale: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Scales [Hkv] or [Hkv, D] as the kernels take them: contiguous fp32 [Hkv, D]."""
     return scale.float().reshape(scale.shape[0], -1).expand(-1, head_dim).contiguous()
-
-
-def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [N, Hkv, D], scale [Hkv] or [Hkv, D] -> codes [N, Hkv, D] of `dtype` (int8 rounded to nearest, fp8 as
-    torch rounds)."""
-    limit = QMAX[dtype]
-    y = (x.float() / scale.view(scale.shape[0], -1)).clamp_(-limit, limit)
-    if dtype == torch.int8:
-        y = y.round_()
-    return y.to(dtype)
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., Hkv, D], scale [Hkv] or [Hkv, D] -> values of `dtype`."""
-    return (codes.float() * scale.view(scale.shape[0], -1)).to(dtype)

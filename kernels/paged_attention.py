@@ -29,7 +29,24 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tidepool.kernels.kv_quant import dequantize, quantize
+
+
+QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}     # largest finite code
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [N, Hkv, D], scale [Hkv] or [Hkv, D] -> codes [N, Hkv, D] of `dtype` (int8 rounded to nearest, fp8 as
+    torch rounds)."""
+    limit = QMAX[dtype]
+    y = (x.float() / scale.view(scale.shape[0], -1)).clamp_(-limit, limit)
+    if dtype == torch.int8:
+        y = y.round_()
+    return y.to(dtype)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., Hkv, D], scale [Hkv] or [Hkv, D] -> values of `dtype`."""
+    return (codes.float() * scale.view(scale.shape[0], -1)).to(dtype)
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
