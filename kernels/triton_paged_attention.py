@@ -9,6 +9,8 @@ prefix, so one launch serves a mixed batch of prefills, chunked-prefill chunks a
 Both gather cache rows token by token through the block table, so any block size works, and both size their
 grids from host-known shapes (block table width, max_seqlen_q), never from context_lens, so neither syncs.
 Softmax runs in base 2 with fp32 accumulators; a sequence with no keys (context 0, e.g. a padding row) gets zeros.
+A quantized cache (fp8 e4m3 / e5m2, int8; kernels/kv_quant.py) is read as codes and dequantized in registers: K's
+scales (per channel of the program's KV head) folded into q, V's into the output.
 """
 import functools
 import math
@@ -18,18 +20,21 @@ import triton
 import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+
+from tidepool.kernels.kv_quant import per_channel  # noqa: E402
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MIN_SPLIT_TOKENS = 512   # a split shorter than this costs more in the merge than it wins in parallelism
 
 
 @triton.jit
-def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
+def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, k_scale, v_scale,
                    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_kslot, stride_kh, split_len,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    dot_ty = tl.float32 if UPCAST else k_cache.dtype.element_ty
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
+    dot_ty = tl.float32 if UPCAST else (q.dtype.element_ty if QUANT else k_cache.dtype.element_ty)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -46,6 +51,11 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_ou
     qo_mask = g_mask[:, None] & d_mask[None, :]
     q_tile = tl.load(q + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                      mask=qo_mask, other=0.0).to(dot_ty)            # [G, D]
+    v_mul = tl.full([BLOCK_D], 1.0, tl.float32)
+    if QUANT:       # scales per (KV head, channel): K's into q, V's into the output
+        k_mul = tl.load(k_scale + kv_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        q_tile = (q_tile.to(tl.float32) * k_mul[None, :]).to(dot_ty)
+        v_mul = tl.load(v_scale + kv_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -69,7 +79,7 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_ou
         m = m_new
 
     safe_l = tl.where(l > 0, l, 1.0)
-    o = acc / safe_l[:, None]
+    o = acc / safe_l[:, None] * v_mul[None, :]
     if NUM_SPLITS == 1:
         tl.store(out + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out.dtype.element_ty), mask=qo_mask)
@@ -105,12 +115,12 @@ def _merge_splits_kernel(part_out, part_lse, out, stride_ot, stride_oh, num_head
 
 
 @triton.jit
-def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
+def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, k_scale, v_scale,
                    scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kslot, stride_kh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   UPCAST: tl.constexpr):
-    dot_ty = tl.float32 if UPCAST else k_cache.dtype.element_ty
+                   UPCAST: tl.constexpr, QUANT: tl.constexpr):
+    dot_ty = tl.float32 if UPCAST else (q.dtype.element_ty if QUANT else k_cache.dtype.element_ty)
     tile = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
@@ -129,6 +139,11 @@ def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q
     q_pos = context - q_len + offs_m                                                      # [M]
     q_tile = tl.load(q + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                      mask=qo_mask, other=0.0).to(dot_ty)              # [M, D]
+    v_mul = tl.full([BLOCK_D], 1.0, tl.float32)
+    if QUANT:
+        k_mul = tl.load(k_scale + kv_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
+        q_tile = (q_tile.to(tl.float32) * k_mul[None, :]).to(dot_ty)
+        v_mul = tl.load(v_scale + kv_head * HEAD_DIM + offs_d, mask=d_mask, other=0.0)
     # keys up to the tile's last query; a tile past the sequence's queries runs no iterations
     kv_end = tl.where(tile * BLOCK_M < q_len, tl.minimum(context, context - q_len + (tile + 1) * BLOCK_M), 0)
 
@@ -155,7 +170,7 @@ def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
-    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o = acc / tl.where(l > 0, l, 1.0)[:, None] * v_mul[None, :]
     tl.store(out + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              o.to(out.dtype.element_ty), mask=qo_mask)
 
@@ -168,8 +183,9 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q):
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"triton paged attention supports head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {head_dim}")
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads not a multiple of {num_kv_heads} KV heads"
-    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"triton paged attention supports {SUPPORTED_DTYPES}, got q {q.dtype} cache {k_cache.dtype}")
+    if q.dtype not in SUPPORTED_DTYPES or k_cache.dtype not in SUPPORTED_DTYPES + QUANTIZED_DTYPES:
+        raise ValueError(f"triton paged attention supports {SUPPORTED_DTYPES} (caches also {QUANTIZED_DTYPES}), got "
+                         f"q {q.dtype} cache {k_cache.dtype}")
     assert k_cache.dtype == v_cache.dtype, "k_cache and v_cache dtypes differ"
     assert k_cache.is_contiguous() and v_cache.is_contiguous(), "caches must be contiguous"
     assert q.stride(-1) == 1, "q must be contiguous in head_dim"
@@ -195,8 +211,9 @@ def _num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.d
 
 
 def kernel_meta(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                device_type: str, num_splits: int = 1, max_seqlen_q: int = 1) -> dict:
-    """Constexprs and num_warps for a launch of the decode ("decode") or varlen ("varlen") kernel."""
+                device_type: str, num_splits: int = 1, max_seqlen_q: int = 1, quant: bool = False) -> dict:
+    """Constexprs and num_warps for a launch of the decode ("decode") or varlen ("varlen") kernel. dtype: what the
+    dots run in (the cache's, or q's over a quantized cache: quant)."""
     # CPU tensors only run under TRITON_INTERPRET, whose tl.dot returns garbage for bf16: feed it fp32 there.
     # fp32 dots stay exact (ieee) rather than tf32, since fp32 inputs are the tight-tolerance test path.
     upcast = dtype == torch.bfloat16 and device_type == "cpu"
@@ -206,7 +223,7 @@ def kernel_meta(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, blo
                 # no config spills registers on sm_90 (tests/kernels/test_triton_compile.py compiles them for it);
                 # fp32 dots run on FMA units and need the smallest tiles
                 BLOCK_N=16 if fp32 else 64 if head_dim <= 128 else 32,
-                PRECISION="ieee" if fp32 or upcast else "tf32", UPCAST=upcast)
+                PRECISION="ieee" if fp32 or upcast else "tf32", UPCAST=upcast, QUANT=quant)
     if kind == "decode":
         meta.update(NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(meta["GROUP"])), num_warps=4)
     else:
@@ -215,8 +232,13 @@ def kernel_meta(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, blo
     return meta
 
 
+def _compute_dtype(q, k_cache) -> tuple[torch.dtype, bool]:
+    quant = k_cache.dtype in QUANTIZED_DTYPES
+    return (q.dtype if quant else k_cache.dtype), quant
+
+
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float,
-                 num_splits: int | None = None) -> torch.Tensor:
+                 num_splits: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     # q [B, Hq, D], one token per sequence -> out [B, Hq, D]
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -224,7 +246,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float,
     if batch == 0:
         return out
     max_context = block_tables.shape[1] * block_size
-    meta = kernel_meta("decode", num_heads, num_kv_heads, head_dim, block_size, k_cache.dtype, q.device.type)
+    dtype, quant = _compute_dtype(q, k_cache)
+    meta = kernel_meta("decode", num_heads, num_kv_heads, head_dim, block_size, dtype, q.device.type, quant=quant)
     splits = num_splits or _num_splits(batch, num_kv_heads, max_context, q.device)
     split_len = triton.cdiv(triton.cdiv(max_context, splits), meta["BLOCK_N"]) * meta["BLOCK_N"]
     meta["NUM_SPLITS"] = splits = triton.cdiv(max_context, split_len)
@@ -235,7 +258,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float,
         part_out = part_lse = out
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_scale if quant else q, v_scale if quant else q, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2), split_len, **meta)
     if splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
@@ -246,27 +270,33 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float,
 
 
 def paged_varlen(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     num_seqs = block_tables.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
-    meta = kernel_meta("varlen", num_heads, num_kv_heads, head_dim, block_size, k_cache.dtype, q.device.type,
-                       max_seqlen_q=max_seqlen_q)
+    dtype, quant = _compute_dtype(q, k_cache)
+    meta = kernel_meta("varlen", num_heads, num_kv_heads, head_dim, block_size, dtype, q.device.type,
+                       max_seqlen_q=max_seqlen_q, quant=quant)
     grid = (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), num_heads, num_seqs)
     _varlen_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        k_scale if quant else q, v_scale if quant else q, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2), **meta)
     return out
 
 
 def paged_attention_triton(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q: int,
-                           scale: float, num_splits: int | None = None) -> torch.Tensor:
+                           scale: float, num_splits: int | None = None, k_scale=None, v_scale=None) -> torch.Tensor:
     """Same contract as paged_attention_ref; max_seqlen_q must bound every q_len (host int, no sync)."""
     _check(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q)
+    assert (k_cache.dtype in QUANTIZED_DTYPES) == (k_scale is not None), "a quantized cache comes with its scales"
+    if k_scale is not None:
+        k_scale, v_scale = per_channel(k_scale, q.shape[-1]), per_channel(v_scale, q.shape[-1])
     if max_seqlen_q == 1 and q.shape[0] == block_tables.shape[0]:
-        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits)
-    return paged_varlen(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale)
+        return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, k_scale, v_scale)
+    return paged_varlen(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, max_seqlen_q, scale,
+                        k_scale, v_scale)

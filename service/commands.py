@@ -58,6 +58,8 @@ def register_models(models_sub) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                    help="the ranks its engines shard it over (GPUs, or sets of CPU cores); default "
                         "$TIDEPOOL_TENSOR_PARALLEL_SIZE, else 1")
+    p.add_argument("--kv-cache-dtype", choices=registry_kv_dtypes(), default=None,
+                   help="its KV cache element type; default $TIDEPOOL_KV_CACHE_DTYPE, else auto (the model's dtype)")
     p.set_defaults(func=_models_register)
     p = models_sub.add_parser("registry", help="print the registered models as a JSON array")
     p.set_defaults(func=_models_registry)
@@ -70,9 +72,16 @@ def register_models(models_sub) -> None:
     p.add_argument("--tensor-parallel-size", type=_size_or_default, default=None, metavar="N|default",
                    help="the ranks its engines shard it over; `default`: the deployment's, "
                         "$TIDEPOOL_TENSOR_PARALLEL_SIZE, else 1")
+    p.add_argument("--kv-cache-dtype", choices=(*registry_kv_dtypes(), "default"), default=None,
+                   help="its KV cache element type; `default`: the deployment's, $TIDEPOOL_KV_CACHE_DTYPE, else auto")
     p.add_argument("--enable", dest="enabled", action="store_true", default=None)
     p.add_argument("--disable", dest="enabled", action="store_false")
     p.set_defaults(func=_models_set)
+
+
+def registry_kv_dtypes() -> tuple:
+    from tidepool.service.ledger.registry import KV_CACHE_DTYPES
+    return KV_CACHE_DTYPES
 
 
 def _size_or_default(text: str):
@@ -84,7 +93,8 @@ def _model_json(row, cfg) -> dict:
     """What `models register` and `models set` print: the row, its tensor_parallel_size as the workers use it."""
     from tidepool.service.ledger import registry
     return {"name": row.name, "source": row.source, "tier": row.tier, "enabled": row.enabled,
-            "tensor_parallel_size": registry.tensor_parallel_size(row.tensor_parallel_size, cfg.tensor_parallel_size)}
+            "tensor_parallel_size": registry.tensor_parallel_size(row.tensor_parallel_size, cfg.tensor_parallel_size),
+            "kv_cache_dtype": registry.kv_cache_dtype(row.kv_cache_dtype, cfg.kv_cache_dtype)}
 
 
 def _models_register(args) -> int:
@@ -98,7 +108,8 @@ def _models_register(args) -> int:
     with _session() as s:
         try:
             row = registry.register(s, args.name, str(folder.resolve()), args.tier, actor="cli",
-                                    tensor_parallel_size=args.tensor_parallel_size)
+                                    tensor_parallel_size=args.tensor_parallel_size,
+                                    kv_cache_dtype=args.kv_cache_dtype)
         except APIError as exc:
             return _fail(exc)
         s.commit()
@@ -111,7 +122,7 @@ def _models_registry(args) -> int:
     cfg = _config()
     with _session() as s:
         entries = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).entries().values()
-        print(json.dumps([registry.entry_json(e, cfg.tensor_parallel_size) for e in entries]))
+        print(json.dumps([registry.entry_json(e, cfg.tensor_parallel_size, cfg.kv_cache_dtype) for e in entries]))
     return 0
 
 
@@ -143,6 +154,8 @@ def _models_set(args) -> int:
     values = {k: v for k, v in (("tier", args.tier), ("enabled", args.enabled)) if v is not None}
     if args.tensor_parallel_size is not None:
         values["tensor_parallel_size"] = None if args.tensor_parallel_size == "default" else args.tensor_parallel_size
+    if args.kv_cache_dtype is not None:
+        values["kv_cache_dtype"] = None if args.kv_cache_dtype == "default" else args.kv_cache_dtype
     cfg = _config()
     with _session() as s:
         default = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).get(args.name)

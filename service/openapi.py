@@ -13,7 +13,7 @@ from .protocol import sla_classes
 from .protocol import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from .protocol.request_bodies import ALLOWED
 from .ledger.models import OFFLINE_CLASSES, ONLINE_CLASSES, SLA_CLASSES, BatchStatus, JobStatus
-from .ledger.registry import MAX_TENSOR_PARALLEL_SIZE
+from .ledger.registry import KV_CACHE_DTYPES, MAX_TENSOR_PARALLEL_SIZE
 
 # (method, path, summary, security, request schema, success status, response schema)
 ROUTES = [
@@ -477,6 +477,8 @@ _TIER = {"enum": ["hot", "warm", "cold"]}
 _TENSOR_PARALLEL = {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TENSOR_PARALLEL_SIZE,
                     "description": "the ranks its engines shard it over; null: the deployment's "
                                    "(TIDEPOOL_TENSOR_PARALLEL_SIZE)"}
+_KV_CACHE_DTYPE = {"enum": [*KV_CACHE_DTYPES, None], "description": "its KV cache element type; null: the "
+                                                                    "deployment's (TIDEPOOL_KV_CACHE_DTYPE)"}
 _CACHE_GROUP = {"type": ["string", "null"], "minLength": 1, "maxLength": 64, "pattern": "^[ -~]*$",
                 "description": "tenants of one group share cached prompt prefixes"}
 # Python's str.isspace() characters: a tenant name holds at least one other
@@ -568,16 +570,23 @@ SCHEMAS = {
         **_QUOTA, "allowed_sla_classes": {"type": "array", "items": {"enum": list(SLA_CLASSES)}},
         "allowed_models": {"type": ["array", "null"], "items": _STR}}},
     "ModelCreate": _obj({"name": {**_MODEL_NAME, "description": "unique (409)"}, "source": _SOURCE, "tier": _TIER,
-                         "enabled": _BOOL, "tensor_parallel_size": _TENSOR_PARALLEL}, ["name", "source"]),
+                         "enabled": _BOOL, "tensor_parallel_size": _TENSOR_PARALLEL,
+                         "kv_cache_dtype": _KV_CACHE_DTYPE}, ["name", "source"]),
     "ModelUpdate": _obj({"tier": _TIER, "enabled": _BOOL, "source": _SOURCE,
-                         "tensor_parallel_size": _TENSOR_PARALLEL}),
+                         "tensor_parallel_size": _TENSOR_PARALLEL, "kv_cache_dtype": _KV_CACHE_DTYPE}),
     "ModelGrant": _obj({"model": {**_MODEL_NAME, "description": "registered or to be registered"}}, ["model"]),
     "RegisteredModel": {"type": "object", "properties": {
         "id": _STR, "object": {"const": "model"}, "created": _INT, "owned_by": _STR, "source": _NULL_STR,
         "tier": _TIER, "enabled": _BOOL, "registered": _BOOL,
         "tensor_parallel_size": {"type": "integer", "minimum": 1,
                                  "description": "its own, else the deployment's (TIDEPOOL_TENSOR_PARALLEL_SIZE)"},
-        "kind": {"enum": ["generate", "embed"], "description": "embed: a sentence-transformers folder or BERT"}}},
+        "kind": {"enum": ["generate", "embed"], "description": "embed: a sentence-transformers folder or BERT"},
+        "kv_cache_dtype": {"enum": list(KV_CACHE_DTYPES), "description": "its own, else the deployment's "
+                                                                          "(TIDEPOOL_KV_CACHE_DTYPE)"},
+        "kv_cache_dtype_in_use": {"enum": list(KV_CACHE_DTYPES), "description": "auto where its KV calibration "
+                                                                                 "refused kv_cache_dtype"},
+        "kv_cache_loss": {"type": ["number", "null"], "description": "the calibration's measured loss for "
+                                                                     "kv_cache_dtype (null: not calibrated)"}}},
     "AdapterCreate": _obj({"name": {**_MODEL_NAME, "description": "unique among models and adapters (409)"},
                            "base_model": {**_MODEL_NAME, "description": "a registered model (404)"},
                            "source": {**_SOURCE, "description": "an absolute path to a PEFT LoRA folder (404 when "

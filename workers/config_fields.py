@@ -25,9 +25,12 @@ def worker_fields(settings, device: str) -> dict:
 
 def model_engine_fields(entry) -> dict:
     """EngineConfig fields a registered model carries itself (service/ledger/registry.py Entry), laid over the
-    settings' and the flags': its own tensor_parallel_size, when it has one."""
-    size = getattr(entry, "tensor_parallel_size", None)
-    return {"tensor_parallel_size": size} if size else {}
+    settings' and the flags': its own tensor_parallel_size and kv_cache_dtype, when it has them, and its KV
+    calibration (`tidepool models calibrate-kv`), which the engine otherwise reads from the model folder."""
+    own = {"tensor_parallel_size": getattr(entry, "tensor_parallel_size", None),
+           "kv_cache_dtype": getattr(entry, "kv_cache_dtype", None),
+           "kv_cache_calibration": getattr(entry, "kv_cache_calibration", None)}
+    return {k: v for k, v in own.items() if v}
 
 
 def refuse_unstartable(model: str, device: str, fields: dict, command: str) -> None:

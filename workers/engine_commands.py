@@ -2,7 +2,7 @@
 import json
 import sys
 
-from tidepool.service.ledger.settings import engine_flags
+from tidepool.service.ledger.settings import INT, Config, engine_flags
 
 
 def register(sub) -> None:
@@ -31,6 +31,15 @@ def register(sub) -> None:
     p.set_defaults(func=models_pull)
     p = models_sub.add_parser("list", help="list the model folders present")
     p.set_defaults(func=models_list)
+    p = models_sub.add_parser("calibrate-kv", help="measure a model's KV cache scales and each quantized dtype's "
+                                                   "accuracy; store them in its folder and the registry")
+    p.add_argument("name", help="a registered model (or the default model), or a model folder")
+    p.add_argument("--data", default=None, metavar="FILE.jsonl",
+                   help="calibration text, one JSON object a line (text, prompt or messages); default: the built-in "
+                        "set shipped with the package")
+    p.add_argument("--samples", type=int, default=1000, help="calibration samples (of up to 64 tokens) at most")
+    p.add_argument("--dtype", default=None, help="the model's dtype while calibrating (default: the engine's)")
+    p.set_defaults(func=models_calibrate_kv)
     from tidepool.service import commands as service_commands
     service_commands.register_models(models_sub)
 
@@ -68,7 +77,9 @@ def register_processes(sub) -> None:
 # Engine knobs shared by worker, serve and run-batch: flag, else its setting (variable), else the engine's default.
 def add_engine_flags(p) -> None:
     for flag, field, env, meaning in engine_flags():
-        p.add_argument(flag, dest=field, type=int, default=None, help=f"{meaning}; default ${env}")
+        parse = Config.__dataclass_fields__[field].metadata["parse"]
+        p.add_argument(flag, dest=field, type=int if parse is INT else parse, default=None,
+                       help=f"{meaning}; default ${env}")
 
 
 def engine_overrides(args) -> dict:
@@ -124,6 +135,44 @@ def models_list(args) -> int:
     root = _models_dir()
     for name in list_models(root):
         print(root / name)
+    return 0
+
+
+def models_calibrate_kv(args) -> int:
+    """Calibrate NAME's KV cache: the folder's kv_cache_scales.json, and the registry's copy when NAME is a registered
+    (or the default) model and the ledger is reachable."""
+    from pathlib import Path
+
+    from tidepool.service.ledger import registry
+    from tidepool.service.ledger.database import make_engine, session
+    from tidepool.service.ledger.settings import Config
+    from tidepool.workers.tools.kv_calibrate import calibrate_folder
+
+    cfg = Config.from_env()
+    folder, entry, db = Path(args.name).expanduser(), None, None
+    if not (folder / "config.json").is_file():
+        try:
+            db = make_engine(cfg.database_url)
+            entry = registry.Registry(db, cfg.served_model_name, cfg.model).get(args.name)
+        except Exception as exc:      # noqa: BLE001 - no ledger: the name can only be a folder
+            print(f"tidepool models calibrate-kv: {args.name!r} is no model folder and the registry is unreachable "
+                  f"({exc.__class__.__name__})", file=sys.stderr)
+            return 2
+        if entry is None or not entry.source:
+            print(f"tidepool models calibrate-kv: no model named {args.name!r}", file=sys.stderr)
+            return 2
+        folder = Path(entry.source)
+    record = calibrate_folder(folder, args.data, args.samples, args.dtype)
+    if entry is not None:
+        with session(db) as s:
+            registry.set_kv_calibration(s, args.name, record, actor="cli", default=entry)
+            s.commit()
+    summary = {dtype: {k: round(v, 5) if isinstance(v, float) else v for k, v in f.items()}
+               for dtype, f in record["accuracy"].items()}
+    print(json.dumps({"model": args.name, "folder": str(folder), "file": str(folder / "kv_cache_scales.json"),
+                      "registry": entry is not None, "samples": record["samples"], "tokens": record["tokens"],
+                      "heldout_tokens": record["heldout_tokens"], "seconds": record["seconds"],
+                      "accuracy": summary}))
     return 0
 
 

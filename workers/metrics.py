@@ -21,6 +21,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from tidepool.service.ledger.models import SLA_CLASSES
+from tidepool.service.ledger.registry import KV_CACHE_DTYPES
 from tidepool.service.ledger.snapshots import SNAPSHOT_KEY, SNAPSHOT_TTL, SnapshotStore  # noqa: F401 (the workers' import point)
 
 PUBLISH_INTERVAL = 1.0
@@ -69,6 +70,12 @@ class EngineMetrics:
                              ["worker", "sla_class"], registry=r)
         self.kv_usage = Gauge("tidepool:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).",
                               ["worker"], registry=r)
+        self.kv_dtype = Gauge("tidepool:kv_cache_dtype", "KV cache element type the engine runs with: 1 on its "
+                              "dtype (auto: the model's; fp8_e4m3, fp8_e5m2, int8: quantized).", ["worker", "dtype"],
+                              registry=r)
+        self.kv_fallbacks = Counter("tidepool:kv_quant_fallbacks", "Engines started on the 16-bit KV cache because "
+                                    "the model's calibration refused the quantized dtype asked for (more than 2% "
+                                    "lost).", ["worker"], registry=r)
         self.counters = {key: Counter(f"tidepool:{name}", f"Engine {name.replace('_', ' ')}.", ["worker"],
                                       registry=r) for key, name in _COUNTERS.items()}
         self.preemptions_by_kind = Counter("tidepool:preemptions_by_kind", "Engine preemptions by kind: suspend "
@@ -139,6 +146,11 @@ class EngineMetrics:
             self.running.labels(worker, cls).set(counts.get("running", 0))
             self.waiting.labels(worker, cls).set(counts.get("waiting", 0))
         self.kv_usage.labels(worker).set(stats.get("kv_cache_usage", 0.0))
+        if "kv_cache_dtype" in stats:
+            for dtype in KV_CACHE_DTYPES:
+                self.kv_dtype.labels(worker, dtype).set(float(stats["kv_cache_dtype"] == dtype))
+            if self._advance(worker, "kv_quant_fallbacks", stats.get("kv_quant_fallbacks", 0)):
+                self.kv_fallbacks.labels(worker).inc()
         for key, counter in self.counters.items():
             delta = self._advance(worker, key, stats.get(key, 0))
             if delta:

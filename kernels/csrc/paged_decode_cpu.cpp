@@ -68,6 +68,28 @@ inline vec8 load8(const c10::Half* p) {
   return out;
 }
 #endif
+// eight 8-bit KV codes, divided by kCodeScale (simd.h)
+template <typename T, std::enable_if_t<kQuantized<T>, int> = 0>
+inline vec8 load8(const T* p) {
+#if defined(__AVX2__) && defined(__F16C__)
+  return load8_codes(p);
+#else
+  vec8 out;
+  for (int i = 0; i < 8; ++i) out[i] = code_to_float(p[i]);
+  return out;
+#endif
+}
+
+// A quantized cache's scales per (KV head, channel), [Hkv, D] (null for a 16/32-bit cache): K's folded into q
+// (q . k = sum_c q_c s_c code_c), V's into the output (sum_t p_t s_c code_tc = s_c sum_t p_t code_tc).
+struct Scales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+};
+template <typename T>
+inline float k_factor(const Scales& sc, int64_t hc) { return sc.k[hc] * kCodeScale<T>; }
+template <typename T>
+inline float v_factor(const Scales& sc, int64_t hc) { return sc.v[hc] * kCodeScale<T>; }
 
 // each of `rows` rows of `len` scores becomes its softmax, in place
 void softmax_rows(float* scores, int64_t rows, int64_t len) {
@@ -115,10 +137,10 @@ struct Shape {
 };
 
 // KV heads [h0, h1) of one sequence. head_dim = 8 * NC (NC = 0: any multiple of 8 up to 256, read at run time).
-// scores: (h1 - h0) * group * ctx floats, acc: (h1 - h0) * group * head_dim floats.
-template <typename T, int NC>
-void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx,
-            int64_t h0, int64_t h1, const Shape& s, float* scores, float* acc) {
+// scores: (h1 - h0) * group * ctx floats, acc: (h1 - h0) * group * head_dim floats. QT: q and out; T: the cache.
+template <typename QT, typename T, int NC>
+void attend(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx,
+            int64_t h0, int64_t h1, const Shape& s, const Scales& sc, float* scores, float* acc) {
   const int64_t nc = NC ? NC : s.dim / 8;
   const int64_t dim = 8 * nc, group = s.group;
   const int64_t tok_stride = s.num_kv_heads * dim;
@@ -126,9 +148,9 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
   const int64_t nblk = (ctx + s.block_size - 1) / s.block_size;
   const int64_t rows = (h1 - h0) * group;
   const int64_t head_bytes = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
-  T* oh = out + h0 * group * dim;
+  QT* oh = out + h0 * group * dim;
   if (ctx == 0) {     // a padding row (CUDA-graph style): attends to nothing
-    std::fill(oh, oh + rows * dim, static_cast<T>(0.0f));
+    std::fill(oh, oh + rows * dim, static_cast<QT>(0.0f));
     return;
   }
   for (int64_t j = 0; j < nblk; ++j) {
@@ -151,6 +173,11 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
         const int64_t r = (h - h0) * group + g;
         vec8 qv[NC ? NC : 32];
         for (int64_t c = 0; c < nc; ++c) qv[c] = load8(q + (h * group + g) * dim + 8 * c);
+        if constexpr (kQuantized<T>) {
+          for (int64_t c = 0; c < nc; ++c) {
+            for (int i = 0; i < 8; ++i) qv[c][i] *= k_factor<T>(sc, h * dim + 8 * c + i);
+          }
+        }
         float* sr = scores + r * ctx + j * s.block_size;
         int64_t t = 0;
         for (; t + 4 <= n; t += 4) {
@@ -206,7 +233,13 @@ void attend(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_
       }
     }
   }
-  for (int64_t i = 0; i < rows * dim; ++i) oh[i] = static_cast<T>(acc[i]);
+  if constexpr (kQuantized<T>) {
+    for (int64_t i = 0; i < rows * dim; ++i) {
+      oh[i] = static_cast<QT>(acc[i] * v_factor<T>(sc, (h0 + i / dim / group) * dim + i % dim));
+    }
+  } else {
+    for (int64_t i = 0; i < rows * dim; ++i) oh[i] = static_cast<QT>(acc[i]);
+  }
 }
 
 #if defined(__AVX512F__)
@@ -323,16 +356,16 @@ inline int64_t scratch_floats(const Shape& s, int64_t heads) {
 // of out. head_dim = 16 * NC (NC = 0: read at run time). Per tile and KV head: the scores, running max and
 // probabilities of its query rows, up to kRowsAtOnce side by side (independent chains the core overlaps), then one
 // pass over the head's V rows for all of them (accumulate).
-template <typename T, int NC>
-void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
-              int64_t h1, const Shape& s, float* scratch) {
+template <typename QT, typename T, int NC>
+void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
+              int64_t h1, const Shape& s, const Scales& sc, float* scratch) {
   const int64_t nc = NC ? NC : s.dim / 16;
   const int64_t dim = 16 * nc, group = s.group, bs = s.block_size, heads = h1 - h0, rows = heads * group;
   const int64_t tok_stride = s.num_kv_heads * dim, blk_stride = bs * tok_stride, span = heads * dim;
-  const T* qh = q + h0 * group * dim;
-  T* oh = out + h0 * group * dim;
+  const QT* qh = q + h0 * group * dim;
+  QT* oh = out + h0 * group * dim;
   if (ctx == 0) {     // a padding row (CUDA-graph style): attends to nothing
-    std::fill(oh, oh + rows * dim, static_cast<T>(0.0f));
+    std::fill(oh, oh + rows * dim, static_cast<QT>(0.0f));
     return;
   }
   const int64_t nblk = (ctx + bs - 1) / bs;
@@ -340,13 +373,16 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
     TORCH_CHECK(table[j] >= 0 && table[j] < s.pool_blocks, "block table entry ", table[j], " out of range");
   }
   float* acc = scratch;                       // [rows, dim] un-normalised output (row = (head, query in group))
-  float* qf = acc + rows * dim;               // [rows, dim] q in fp32
-  float* kf = qf + rows * dim;                // [kTile, heads, dim] a tile's K rows widened (bf16/fp16, no bf16_dot)
+  float* qf = acc + rows * dim;               // [rows, dim] q in fp32 (times K's scale, quantized caches)
+  float* kf = qf + rows * dim;                // [kTile, heads, dim] a tile's K rows widened (16/8-bit, no bf16_dot)
   float* den = kf + kTile * span;             // [rows, kTile] running softmax denominator, lane by lane
   float* mx = den + rows * kTile;             // [rows] running max of the scaled scores
   float* pw = mx + rows;                      // [group, kTile] a KV head's probabilities for the tile
   float* alpha = pw + group * kTile;          // [group] and the tile's rescale of its accumulator rows
   for (int64_t i = 0; i < rows * dim; ++i) qf[i] = static_cast<float>(qh[i]);
+  if constexpr (kQuantized<T>) {
+    for (int64_t i = 0; i < rows * dim; ++i) qf[i] *= k_factor<T>(sc, (h0 + i / dim / group) * dim + i % dim);
+  }
   std::fill(acc, acc + rows * dim, 0.0f);
   std::fill(den, den + rows * kTile, 0.0f);
   std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
@@ -365,7 +401,7 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
   const float* kr[kTile];     // this tile's K rows in fp32 (the cache's, or widened into kf)
   const T* kb[kTile];         // this tile's K and V rows in the cache, heads h0..h1 side by side (dim apart)
   const T* vb[kTile];
-  const bool bf16_dot = kBf16Dot<T> && nc % 2 == 0;
+  const bool bf16_dot = kBf16Dot<T> && std::is_same_v<QT, T> && nc % 2 == 0;
   int64_t cur[kTile], nxt[kTile];
   const char* pf[2 * kTile];  // the next tile's K and V rows, prefetched through this tile (Prefetcher)
   tile_offsets(0, cur);
@@ -405,7 +441,7 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
         __m512 dots[kTile];
         bool dotted = false;
 #if defined(__AVX512BF16__)
-        if constexpr (kBf16Dot<T>) {
+        if constexpr (kBf16Dot<T> && std::is_same_v<QT, T>) {
           if (bf16_dot) {   // q . k straight from the bf16 rows: each lane sums two exact products in fp32 (vdpbf16ps)
             __m512bh qb[((NC ? NC : 16) + 1) / 2];
             const T* qr = qh + r * dim;
@@ -476,7 +512,12 @@ void attend16(const T* q, T* out, const T* k_cache, const T* v_cache, const int3
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.0f / _mm512_reduce_add_ps(_mm512_loadu_ps(den + r * kTile));
-    for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<T>(acc[r * dim + i] * inv);
+    if constexpr (kQuantized<T>) {
+      const int64_t hc = (h0 + r / group) * dim;
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv * v_factor<T>(sc, hc + i));
+    } else {
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv);
+    }
   }
 }
 
@@ -503,6 +544,8 @@ inline __m256 load8(const c10::BFloat16* p) {    // bf16 is the top half of an f
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
+template <typename T, std::enable_if_t<kQuantized<T>, int> = 0>
+inline __m256 load8(const T* p) { return load8_codes(p); }     // 8-bit KV codes, divided by kCodeScale
 
 // v[0..7] -> one vector whose lane t is the sum of v[t]'s eight lanes
 inline __m256 reduce8(const __m256* v) {
@@ -533,18 +576,18 @@ inline int64_t scratch_floats(const Shape& s, int64_t heads) {
 
 // KV heads [h0, h1) of one sequence: their query rows of q (the sequence's [Hq, D] row) -> the same rows of out.
 // head_dim = 8 * NC (NC = 0: read at run time).
-template <typename T, int NC>
-void attend8(const T* q, T* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
-             int64_t h1, const Shape& s, float* scratch) {
+template <typename QT, typename T, int NC>
+void attend8(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx, int64_t h0,
+             int64_t h1, const Shape& s, const Scales& sc, float* scratch) {
   constexpr int kChunk = 8;     // accumulator registers per pass over a V row (of 16 ymm registers)
   constexpr int kGroups = kTile / 8;
   const int64_t nc = NC ? NC : s.dim / 8;
   const int64_t dim = 8 * nc, group = s.group, bs = s.block_size, heads = h1 - h0, rows = heads * group;
   const int64_t tok_stride = s.num_kv_heads * dim, blk_stride = bs * tok_stride, span = heads * dim;
-  const T* qh = q + h0 * group * dim;
-  T* oh = out + h0 * group * dim;
+  const QT* qh = q + h0 * group * dim;
+  QT* oh = out + h0 * group * dim;
   if (ctx == 0) {     // a padding row (CUDA-graph style): attends to nothing
-    std::fill(oh, oh + rows * dim, static_cast<T>(0.0f));
+    std::fill(oh, oh + rows * dim, static_cast<QT>(0.0f));
     return;
   }
   const int64_t nblk = (ctx + bs - 1) / bs;
@@ -552,13 +595,16 @@ void attend8(const T* q, T* out, const T* k_cache, const T* v_cache, const int32
     TORCH_CHECK(table[j] >= 0 && table[j] < s.pool_blocks, "block table entry ", table[j], " out of range");
   }
   float* acc = scratch;                       // [rows, dim] un-normalised output (row = (head, query in group))
-  float* qf = acc + rows * dim;               // [rows, dim] q in fp32
-  float* kf = qf + rows * dim;                // [kTile, heads, dim] a tile's K rows widened (bf16/fp16 only)
+  float* qf = acc + rows * dim;               // [rows, dim] q in fp32 (times K's scale, quantized caches)
+  float* kf = qf + rows * dim;                // [kTile, heads, dim] a tile's K rows widened (16/8-bit only)
   float* vf = kf + kTile * span;              // [kTile, heads, dim] and its V rows
   float* zero = vf + kTile * span;            // [heads, dim] zeros: the K row of positions past the context
   float* mx = zero + span;                    // [rows] running max of the scaled scores
   float* den = mx + rows;                     // [rows] running softmax denominator
   for (int64_t i = 0; i < rows * dim; ++i) qf[i] = static_cast<float>(qh[i]);
+  if constexpr (kQuantized<T>) {
+    for (int64_t i = 0; i < rows * dim; ++i) qf[i] *= k_factor<T>(sc, (h0 + i / dim / group) * dim + i % dim);
+  }
   std::fill(acc, acc + rows * dim, 0.0f);
   std::fill(zero, zero + span, 0.0f);
   std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
@@ -655,25 +701,30 @@ void attend8(const T* q, T* out, const T* k_cache, const T* v_cache, const int32
   }
   for (int64_t r = 0; r < rows; ++r) {
     const float inv = 1.0f / den[r];
-    for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<T>(acc[r * dim + i] * inv);
+    if constexpr (kQuantized<T>) {
+      const int64_t hc = (h0 + r / group) * dim;
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv * v_factor<T>(sc, hc + i));
+    } else {
+      for (int64_t i = 0; i < dim; ++i) oh[r * dim + i] = static_cast<QT>(acc[r * dim + i] * inv);
+    }
   }
 }
 
 }  // namespace avx2
 #endif
 
-template <typename T>
+template <typename QT, typename T>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& block_tables, const at::Tensor& context_lens, float scale) {
+         const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, const Scales& sc) {
   const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
   const Shape s{k_cache.size(1), k_cache.size(2), num_heads / k_cache.size(2), dim, k_cache.size(0), scale};
   const int64_t table_stride = block_tables.stride(0), width = block_tables.size(1);
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const T* qp = q.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const QT* qp = q.data_ptr<QT>();
+  QT* op = out.data_ptr<QT>();
+  const T* kp = reinterpret_cast<const T*>(k_cache.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v_cache.data_ptr());
 
   int64_t max_ctx = 0;
   for (int64_t b = 0; b < batch; ++b) {
@@ -686,12 +737,12 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return lens[a] > lens[b]; });
 #if defined(__AVX512F__)
   if (dim % 16 == 0) {    // one item per (sequence, KV head), whatever the batch
-    void (*kernel16)(const T*, T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, const Shape&,
-                     float*);
+    void (*kernel16)(const QT*, QT*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, const Shape&,
+                     const Scales&, float*);
     switch (dim) {
-      case 64: kernel16 = &avx512::attend16<T, 4>; break;
-      case 128: kernel16 = &avx512::attend16<T, 8>; break;
-      default: kernel16 = &avx512::attend16<T, 0>; break;
+      case 64: kernel16 = &avx512::attend16<QT, T, 4>; break;
+      case 128: kernel16 = &avx512::attend16<QT, T, 8>; break;
+      default: kernel16 = &avx512::attend16<QT, T, 0>; break;
     }
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), batch * s.num_kv_heads));
     // a few sequences: one item per (sequence, KV head) so that every thread has work; else one per sequence, which
@@ -704,7 +755,7 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
         const int64_t b = order[i / splits], h0 = i % splits * heads_per_item;
         kernel16(qp + b * num_heads * dim, op + b * num_heads * dim, kp, vp, tables + b * table_stride, lens[b], h0,
-                 h0 + heads_per_item, s, scratch.data());
+                 h0 + heads_per_item, s, sc, scratch.data());
       }
     });
     return;
@@ -712,12 +763,12 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   {   // every head_dim (a multiple of 8) that attend16 did not take
-    void (*kernel8)(const T*, T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, const Shape&,
-                    float*);
+    void (*kernel8)(const QT*, QT*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, const Shape&,
+                    const Scales&, float*);
     switch (dim) {
-      case 64: kernel8 = &avx2::attend8<T, 8>; break;
-      case 128: kernel8 = &avx2::attend8<T, 16>; break;
-      default: kernel8 = &avx2::attend8<T, 0>; break;
+      case 64: kernel8 = &avx2::attend8<QT, T, 8>; break;
+      case 128: kernel8 = &avx2::attend8<QT, T, 16>; break;
+      default: kernel8 = &avx2::attend8<QT, T, 0>; break;
     }
     const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), batch * s.num_kv_heads));
     const int64_t splits = batch >= 4 * threads ? 1 : s.num_kv_heads;     // as for attend16
@@ -728,18 +779,18 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
         const int64_t b = order[i / splits], h0 = i % splits * heads_per_item;
         kernel8(qp + b * num_heads * dim, op + b * num_heads * dim, kp, vp, tables + b * table_stride, lens[b], h0,
-                h0 + heads_per_item, s, scratch.data());
+                h0 + heads_per_item, s, sc, scratch.data());
       }
     });
     return;
   }
 #endif
-  void (*kernel)(const T*, T*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, const Shape&, float*,
-                 float*);
+  void (*kernel)(const QT*, QT*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, const Shape&,
+                 const Scales&, float*, float*);
   switch (dim) {
-    case 64: kernel = &attend<T, 8>; break;
-    case 128: kernel = &attend<T, 16>; break;
-    default: kernel = &attend<T, 0>; break;
+    case 64: kernel = &attend<QT, T, 8>; break;
+    case 128: kernel = &attend<QT, T, 16>; break;
+    default: kernel = &attend<QT, T, 0>; break;
   }
 
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), batch * s.num_kv_heads));
@@ -755,21 +806,40 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t b = order[i / splits], h0 = i % splits * heads_per_item;
       kernel(qp + b * num_heads * dim, op + b * num_heads * dim, kp, vp, tables + b * table_stride, lens[b], h0,
-             h0 + heads_per_item, s, scores, acc);
+             h0 + heads_per_item, s, sc, scores, acc);
     }
   });
 }
 
+// A quantized cache (fp8 e4m3fn / e5m2, int8 codes; k_scale and v_scale [Hkv] fp32) with fp32 or bf16 q.
+template <typename QT>
+void run_quantized(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, const Scales& sc) {
+  switch (k_cache.scalar_type()) {
+    case at::ScalarType::Float8_e4m3fn: run<QT, Fp8E4M3>(q, out, k_cache, v_cache, block_tables, context_lens, scale, sc); break;
+    case at::ScalarType::Float8_e5m2: run<QT, Fp8E5M2>(q, out, k_cache, v_cache, block_tables, context_lens, scale, sc); break;
+    case at::ScalarType::Char: run<QT, int8_t>(q, out, k_cache, v_cache, block_tables, context_lens, scale, sc); break;
+    default: TORCH_CHECK(false, "unsupported quantized cache dtype ", k_cache.scalar_type());
+  }
+}
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                        const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
               block_tables.device().is_cpu() && context_lens.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q must be [B, Hq, D], k_cache and v_cache the same [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q and the caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const bool quantized = k_scale.has_value();
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "the caches must share a dtype");
+  TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
+  TORCH_CHECK(!quantized || (v_scale.has_value() && k_scale->scalar_type() == at::kFloat &&
+                             v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
+                             v_scale->is_contiguous() && k_scale->numel() == k_cache.size(2) * k_cache.size(3) &&
+                             v_scale->numel() == k_cache.size(2) * k_cache.size(3)),
+              "k_scale and v_scale must be contiguous fp32 [Hkv, D]");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 8 == 0 && q.size(2) <= 256,
               "head_dim must match and be a multiple of 8 up to 256");
   TORCH_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "Hq must be a multiple of Hkv");
@@ -780,10 +850,20 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   at::Tensor out = at::empty(q.sizes(), q.options());
   if (q.size(0) == 0) return out;
   const float s = static_cast<float>(scale);
+  if (quantized) {
+    const Scales sc{k_scale->data_ptr<float>(), v_scale->data_ptr<float>()};
+    switch (q.scalar_type()) {
+      case at::kFloat: run_quantized<float>(q, out, k_cache, v_cache, block_tables, context_lens, s, sc); break;
+      case at::kBFloat16: run_quantized<c10::BFloat16>(q, out, k_cache, v_cache, block_tables, context_lens, s, sc); break;
+      default: TORCH_CHECK(false, "q of a quantized cache must be fp32 or bf16, not ", q.scalar_type());
+    }
+    return out;
+  }
+  const Scales none;
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(q, out, k_cache, v_cache, block_tables, context_lens, s); break;
-    case at::kBFloat16: run<c10::BFloat16>(q, out, k_cache, v_cache, block_tables, context_lens, s); break;
-    case at::kHalf: run<c10::Half>(q, out, k_cache, v_cache, block_tables, context_lens, s); break;
+    case at::kFloat: run<float, float>(q, out, k_cache, v_cache, block_tables, context_lens, s, none); break;
+    case at::kBFloat16: run<c10::BFloat16, c10::BFloat16>(q, out, k_cache, v_cache, block_tables, context_lens, s, none); break;
+    case at::kHalf: run<c10::Half, c10::Half>(q, out, k_cache, v_cache, block_tables, context_lens, s, none); break;
     default: TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
   }
   return out;
@@ -793,6 +873,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 TORCH_LIBRARY(tidepool_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
-        "float scale) -> Tensor");
+        "float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, &paged_decode);
 }

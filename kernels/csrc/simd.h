@@ -1,5 +1,13 @@
 // Vector helpers shared by the native CPU kernels (paged_decode_cpu.cpp, fused_cpu.cpp; one library, one compiler
-// command, so both see the same #if branches): 16 lanes of fp32 / bf16 / fp16 loaded as fp32, and exp.
+// command, so both see the same #if branches): 16 lanes of fp32 / bf16 / fp16 / 8-bit KV codes loaded as fp32, and
+// exp.
+//
+// 8-bit KV codes (kernels/kv_quant.py): int8, fp8 e5m2 and fp8 e4m3fn. They are widened by integer shifts and the
+// F16C conversion, not by a table: an e5m2 byte is the top half of an fp16; an e4m3 byte b becomes the fp16 bits
+// ((b & 0x7F) << 7) | ((b & 0x80) << 8) (vectors: b sign-extended to 16 bits, << 7, & 0xBF80), whose value is b's
+// divided by 2^8 (subnormals included), so its reader
+// multiplies by kCodeScale (folded into the per-head scale, no extra multiply per element). e4m3fn's NaN code is
+// never stored (the store saturates).
 //
 // exp is Cephes expf, written once for every lane width: n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts, the
 // first exact in few bits, so r carries no rounding error of note), exp(r) ~ 1 + r + r^2 P(r) with P of degree 5
@@ -24,6 +32,39 @@
 
 namespace simd {
 
+struct Fp8E4M3 { uint8_t bits; };
+struct Fp8E5M2 { uint8_t bits; };
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t> || std::is_same_v<T, Fp8E4M3> || std::is_same_v<T, Fp8E5M2>;
+template <typename T>
+constexpr float kCodeScale = std::is_same_v<T, Fp8E4M3> ? 256.0f : 1.0f;     // value = widened code * kCodeScale
+
+// one code as fp16 bits (the portable path)
+inline uint16_t code_to_half_bits(Fp8E4M3 c) {
+  return static_cast<uint16_t>(((c.bits & 0x7F) << 7) | ((c.bits & 0x80) << 8));
+}
+inline uint16_t code_to_half_bits(Fp8E5M2 c) { return static_cast<uint16_t>(c.bits << 8); }
+inline float code_to_float(int8_t c) { return static_cast<float>(c); }
+template <typename T>
+inline float code_to_float(T c) {
+  return static_cast<float>(c10::Half(code_to_half_bits(c), c10::Half::from_bits()));
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+// eight codes -> eight fp32 (divided by kCodeScale)
+inline __m256 load8_codes(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8_codes(const Fp8E5M2* p) {
+  const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(x, 8));
+}
+inline __m256 load8_codes(const Fp8E4M3* p) {
+  const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(static_cast<short>(0xBF80))));
+}
+#endif
+
 // GCC/Clang vector extensions: eight fp32 lanes, AVX/AVX-512 with -march=native, split into narrower ops elsewhere.
 typedef float vec8 __attribute__((vector_size(32)));
 typedef int32_t ivec8 __attribute__((vector_size(32)));
@@ -43,6 +84,18 @@ inline __m512 load16(const c10::BFloat16* p) {    // bf16 is the top half of an 
 }
 inline __m512 load16(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// sixteen 8-bit KV codes (divided by kCodeScale, as load8_codes)
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const Fp8E5M2* p) {
+  const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(x, 8));
+}
+inline __m512 load16(const Fp8E4M3* p) {
+  const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(static_cast<short>(0xBF80))));
 }
 #endif
 

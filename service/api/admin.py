@@ -191,14 +191,15 @@ def _entry(name: str) -> registry.Entry:
 
 
 def _fresh(name: str) -> dict:
-    return registry.entry_json(_entry(name), services().config.tensor_parallel_size)
+    cfg = services().config
+    return registry.entry_json(_entry(name), cfg.tensor_parallel_size, cfg.kv_cache_dtype)
 
 
 @bp.get("/models")
 @admin_required
 def list_models():
-    deployment = services().config.tensor_parallel_size
-    return {"object": "list", "data": [registry.entry_json(e, deployment)
+    cfg = services().config
+    return {"object": "list", "data": [registry.entry_json(e, cfg.tensor_parallel_size, cfg.kv_cache_dtype)
                                        for e in services().registry.entries().values()]}
 
 
@@ -206,12 +207,13 @@ def list_models():
 @admin_required
 def register_model():
     body = json_body()
-    unknown = sorted(set(body) - {"name", "source", "tier", "enabled", "tensor_parallel_size"})
+    unknown = sorted(set(body) - {"name", "source", "tier", "enabled", "tensor_parallel_size", "kv_cache_dtype"})
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     s = session()
     row = registry.register(s, body.get("name"), body.get("source"), body.get("tier", "warm"),
-                            body.get("enabled", True), tensor_parallel_size=body.get("tensor_parallel_size"))
+                            body.get("enabled", True), tensor_parallel_size=body.get("tensor_parallel_size"),
+                            kv_cache_dtype=body.get("kv_cache_dtype"))
     s.commit()
     return _fresh(row.name), 201
 
@@ -226,7 +228,8 @@ def get_model(name):
 @admin_required
 def update_model(name):
     """Retier ({"tier": "hot"|"warm"|"cold"}), enable or disable ({"enabled": bool}), re-point ({"source"}) or
-    resize ({"tensor_parallel_size": n, or null for the deployment's})."""
+    resize ({"tensor_parallel_size": n, or null for the deployment's}) or set its KV cache dtype ({"kv_cache_dtype":
+    "fp8_e4m3"|"fp8_e5m2"|"int8"|"auto", or null for the deployment's})."""
     s = session()
     registry.update(s, name, json_body(), default=services().registry.get(name))
     s.commit()

@@ -162,6 +162,10 @@ class Model(Base):
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
     # The ranks its engines shard it over; NULL: the deployment's (TIDEPOOL_TENSOR_PARALLEL_SIZE or the flag).
     tensor_parallel_size: Mapped[int | None] = mapped_column(Integer)
+    # Its KV cache element type (auto, fp8_e4m3, fp8_e5m2, int8); NULL: the deployment's (TIDEPOOL_KV_CACHE_DTYPE).
+    kv_cache_dtype: Mapped[str | None] = mapped_column(String(16))
+    # `tidepool models calibrate-kv`'s record: per-(layer, KV head) scales and each dtype's measured accuracy.
+    kv_cache_calibration: Mapped[dict | None] = mapped_column(JSON, deferred=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

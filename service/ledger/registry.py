@@ -58,6 +58,8 @@ class Entry:
     created: int          # Unix seconds: registration, or (implicit default model) its folder's config.json
     registered: bool      # False: the default model, served without a row
     tensor_parallel_size: int | None = None    # its own; None: the deployment's (see tensor_parallel_size())
+    kv_cache_dtype: str | None = None          # its own; None: the deployment's (see kv_cache_dtype())
+    kv_cache_calibration: dict | None = None   # `tidepool models calibrate-kv`'s record (scales, figures per dtype)
 
 
 # What resolve() gives when there is nothing to check against (no default model, no registered model): the
@@ -71,10 +73,32 @@ def tensor_parallel_size(own: int | None, deployment: int | None = None) -> int:
     return own or deployment or 1
 
 
-def entry_json(e: Entry, deployment_tensor_parallel_size: int | None = None) -> dict:
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")     # kernels/kv_quant.py's, which the engine checks
+
+
+def kv_cache_dtype(own: str | None, deployment: str | None = None) -> str:
+    """The KV cache dtype a model's engines ask for: its own, else the deployment's (TIDEPOOL_KV_CACHE_DTYPE), else
+    `auto`. Whether the engine keeps it is the calibration's verdict (kv_cache_use)."""
+    return own or deployment or "auto"
+
+
+def kv_cache_use(e: Entry, deployment: str | None = None) -> dict:
+    """What the Models page and `models registry` show of a model's KV cache: the dtype asked for, the one its
+    engines run with (`auto` where the calibration refused it: its figures' `refused`, set by the engine's guard)
+    and the measured loss."""
+    asked = kv_cache_dtype(e.kv_cache_dtype, deployment)
+    figures = ((e.kv_cache_calibration or {}).get("accuracy") or {}).get(asked)
+    refused = bool(figures and figures.get("refused"))
+    return {"kv_cache_dtype": asked, "kv_cache_dtype_in_use": "auto" if refused else asked,
+            "kv_cache_loss": figures.get("loss") if figures else None}
+
+
+def entry_json(e: Entry, deployment_tensor_parallel_size: int | None = None,
+               deployment_kv_cache_dtype: str | None = None) -> dict:
     return {"id": e.name, "object": "model", "created": e.created, "owned_by": "tidepool", "source": e.source,
             "tier": e.tier, "enabled": e.enabled, "registered": e.registered, "kind": folder_kind(e.source),
-            "tensor_parallel_size": tensor_parallel_size(e.tensor_parallel_size, deployment_tensor_parallel_size)}
+            "tensor_parallel_size": tensor_parallel_size(e.tensor_parallel_size, deployment_tensor_parallel_size),
+            **kv_cache_use(e, deployment_kv_cache_dtype)}
 
 
 def public_json(e: Entry) -> dict:
@@ -116,6 +140,29 @@ def check_tensor_parallel_size(value) -> int | None:
     return value
 
 
+def check_kv_cache_dtype(value) -> str | None:
+    if value is not None and value not in KV_CACHE_DTYPES:
+        raise bad_request(f"kv_cache_dtype must be null (the deployment's) or one of {list(KV_CACHE_DTYPES)}.",
+                          "kv_cache_dtype")
+    return value
+
+
+def set_kv_calibration(s: Session, name: str, record: dict, actor: str = "cli", default: Entry | None = None) -> Model:
+    """Store `tidepool models calibrate-kv`'s record with the model (the implicit default model gets its row)."""
+    row = s.get(Model, name)
+    if row is None:
+        if default is None or default.registered or default.name != name:
+            raise APIError(404, f"No model named '{name}' is registered.", "model_not_found", "name")
+        row = register(s, name, default.source, default.tier, True, actor=actor)
+        s.flush()
+    row.kv_cache_calibration = record
+    row.updated_at = utcnow()
+    audit(s, actor, "model.calibrate_kv", name, {dtype: {k: v for k, v in f.items() if k in ("loss", "refused")}
+                                                 for dtype, f in (record.get("accuracy") or {}).items()})
+    _dirty(s)
+    return row
+
+
 def check_allowed(value) -> list | None:
     """A quota's allowed_models: None, or a list of model names (registered or not yet)."""
     if value is None:
@@ -138,18 +185,21 @@ def is_empty(s: Session) -> bool:
 
 
 def register(s: Session, name, source, tier="warm", enabled=True, actor: str = "admin",
-             tensor_parallel_size=None) -> Model:
+             tensor_parallel_size=None, kv_cache_dtype=None) -> Model:
     name, source, tier = check_name(name), check_source(source), check_tier(tier)
     tensor_parallel_size = check_tensor_parallel_size(tensor_parallel_size)
+    kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
     if not isinstance(enabled, bool):
         raise bad_request("enabled must be a boolean.", "enabled")
     if s.get(Model, name) is not None:
         raise APIError(409, f"A model named '{name}' is already registered.", "model_exists", "name")
     now = utcnow()
     row = Model(name=name, source=source, tier=tier, enabled=enabled, tensor_parallel_size=tensor_parallel_size,
-                created_at=now, updated_at=now)
+                kv_cache_dtype=kv_cache_dtype, created_at=now, updated_at=now)
     s.add(row)
     sized = {"tensor_parallel_size": tensor_parallel_size} if tensor_parallel_size else {}
+    if kv_cache_dtype:
+        sized["kv_cache_dtype"] = kv_cache_dtype
     audit(s, actor, "model.register", name, {"source": source, "tier": tier, "enabled": enabled, **sized})
     _dirty(s)
     return row
@@ -158,7 +208,7 @@ def register(s: Session, name, source, tier="warm", enabled=True, actor: str = "
 def update(s: Session, name: str, values: dict, actor: str = "admin", default: Entry | None = None) -> Model:
     """Retier, enable/disable, re-point a model or set its tensor_parallel_size (None: the deployment's); keys
     absent: unchanged. The implicit default model gets its row here, with the change applied."""
-    unknown = sorted(set(values) - {"tier", "enabled", "source", "tensor_parallel_size"})
+    unknown = sorted(set(values) - {"tier", "enabled", "source", "tensor_parallel_size", "kv_cache_dtype"})
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
     row = s.get(Model, name)
@@ -181,6 +231,9 @@ def update(s: Session, name: str, values: dict, actor: str = "admin", default: E
     if "tensor_parallel_size" in values:
         row.tensor_parallel_size = check_tensor_parallel_size(values["tensor_parallel_size"])
         audit(s, actor, "model.update", name, {"tensor_parallel_size": row.tensor_parallel_size})
+    if "kv_cache_dtype" in values:
+        row.kv_cache_dtype = check_kv_cache_dtype(values["kv_cache_dtype"])
+        audit(s, actor, "model.update", name, {"kv_cache_dtype": row.kv_cache_dtype})
     row.updated_at = utcnow()
     _dirty(s)
     return row
@@ -307,11 +360,12 @@ class Registry:
             return cached[2]
         generation = _generation
         with self.engine.connect() as conn:   # autocommit: no write lock on SQLite, nothing held open
-            columns = (Model.name, Model.source, Model.tier, Model.enabled, Model.created_at, Model.tensor_parallel_size)
+            columns = (Model.name, Model.source, Model.tier, Model.enabled, Model.created_at,
+                       Model.tensor_parallel_size, Model.kv_cache_dtype, Model.kv_cache_calibration)
             rows = conn.execution_options(isolation_level="AUTOCOMMIT").execute(select(*columns)
                                                                                 .order_by(Model.name)).all()
         out = {r.name: Entry(r.name, r.source, r.tier, bool(r.enabled), int(r.created_at.timestamp()), True,
-                             r.tensor_parallel_size) for r in rows}
+                             r.tensor_parallel_size, r.kv_cache_dtype, r.kv_cache_calibration) for r in rows}
         if self.default_name and self.default_name not in out:
             out[self.default_name] = Entry(self.default_name, self.default_source, ModelTier.hot.value, True,
                                            self._default_created, False)

@@ -224,6 +224,12 @@ class Config:
         "TIDEPOOL_DEVICE_MEMORY_GIB", None, "Each device's memory, capped (a smaller device simulated): a model whose "
         "largest rank's weights and one `max_model_len` sequence of KV exceed it is refused at start, naming the "
         "`tensor_parallel_size` that fits", parse=FLOAT, check=POSITIVE, shown="the device's own", engine=True)
+    kv_cache_dtype: str | None = setting(
+        "TIDEPOOL_KV_CACHE_DTYPE", None, "KV cache element type: `auto` (the model's dtype), `fp8_e4m3`, `fp8_e5m2` "
+        "or `int8` (8-bit: twice the tokens of a 16-bit cache in the same memory); scales from `tidepool models "
+        "calibrate-kv`, else dynamic ones at start; a dtype its calibration refused (over 2 percent lost) keeps the "
+        "16-bit cache (a registered model may carry its own: `tidepool models set NAME --kv-cache-dtype D`)",
+        parse=_choice("auto", "fp8_e4m3", "fp8_e5m2", "int8"), shown="`auto`", flag="--kv-cache-dtype")
     max_loras: int | None = setting("TIDEPOOL_MAX_LORAS", None, "LoRA adapter slots on the device (`0`: adapters "
                                     "off)", parse=INT, check=NON_NEGATIVE, shown="`0`", engine=True)
     max_lora_rank: int | None = setting("TIDEPOOL_MAX_LORA_RANK", None, "Highest adapter rank the slots hold; a "

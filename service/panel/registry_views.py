@@ -1,6 +1,7 @@
 """Panel page for the model registry: register a model, retier it, enable or disable it, grant it to tenants or
-revoke it, and see each model's tensor_parallel_size (its own or the deployment's) and queues (depth per SLA class,
-and whether a live worker serves them); and the fleet planner's last plan with its forecast."""
+revoke it, and see each model's tensor_parallel_size (its own or the deployment's), its KV cache dtype (asked for,
+in use, and the loss its calibration measured) and queues (depth per SLA class, and whether a live worker serves
+them); and the fleet planner's last plan with its forecast."""
 from datetime import datetime, timezone
 
 from flask import flash, redirect, render_template, request, url_for
@@ -33,8 +34,10 @@ def _page(form: dict | None = None, errors: dict | None = None, status: int = 20
         plan = None
     if plan is not None:
         plan["at"] = datetime.fromtimestamp(plan["at"], timezone.utc)
+    kv = {e.name: registry.kv_cache_use(e, services().config.kv_cache_dtype) for e in entries}
     return render_template("models.html", entries=entries, queues=by_model, tenants=tenants, tiers=registry.TIERS,
-                           tensor_parallel_size=deployment, plan=plan, form=form or {}, errors=errors or {}), status
+                           tensor_parallel_size=deployment, plan=plan, kv=kv, form=form or {}, errors=errors or {}),\
+        status
 
 
 @bp.get("/models")

@@ -127,3 +127,37 @@ def test_the_page_shows_each_models_tensor_parallel_size(pg_url, tmp_path, admin
         assert (cell("big"), cell("small")) == ("2", "4 (deployment)")
     finally:
         app.services.database.dispose()
+
+
+def test_the_page_shows_each_models_kv_cache_dtype_in_use_and_its_loss(pg_url, tmp_path, admin_redis):
+    from sqlalchemy.orm import Session
+
+    from tidepool.service.ledger import registry
+    app = make_app(pg_url, tmp_path, admin_redis)
+    try:
+        client, bearer = app.test_client(), {"Authorization": f"Bearer {ADMIN}"}
+        for body in ({"name": "q8", "source": "/srv/models/q8", "kv_cache_dtype": "int8"},
+                     {"name": "e5", "source": "/srv/models/e5", "kv_cache_dtype": "fp8_e5m2"},
+                     {"name": "plain", "source": "/srv/models/plain"}):
+            assert client.post("/v1/admin/models", json=body, headers=bearer).status_code == 201
+        figures = {"int8": {"loss": 0.004, "refused": False}, "fp8_e5m2": {"loss": 0.094, "refused": True}}
+        with Session(app.services.database) as s:
+            for name in ("q8", "e5"):
+                registry.set_kv_calibration(s, name, {"accuracy": figures}, actor="test")
+            s.commit()
+        app.services.registry._cached = None
+        sign_in(client)
+        page = client.get("/admin/models", base_url="https://localhost").text
+
+        def cell(model):
+            row = re.search(rf'<tr data-model="{model}">(.*?)</tr>', page, re.S).group(1)
+            text = re.search(r'class="kv-cache">(.*?)</td>', row, re.S).group(1)
+            return " ".join(re.sub(r"<[^>]+>", " ", text).split())
+        assert "<th>KV cache</th>" in page
+        assert cell("q8") == "int8 0.40% lost"
+        assert cell("e5") == "auto fp8_e5m2 refused 9.40% lost"
+        assert cell("plain") == "auto"
+        listed = {m["id"]: m for m in client.get("/v1/admin/models", headers=bearer).get_json()["data"]}
+        assert listed["e5"]["kv_cache_dtype_in_use"] == "auto" and listed["q8"]["kv_cache_loss"] == 0.004
+    finally:
+        app.services.database.dispose()

@@ -13,7 +13,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def compile_one(fn, dtype: str, meta: dict) -> str:
+def compile_one(fn, dtype: str, meta: dict, pointers: dict | None = None) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -21,7 +21,8 @@ def compile_one(fn, dtype: str, meta: dict) -> str:
     meta = dict(meta)
     num_warps = meta.pop("num_warps")
     ptr_dtypes = {"part_out": "fp32", "part_lse": "fp32", "block_tables": "i32", "context_lens": "i32",
-                  "cu_seqlens_q": "i32", "slot_mapping": "i64"}
+                  "cu_seqlens_q": "i32", "slot_mapping": "i64", "k_scale": "fp32", "v_scale": "fp32",
+                  **(pointers or {})}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in meta:
@@ -51,22 +52,36 @@ def main() -> int:
 
     from tidepool.kernels import triton_kv_store as store, triton_paged_attention as attn
     dtypes = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-    cases = []   # (name, kernel, dtype, meta)
+    cases = []   # (name, kernel, dtype, meta, pointer dtypes beside dtype)
     for dtype, name in dtypes.items():
         dims = (16, 32, 64, 80, 128, 256) if dtype != torch.float32 else (16, 128, 256)
         for head_dim in dims:
             for group in (1, 4, 8):
                 meta = attn.kernel_meta("decode", 8 * group, 8, head_dim, 16, dtype, "cuda", num_splits=4)
-                cases.append((f"decode {name} D={head_dim} G={group}", attn._decode_kernel, name, meta))
+                cases.append((f"decode {name} D={head_dim} G={group}", attn._decode_kernel, name, meta, None))
             for max_q in (1, 512):
                 meta = attn.kernel_meta("varlen", 32, 8, head_dim, 16, dtype, "cuda", max_seqlen_q=max_q)
-                cases.append((f"varlen {name} D={head_dim} max_q={max_q}", attn._varlen_kernel, name, meta))
+                cases.append((f"varlen {name} D={head_dim} max_q={max_q}", attn._varlen_kernel, name, meta, None))
         merge = dict(HEAD_DIM=128, NUM_SPLITS=5, BLOCK_S=8, BLOCK_D=128, num_warps=4)
-        cases.append((f"merge {name}", attn._merge_splits_kernel, name, merge))
-        cases.append((f"store {name}", store._store_kv_kernel, name, dict(ROW=1024, BLOCK=1024, num_warps=4)))
+        cases.append((f"merge {name}", attn._merge_splits_kernel, name, merge, None))
+        cases.append((f"store {name}", store._store_kv_kernel, name, dict(ROW=1024, BLOCK=1024, HEAD_DIM=128,
+                                                                          QUANT=False, QMAX=0.0, INT8=False,
+                                                                          num_warps=4), None))
+    # quantized caches (kernels/kv_quant.py) under bf16 queries
+    for cache, qmax in (("fp8e4nv", 448.0), ("fp8e5", 57344.0), ("i8", 127.0)):
+        caches = {"k_cache": cache, "v_cache": cache}
+        for head_dim in (64, 128):
+            meta = attn.kernel_meta("decode", 32, 8, head_dim, 16, torch.bfloat16, "cuda", num_splits=4, quant=True)
+            cases.append((f"decode {cache} D={head_dim}", attn._decode_kernel, "bf16", meta, caches))
+            meta = attn.kernel_meta("varlen", 32, 8, head_dim, 16, torch.bfloat16, "cuda", max_seqlen_q=512,
+                                    quant=True)
+            cases.append((f"varlen {cache} D={head_dim}", attn._varlen_kernel, "bf16", meta, caches))
+        cases.append((f"store {cache}", store._store_kv_kernel, "bf16", dict(ROW=1024, BLOCK=1024, HEAD_DIM=128,
+                                                                             QUANT=True, QMAX=qmax,
+                                                                             INT8=cache == "i8", num_warps=4), caches))
     failed = 0
-    for label, fn, dtype, meta in cases:
-        usage = compile_one(fn, dtype, meta)
+    for label, fn, dtype, meta, pointers in cases:
+        usage = compile_one(fn, dtype, meta, pointers)
         spills = "STACK:0 " not in usage + " "
         failed += spills
         print(f"{'SPILLS ' if spills else 'ok     '}{label:<32} {usage}", flush=True)

@@ -185,7 +185,7 @@ def test_cli_registers_lists_and_retiers(two, pg_url, tmp_path, monkeypatch, cap
     assert main(["models", "register", "delta", _folder(tmp_path / "delta"), "--tier", "cold"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out == {"name": "delta", "source": str((tmp_path / "delta").resolve()), "tier": "cold", "enabled": True,
-                   "tensor_parallel_size": 1}
+                   "tensor_parallel_size": 1, "kv_cache_dtype": "auto"}
     assert main(["models", "register", "delta", _folder(tmp_path / "delta")]) == 1      # taken
     assert main(["models", "set", "delta", "--tier", "hot", "--disable"]) == 0
     capsys.readouterr()

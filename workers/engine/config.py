@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from tidepool.kernels.kv_quant import storage_dtype
+from tidepool.workers.engine.kv_scales import load_calibration, resolve
 from tidepool.workers.engine.models.model_config import load_config
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -124,6 +126,11 @@ class EngineConfig:
     collective_timeout_s: float = 60.0          # a rank that does not join a collective by then fails the group
     device_memory_gib: float | None = None      # each device's memory, capped (simulates a smaller device): a rank's
                                                 # weights and KV pool must fit in it; None: the device's own
+    # Quantized KV cache (kernels/kv_quant.py, workers/engine/kv_scales.py): "auto" (the model's dtype), "fp8_e4m3",
+    # "fp8_e5m2" or "int8"; the pool's block count follows the element size.
+    kv_cache_dtype: str = "auto"
+    kv_cache_calibration: dict | None = None    # `tidepool models calibrate-kv`'s record (the registry's copy); None:
+                                                # the model folder's kv_cache_scales.json, if any
 
     def __post_init__(self):
         path = Path(self.model)
@@ -150,6 +157,9 @@ class EngineConfig:
         self._check_tensor_parallel()
         self.speculative = SpeculativeConfig.parse(self.speculative)
         self.model_config = load_config(path)
+        if self.kv_cache_calibration is None:
+            self.kv_cache_calibration = load_calibration(path)
+        self.kv_choice = resolve(self.kv_cache_dtype, self.kv_cache_calibration, path.name)
         limit = self.model_config.max_position_embeddings
         if self.model_config.sliding_window:
             limit = min(limit, self.model_config.sliding_window)   # no sliding-window attention: stay inside it
@@ -205,7 +215,7 @@ class EngineConfig:
         """Bytes one KV block takes on one rank's device (keys and values of block_size tokens in every layer, of
         the KV heads that rank holds)."""
         m = self.model_config
-        element = torch.tensor([], dtype=self.torch_dtype).element_size()
+        element = self.kv_storage_dtype.itemsize
         heads = m.kv_heads_per_rank(self.tensor_parallel_size)
         return 2 * m.num_hidden_layers * self.block_size * heads * m.head_dim * element
 
@@ -213,6 +223,11 @@ class EngineConfig:
     def blocks_per_sequence(self) -> int:
         """KV blocks one sequence of max_model_len tokens needs."""
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def kv_storage_dtype(self) -> torch.dtype:
+        """What the KV pool holds: the model's dtype, or the 8-bit type of the quantized cache in use."""
+        return storage_dtype(self.kv_choice.in_use, self.torch_dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:

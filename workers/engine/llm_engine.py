@@ -625,6 +625,9 @@ class LLMEngine:
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_total": bm.num_blocks,
             "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
+            # the dtype the pool holds (kv_scales.resolve: "auto" where the calibration refused the one asked for)
+            "kv_cache_dtype": self.config.kv_choice.in_use,
+            "kv_quant_fallbacks": int(self.config.kv_choice.fallback is not None),
             "preemptions": sched.num_preemptions,
             # Room offline work may still take: the online reserve of seats and blocks is not in it.
             "offline_seats": sched.offline_seats(),

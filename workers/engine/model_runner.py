@@ -11,13 +11,13 @@ from tidepool.kernels import cpu_ops
 from tidepool.kernels.attention import resolve_backend
 from tidepool.kernels.cpu_linear import prepack_linears
 from tidepool.kernels.paged_attention import SHORT_CHUNK
-from tidepool.workers.engine import host_pools
+from tidepool.workers.engine import host_pools, kv_scales
 from tidepool.workers.engine.config import EngineConfig
 from tidepool.workers.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from tidepool.workers.engine.models.model_config import ModelConfig
 from tidepool.workers.engine.models.llama import AttentionContext
 from tidepool.workers.engine.models.loader import load_model
-from tidepool.workers.engine.models.sharding import Shard, largest_rank_weight_bytes
+from tidepool.workers.engine.models.sharding import Shard, head_split, largest_rank_weight_bytes
 from tidepool.workers.engine.openmp import team_size
 from tidepool.workers.engine.pooling import PoolingSpec, embed_rows
 from tidepool.workers.engine.scheduler import ScheduledBatch
@@ -170,14 +170,21 @@ class ModelRunner:
         shape = (self.num_kv_blocks, config.block_size, self.model.layers[0].self_attn.num_kv_heads,
                  model_config.head_dim)
         # empty, not zeros: no slot is read before it is written, and on the CPU untouched pages cost no memory
+        self.kv_choice = config.kv_choice
+        self.kv_dtype = config.kv_storage_dtype
         for layer in self.model.layers:
-            layer.self_attn.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+            layer.self_attn.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         if self.device.type == "cpu":     # out of the host's one KV budget until this runner is collected
             weakref.finalize(self, host_pools.release, host_pools.hold(self.num_kv_blocks * self.bytes_per_block))
-        log.info("KV pool: %d blocks of %d tokens = %d tokens, %.0f MiB (%s; max_num_seqs %d, max_model_len %d)",
+        log.info("KV pool: %d blocks of %d tokens = %d tokens, %.0f MiB, %s (%s; max_num_seqs %d, max_model_len %d)",
                  self.num_kv_blocks, config.block_size, self.num_kv_blocks * config.block_size,
-                 self.num_kv_blocks * self.bytes_per_block / 2**20, why, config.max_num_seqs, config.max_model_len)
+                 self.num_kv_blocks * self.bytes_per_block / 2**20, str(self.kv_dtype).removeprefix("torch."), why,
+                 config.max_num_seqs, config.max_model_len)
+        if self.kv_choice.fallback and shard.rank == 0:
+            log.warning("%s", self.kv_choice.fallback)
+        if self.kv_choice.quantized:
+            self._set_kv_scales(shard)
         self.num_host_blocks = int(config.swap_space_gib * 2**30 // self.bytes_per_block)
         self.host_pool = HostKVPool(self.model.layers, self.num_host_blocks) if self.num_host_blocks else None
         if self.device.type == "cpu" and self.backend == "torch":
@@ -189,6 +196,28 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and not shard.parallel:
             self.decode_graphs = self.make_decode_graphs(capture=True)
 
+
+    def _set_kv_scales(self, shard: Shard) -> None:
+        """A quantized pool's scales: the calibration's, else dynamic ones from a probe forward over PROBE_TEXT (on
+        every rank alike, so their collectives pair up)."""
+        layers, calibration = self.model.layers, self.kv_choice.calibration
+        if calibration is not None:
+            kv_scales.install(layers, calibration, self.kv_dtype, head_split(self.model_config, shard).kv)
+            return
+        from tidepool.workers.engine.tokenizer import Tokenizer
+        ids = Tokenizer(self.config.model).encode(kv_scales.PROBE_TEXT)
+        ids = ids[:min(len(ids), self.num_kv_blocks * self.config.block_size, self.config.max_model_len)]
+        n, bs = len(ids), self.config.block_size
+        step = dict(input_ids=ids, positions=list(range(n)), slot_mapping=list(range(n)), context_lens=[n],
+                    cu_seqlens_q=[0, n], block_tables=[list(range(-(-n // bs)))])
+        with kv_scales.AmaxObserver(layers, self.kv_dtype, kv_scales.DYNAMIC_HEADROOM, live=True), \
+                torch.inference_mode():
+            self._forward(step, n, None)
+        if shard.rank == 0:
+            log.info("kv_cache_dtype %s without a calibration for %s: dynamic scales per (layer, KV head, channel) from a "
+                     "%d-token probe at start (x%.1f headroom); `tidepool models calibrate-kv` measures and stores "
+                     "calibrated ones", self.kv_choice.in_use, self.config.model, n,
+                     kv_scales.DYNAMIC_HEADROOM * kv_scales.HEADROOM[self.kv_dtype])
 
     def make_decode_graphs(self, capture: bool, sizes: list[int] | None = None) -> DecodeGraphs:
         """Static decode buffers for a ladder of batch sizes (default: by max_num_seqs); `capture` records a

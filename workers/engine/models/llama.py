@@ -94,6 +94,8 @@ class Attention(nn.Module):
         self.o_proj = row_parallel(self.q_size, cfg.hidden_size, cfg.attention_bias and cfg.model_type != "qwen2", shard)
         self.scale = self.head_dim ** -0.5
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale = self.v_scale = None     # [Hkv] fp32 each for a quantized cache (kernels/kv_quant.py)
+        self.observe = None                     # observe(k, v) before each store: KV scale calibration (kv_scales.py)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: AttentionContext):
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -101,9 +103,12 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)                  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = RotaryEmbedding.apply(rope, q, k)
-        store_kv(ctx.backend, k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
+        if self.observe is not None:
+            self.observe(k, v)
+        store_kv(ctx.backend, k, v, self.k_cache, self.v_cache, ctx.slot_mapping, self.k_scale, self.v_scale)
         out = paged_attention(ctx.backend, q, self.k_cache, self.v_cache, ctx.block_tables, ctx.context_lens,
-                              ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale, key=k, value=v)
+                              ctx.cu_seqlens_q, ctx.max_seqlen_q, self.scale, key=k, value=v,
+                              k_scale=self.k_scale, v_scale=self.v_scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
