@@ -167,6 +167,7 @@ class Worker:
         self.intake = Intake(cfg, self._db, self.engine, self.affinity, self.attempts, self.streaming, self.results,
                              self.counters, self.started_at, wake=self._wake)
         self.results.rung = partial(self._requeued, redis_client)
+        doorbell.register(self._wake, self.intake.rung)     # publishes of this process (embedded mode, the tests)
         self._next_check = self._next_renew = self._next_beat = 0.0
         self.metrics_port: int | None = None     # its own /metrics (process mode), shown in the heartbeat
 
@@ -258,6 +259,7 @@ class Worker:
     def close(self) -> None:
         """Without run() (tests drive connect, pull, engine_step, finish_done): give back the broker connection
         (its unacked messages return to their queues) and the ledger's connections."""
+        doorbell.unregister(self._wake)
         self.intake.release()
         self.db.dispose()
 

@@ -50,9 +50,9 @@ MARK_HOLD = 1.0     # seconds a mark waits for its job to leave the queue (well 
 
 
 class MarkFlusher:
-    """Records dispatched_at for published jobs on a background thread. A mark waits `hold` seconds first: a job that
-    left the queue meanwhile needs none (`discard`; the web process that waits on an online job hears it start),
-    and what is left goes in one UPDATE per flush, at most one flush per `interval`, committed without waiting
+    """Records dispatched_at for published jobs on a background thread. The mark of a job a request waits on waits
+    `hold` seconds first: if the job left the queue meanwhile it needs none (`discard`: the waiting request heard it
+    start). What is due goes in one UPDATE per flush, at most one flush per `interval`, committed without waiting
     for the WAL flush (a lost mark is a duplicate message, never a lost job). The thread starts on demand (also
     after a fork) and ends when idle; whatever is pending is flushed at interpreter exit."""
 
@@ -61,7 +61,7 @@ class MarkFlusher:
         self.engine, self.interval, self.idle_exit, self.hold = engine, interval, idle_exit, hold
         self.lock = threading.Lock()
         self.wake = threading.Event()
-        self.pending: dict[str, tuple[str, object, float]] = {}    # job id -> (xmin, published at, monotonic)
+        self.pending: dict[str, tuple[str, object, float]] = {}    # job id -> (xmin, published at, due: monotonic)
         self.thread: threading.Thread | None = None
         self.pid = os.getpid()
         self.background = True  # False: marks wait for an explicit flush() (tests)
@@ -73,9 +73,10 @@ class MarkFlusher:
         self.lock, self.wake = threading.Lock(), threading.Event()
         self.pid, self.pending, self.thread = os.getpid(), {}, None
 
-    def add(self, job_id: str, xmin: str) -> None:
+    def add(self, job_id: str, xmin: str, hold: bool = False) -> None:
+        """hold: a request waits on the job, and discards its mark when it hears the job start."""
         with self.lock:
-            self.pending[job_id] = (xmin, utcnow(), time.monotonic())
+            self.pending[job_id] = (xmin, utcnow(), time.monotonic() + (self.hold if hold else 0.0))
             if self.thread is None and self.background:
                 self.thread = threading.Thread(target=self._run, name="tidepool-mark-flusher", daemon=True)
                 self.thread.start()
@@ -91,27 +92,27 @@ class MarkFlusher:
         last = float("-inf")
         while True:
             with self.lock:
-                oldest = next(iter(self.pending.values()), None)    # insertion order is publishing order
-                if oldest is None:
+                due = min((mark[2] for mark in self.pending.values()), default=None)
+                if due is None:
                     self.wake.clear()
-            if oldest is None:
+            if due is None:
                 if not self.wake.wait(self.idle_exit):
                     with self.lock:
                         if not self.pending:
                             self.thread = None
                             return
                 continue
-            delay = max(oldest[2] + self.hold, last + self.interval) - time.monotonic()
+            delay = max(due, last + self.interval) - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
             last = time.monotonic()
-            self.flush(older_than=self.hold)
+            self.flush(due_only=True)
 
-    def flush(self, older_than: float | None = None) -> int:
-        """Record the pending marks (those held at least `older_than` seconds; None: all) now; returns how many."""
-        cutoff = None if older_than is None else time.monotonic() - older_than
+    def flush(self, due_only: bool = False) -> int:
+        """Record the pending marks (due_only: those whose hold is over; else all) now; returns how many."""
+        now = time.monotonic()
         with self.lock:
-            due = [job_id for job_id, mark in self.pending.items() if cutoff is None or mark[2] <= cutoff]
+            due = [job_id for job_id, mark in self.pending.items() if not due_only or mark[2] <= now]
             batch = [(job_id, *self.pending.pop(job_id)[:2]) for job_id in due]
         if not batch:
             return 0
@@ -226,7 +227,7 @@ class Dispatcher:
             log.exception("publishing job %s failed", job_id)
             return False
         doorbell.ring_local(queue)
-        self.marks.add(job_id, xmin)
+        self.marks.add(job_id, xmin, hold=reply_to is not None)
         return True
 
     def publish(self, jobs: list[tuple]) -> int:

@@ -301,7 +301,8 @@ def release(s: Session, job_id: str, lease_token: str) -> bool:
     dispatched, and the interrupted attempt is not counted."""
     tenant_id = s.execute(update(Job).where(Job.id == job_id, Job.status == R, Job.lease_token == lease_token)
                           .values(status=Q, lease_token=None, lease_expires_at=None, worker=None,
-                                  attempts=Job.attempts - 1, started_at=None, first_token_at=None)
+                                  attempts=Job.attempts - 1, started_at=None, first_token_at=None,
+                                  dispatched_at=func.coalesce(Job.dispatched_at, utcnow()))   # (its mark may wait)
                           .returning(Job.tenant_id)).scalar()
     if tenant_id is None:
         return False

@@ -35,7 +35,7 @@ def test_pool_is_what_the_sequences_can_use(tiny_model_dir, caplog, quiet_host):
     caplog.set_level(logging.INFO)
     engine = LLMEngine(EngineConfig(model=tiny_model_dir("llama-gqa"), max_num_seqs=4, max_model_len=64))
     assert engine.runner.num_kv_blocks == 4 * 64 // 16
-    assert _pool_lines(caplog) == ["KV pool: 16 blocks of 16 tokens = 256 tokens, 0 MiB (max_num_seqs x "
+    assert _pool_lines(caplog) == ["KV pool: 16 blocks of 16 tokens = 256 tokens, 0 MiB, float32 (max_num_seqs x "
                                    "max_model_len; max_num_seqs 4, max_model_len 64)"]
 
 

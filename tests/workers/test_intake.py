@@ -15,6 +15,8 @@ from tidepool.workers.worker import Worker, WorkerConfig
 
 
 def _worker(st, name: str) -> Worker:
+    """A worker driven step by step; it hears this process's doorbell (the app, the sweeper and its own requeues ring
+    it), so its pulls look at the queues rung since they were found empty."""
     w = Worker(WorkerConfig(model=st.model, database_url=st.db_url, broker_url=st.redis_url, redis_url=st.redis_url,
                             device="cpu", name=name, lease_seconds=30))
     w.connect()

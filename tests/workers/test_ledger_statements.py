@@ -7,8 +7,6 @@ from contextlib import contextmanager
 
 from sqlalchemy import event
 
-from tidepool.service.ledger import doorbell
-
 from .test_intake import _close, _run_engine, _worker
 
 ONLINE_STATEMENTS, ONLINE_TRANSACTIONS = 8, 3
@@ -82,7 +80,6 @@ def test_an_online_request_costs_the_ledger_a_fixed_few_statements(stack):
     st = stack
     _, key = st.tenant()
     w = _worker(st, "w")
-    doorbell.register(w._wake, w.intake.rung)     # as Worker.run does: the app rings in this process
     marks = st.app.services.dispatcher.marks
     marks.background = False              # a mark left pending would be flushed by hand below
     try:
@@ -99,5 +96,4 @@ def test_an_online_request_costs_the_ledger_a_fixed_few_statements(stack):
             assert counter.transactions <= ONLINE_TRANSACTIONS, counter.texts
         assert costs[16] == costs[4], costs      # no statement per streamed token
     finally:
-        doorbell.unregister(w._wake)
         _close(w)

@@ -25,7 +25,7 @@ def _take_all(w) -> None:
 
 def _record(w, monkeypatch, events: list, after_first_write=None) -> None:
     """events gets ("write", job ids) for each results transaction and ("claim", job id) for each claim."""
-    write, start = w.results.write_results, transitions.start
+    write, real_claim = w.results.write_results, transitions.claim
 
     def write_results(done):
         statuses = write(done)
@@ -34,12 +34,12 @@ def _record(w, monkeypatch, events: list, after_first_write=None) -> None:
             after_first_write()
         return statuses
 
-    def claim(s, job_id, *args, **kwargs):
+    def claim(engine, job_id, *args, **kwargs):
         events.append(("claim", job_id))
-        return start(s, job_id, *args, **kwargs)
+        return real_claim(engine, job_id, *args, **kwargs)
 
     monkeypatch.setattr(w.results, "write_results", write_results)
-    monkeypatch.setattr("tidepool.service.ledger.jobs.start", claim)
+    monkeypatch.setattr("tidepool.service.ledger.jobs.claim", claim)
 
 
 def test_a_realtime_job_arriving_during_a_wave_of_results_is_claimed_after_one_chunk(stack, monkeypatch):
