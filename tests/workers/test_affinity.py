@@ -61,9 +61,9 @@ def test_a_killed_workers_private_queue_is_drained_and_every_job_completes_once(
                                                           "completion_window": "24h"}).get_json()
     assert b["status"] == "in_progress", b
     depths = {n: fair.lane_depth(st.redis, private_queue("batch", n)) for n in names}
-    # routed, not shared: all but what the workers took already (each may have filled its two seats by now; a CI
-    # run saw 10 + 10 + 10 of 36 left) waits in the private queues
-    assert sum(depths.values()) >= groups * per - 2 * len(names) and all(depths.values()), depths
+    # routed, not shared: all but what the workers took already (each may have filled its two seats and, with a
+    # low-water mark of one, one more waiting: a CI run saw 9 + 9 + 11 of 36 left) waits in the private queues
+    assert sum(depths.values()) >= groups * per - 3 * len(names) and all(depths.values()), depths
 
     victim = names[0]
     st.wait(lambda: st.count(Job.worker == victim, Job.status == JobStatus.running) >= 1, 60, "victim busy",
