@@ -147,14 +147,20 @@ def check_kv_cache_dtype(value) -> str | None:
     return value
 
 
-def set_kv_calibration(s: Session, name: str, record: dict, actor: str = "cli", default: Entry | None = None) -> Model:
-    """Store `tidepool models calibrate-kv`'s record with the model (the implicit default model gets its row)."""
+def _row(s: Session, name: str, actor: str, default: Entry | None) -> Model:
+    """The model's row; the implicit default model gets its row here."""
     row = s.get(Model, name)
     if row is None:
         if default is None or default.registered or default.name != name:
             raise APIError(404, f"No model named '{name}' is registered.", "model_not_found", "name")
         row = register(s, name, default.source, default.tier, True, actor=actor)
         s.flush()
+    return row
+
+
+def set_kv_calibration(s: Session, name: str, record: dict, actor: str = "cli", default: Entry | None = None) -> Model:
+    """Store `tidepool models calibrate-kv`'s record with the model (the implicit default model gets its row)."""
+    row = _row(s, name, actor, default)
     row.kv_cache_calibration = record
     row.updated_at = utcnow()
     audit(s, actor, "model.calibrate_kv", name, {dtype: {k: v for k, v in f.items() if k in ("loss", "refused")}
@@ -211,12 +217,7 @@ def update(s: Session, name: str, values: dict, actor: str = "admin", default: E
     unknown = sorted(set(values) - {"tier", "enabled", "source", "tensor_parallel_size", "kv_cache_dtype"})
     if unknown:
         raise bad_request(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0], "unknown_parameter")
-    row = s.get(Model, name)
-    if row is None:
-        if default is None or default.registered or default.name != name:
-            raise APIError(404, f"No model named '{name}' is registered.", "model_not_found", "name")
-        row = register(s, name, default.source, default.tier, True, actor=actor)
-        s.flush()
+    row = _row(s, name, actor, default)
     if "tier" in values:
         row.tier = check_tier(values["tier"])
         audit(s, actor, "model.retier", name, {"tier": row.tier})
