@@ -19,6 +19,16 @@ PG = os.environ.get("TIDEPOOL_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1
 REDIS = os.environ.get("TIDEPOOL_TEST_REDIS")     # a server (redis://host:port) instead of a private one
 
 
+@pytest.fixture(autouse=True)
+def empty_memory_broker():
+    """The embedded broker (kombu's memory transport) keeps its queues in the process, shared by every app and
+    worker in it: what one test left queued must not reach the next test's worker."""
+    from kombu.transport.memory import Channel
+    Channel.queues.clear()
+    yield
+    Channel.queues.clear()
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """redis://127.0.0.1:PORT of a redis-server private to this test process; suites use their own db numbers."""

@@ -70,14 +70,12 @@ def app(request, tmp_path):
 
 @pytest.fixture
 def embedded_app(sqlite_url, tmp_path):
-    """Embedded shape: SQLite ledger, in-memory broker and rate limits."""
-    from kombu.transport.memory import Channel
-    Channel.queues.clear()
+    """Embedded shape: SQLite ledger, in-memory broker (emptied around each test: tests/conftest.py) and rate
+    limits."""
     app = create_app({"database_url": sqlite_url, "redis_url": None, "storage_dir": str(tmp_path / "storage"),
                       "admin_token": ADMIN})
     yield app
     _dispose(app)
-    Channel.queues.clear()
 
 
 @pytest.fixture
