@@ -270,10 +270,11 @@ def test_a_background_build_ends_with_its_process(tmp_path):
     cxx.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho $$ > "$0.pid"\nexec sleep 60\n')
     cxx.chmod(0o755)
     cache = tmp_path / "cache"
-    script = ("import sys, time\nfrom tidepool.kernels import cpu_ops\n"
+    script = ("import os, sys, time\nfrom tidepool.kernels import cpu_ops\n"
               f"cpu_ops.configure(enabled=True, cache_dir={str(cache)!r})\n"
               "assert cpu_ops.prepare(background=True) == 'building'\n"
-              "while not cpu_ops._compiling: time.sleep(0.05)\n")
+              "while not cpu_ops._compiling: time.sleep(0.05)\n"
+              f"while not os.path.exists({str(tmp_path / 'cxx.pid')!r}): time.sleep(0.05)\n")   # the compiler runs
     env = {**os.environ, "CXX": str(cxx), "PYTHONPATH": str(Path(cpu_ops.__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
                           check=False)

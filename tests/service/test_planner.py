@@ -77,19 +77,40 @@ def test_impossible_deadlines_are_reported_late_at_the_pools_maximum():
     assert workers["m/gpu"] == [2] and late == pytest.approx(820_000.0, rel=1e-6)
 
 
-def test_a_solver_out_of_time_falls_back_to_the_greedy_plan():
-    rng = random.Random(7)
+def fleet_problem(seed: int = 7) -> Problem:
+    rng = random.Random(seed)
     models = [f"m{i}" for i in range(6)]
     pools = [p for m in models for p in (gpu(m, rng.uniform(500, 3000), 16, 1), cpu(m, rng.uniform(50, 200), 8))]
     durations = planner.intervals(0.0)
     work = [Work(rng.choice(models), rng.choice(["batch", "deferrable"]), rng.uniform(1e5, 5e6),
                  rng.randrange(6, len(durations))) for _ in range(300)]
-    problem = Problem(pools, durations, {m: [rng.uniform(500, 8000) for _ in durations] for m in models}, work)
+    return Problem(pools, durations, {m: [rng.uniform(500, 8000) for _ in durations] for m in models}, work)
+
+
+def assert_feasible(problem: Problem, plan) -> None:
+    assert plan.late_tokens == pytest.approx(0.0, abs=1e-3)
+    for p in problem.pools:
+        assert all(p.min_workers <= n <= p.max_workers for n in plan.workers[p.name])
+
+
+def test_a_solver_with_no_plan_in_time_falls_back_to_the_greedy_plan(monkeypatch):
+    """What HiGHS returns when its time limit comes before any incumbent: no solution."""
+    problem = fleet_problem()
+    monkeypatch.setattr(planner, "solve_milp", lambda part, time_limit: (None, math.inf, "time limit reached"))
     plan = planner.plan(problem, time_limit=1e-9)
     assert plan.method == "greedy"
-    assert plan.late_tokens == pytest.approx(0.0, abs=1e-3)
-    for p in pools:
-        assert all(p.min_workers <= n <= p.max_workers for n in plan.workers[p.name])
+    assert plan.workers == planner.greedy(problem)[0]
+    assert_feasible(problem, plan)
+
+
+def test_a_solver_out_of_time_keeps_the_better_of_its_incumbent_and_the_greedy_plan():
+    """With no time (each model's MIP gets the 10 ms floor), whether HiGHS has an incumbent depends on the CPU: the
+    plan is then greedy or an incumbent, never dearer than the greedy plan, and meets every deadline."""
+    problem = fleet_problem()
+    plan = planner.plan(problem, time_limit=1e-9)
+    assert plan.method in ("greedy", "milp-incumbent")
+    assert plan.cost <= planner._cost(problem, planner.greedy(problem)[0]) + 1e-6
+    assert_feasible(problem, plan)
 
 
 def test_intervals_and_due_intervals():
