@@ -15,12 +15,14 @@ They are None (a build or load failure is logged once, as a warning; see unavail
 The build is a single g++ call against torch's own headers and libraries (no ninja, no Python headers): about
 20-50 s of one core, once per source/torch/compiler/CPU combination (the sources: every .cpp and .h in csrc/). The
 shared object is cached under configure(cache_dir=...) (TIDEPOOL_KERNEL_CACHE), else $XDG_CACHE_HOME/tidepool/kernels,
-else ~/.cache/tidepool/kernels, named by a hash of all of those, and written atomically, so concurrent processes may
-race to build but never load a partial file. prepare(background=True), which the engine calls at start, loads a
-cached library at once and otherwise builds it on a thread (the compiler niced) while the ops return None, so the
-torch path serves until the library is ready; paged_decode_op() (wait=True) waits for such a build.
+else ~/.cache/tidepool/kernels, named by a hash of all of those, and written atomically; processes that need it at
+once take turns on a lock beside it, so one compiles and the others load its file. prepare(background=True), which
+the engine calls at start, loads a cached library at once and otherwise builds it on a thread (the compiler niced)
+while the ops return None, so the torch path serves until the library is ready; paged_decode_op() (wait=True) waits
+for such a build.
 """
 import atexit
+import fcntl
 import hashlib
 import logging
 import os
@@ -31,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -141,22 +144,41 @@ def _build(cxx: str, cached_only: bool = False, nice: int = 0) -> Path | None:
         if cached_only:
             return None
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        start = time.perf_counter()
-        try:
-            done = _compile([cxx, *map(str, SOURCES), "-o", str(tmp)] + flags, tmp, nice)
-            if done.returncode == 0:
-                os.replace(tmp, target)
-                log.info("built %s in %.1f s", target, time.perf_counter() - start)
+        with _build_lock(target):      # several processes starting at once: one compiles, the others wait for it
+            if target.is_file():
                 return target
-            errors.append(done.stderr.strip()[-2000:])
-            if done.returncode > 0:     # a compile error, not a kill
-                failed.write_text(errors[-1])
-        except (OSError, subprocess.SubprocessError) as e:
-            errors.append(str(e))
-        finally:
-            tmp.unlink(missing_ok=True)
+            if failed.is_file():
+                errors.append(failed.read_text(errors="replace"))
+                continue
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            start = time.perf_counter()
+            try:
+                done = _compile([cxx, *map(str, SOURCES), "-o", str(tmp)] + flags, tmp, nice)
+                if done.returncode == 0:
+                    os.replace(tmp, target)
+                    log.info("built %s in %.1f s", target, time.perf_counter() - start)
+                    return target
+                errors.append(done.stderr.strip()[-2000:])
+                if done.returncode > 0:     # a compile error, not a kill
+                    failed.write_text(errors[-1])
+            except (OSError, subprocess.SubprocessError) as e:
+                errors.append(str(e))
+            finally:
+                tmp.unlink(missing_ok=True)
     raise RuntimeError("compile failed:\n" + "\n---\n".join(errors))
+
+
+@contextmanager
+def _build_lock(target: Path):
+    """An exclusive lock beside `target` for its build, held until the build ends (the kernel drops it with the
+    process, so a killed builder never blocks the next one). Threads of one process also queue on it: flock locks
+    belong to the open file, and each call opens its own."""
+    with open(target.with_suffix(".lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _compile(cmd: list[str], tmp: Path, nice: int) -> subprocess.CompletedProcess:

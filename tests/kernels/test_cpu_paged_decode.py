@@ -283,3 +283,21 @@ def test_a_background_build_ends_with_its_process(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert not list(cache.glob(".*.tmp")) and not list(cache.glob("*.so"))
+
+
+def test_processes_building_at_once_compile_once(tmp_path):
+    """Workers starting together on one host: one compiles the library, the others wait and load its file."""
+    cxx = tmp_path / "cxx"
+    cxx.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\necho x >> "$0.calls"\nsleep 1\n'
+                   'while [ "$1" != -o ]; do shift; done\necho built > "$2"\n')
+    cxx.chmod(0o755)
+    script = ("from tidepool.kernels import cpu_ops\n"
+              f"cpu_ops.configure(enabled=True, cache_dir={str(tmp_path / 'cache')!r})\n"
+              f"print(cpu_ops._build({str(cxx)!r}))\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(cpu_ops.__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    paths = {p.communicate(timeout=120)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(paths) == 1 and Path(paths.pop()).read_text() == "built\n"
+    assert (tmp_path / "cxx.calls").read_text() == "x\n"
