@@ -9,7 +9,7 @@ process), one `tidepool worker` over a tiny random-weight model and `tidepool be
 measured from a quiet start until every job is terminal (a batch: until it is finalised): online
 `/v1/completions` requests (twice: --max-tokens and --long-tokens, whose difference is the cost of each
 streamed token, added for the projection's online jobs of --tokens-per-job; --clients requests at a time, so
-that many streams share each worker step), and the lines of one batch. --statements lists the online phase's
+that many streams share each worker step), and the lines of one batch. --statements lists each phase's
 statements and Redis commands per job, by query and by command. Per job it prints web CPU, Postgres statements,
 transactions, WAL bytes and backend CPU, Redis commands, network bytes and CPU (an idle window of the same
 length, measured first, is subtracted: beat's sweeps and heartbeats). Then the projection: jobs/s (and
@@ -264,12 +264,8 @@ def main():
             time.sleep(0.5)         # acks
             cost = per_job(Meter.delta(a, meter.sample()), idle, args.online)
             if args.statements:
-                print(f"\nper online job of {max_tokens} tokens, Postgres statements:")
-                for n, q in breakdown(queries, pg.statements(), args.online):
-                    print(f"  {n:6.2f}  {' '.join(q.split())[:160]}")
-                print("Redis commands:")
-                for n, c in breakdown(commands, redis_commands(rc), args.online):
-                    print(f"  {n:6.2f}  {c}")
+                print_breakdown(f"per online job of {max_tokens} tokens", queries, pg.statements(), commands,
+                                redis_commands(rc), args.online)
             return cost
 
         online = online_phase(args.max_tokens)
@@ -286,12 +282,16 @@ def main():
                 f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"b.jsonl\"\r\n"
                 f"Content-Type: application/jsonl\r\n\r\n").encode() + lines + f"\r\n--{boundary}--\r\n".encode()
         a = meter.sample()
+        queries, commands = pg.statements(), redis_commands(rc)
         f = http(port, "POST", "/v1/files", raw=body, key=key, ctype=f"multipart/form-data; boundary={boundary}")
         b = http(port, "POST", "/v1/batches", {"input_file_id": f["id"], "endpoint": "/v1/completions",
                                               "completion_window": "24h"}, key)
         wait(lambda: http(port, "GET", f"/v1/batches/{b['id']}", key=key)["status"] == "completed", 600,
              "batch finalised")
         batch = per_job(Meter.delta(a, meter.sample()), idle, args.lines)
+        if args.statements:
+            print_breakdown(f"per batch line of {args.max_tokens} tokens", queries, pg.statements(), commands,
+                            redis_commands(rc), args.lines)
         report(args, online, batch, idle, per_token)
     finally:
         for p in reversed(procs):
@@ -304,6 +304,16 @@ def main():
         if pg is not None:
             pg.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def print_breakdown(what: str, queries: dict, queries_after: dict, commands: dict, commands_after: dict,
+                    jobs: int) -> None:
+    print(f"\n{what}, Postgres statements:")
+    for n, q in breakdown(queries, queries_after, jobs):
+        print(f"  {n:6.2f}  {' '.join(q.split())[:160]}")
+    print("Redis commands:")
+    for n, c in breakdown(commands, commands_after, jobs):
+        print(f"  {n:6.2f}  {c}")
 
 
 def _ping(rc) -> bool:

@@ -11,9 +11,11 @@ log = logging.getLogger("tidepool.workers.worker")
 
 class EngineThread:
     def __init__(self, name: str, engine, metrics, attempts: Attempts, wake: threading.Event, stop: threading.Event,
-                 after_step=lambda: None):
+                 after_step=lambda ended: None):
         self.name = name
-        self.after_step = after_step    # the step's token events go out (Streaming.flush) before its ends are queued
+        # after each step, whether it ended requests (Streaming.flush): their token events go out before their ends
+        # are queued
+        self.after_step = after_step
         self.engine = engine
         self.metrics = metrics
         self.attempts = attempts
@@ -60,7 +62,7 @@ class EngineThread:
         """One engine step: finished requests are observed and queued for the intake thread."""
         self.step_at = time.time()
         outs = self.engine.step()
-        self.after_step()
+        self.after_step(any(out.finished for out in outs))
         for out in outs:
             if out.finished:
                 inf = self.attempts.of_request(out.request_id)

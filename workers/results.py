@@ -9,9 +9,10 @@ transactions: an arriving realtime job waits for one chunk, not for the wave."""
 import logging
 import time
 
+from sqlalchemy.orm import Session
 
 from tidepool.service.ledger import affinity, jobs
-from tidepool.service.ledger.database import session
+from tidepool.service.ledger.database import autocommit, session
 from tidepool.workers.attempt import Attempts, Inflight, ledger_text, utc
 from tidepool.workers.broker import charge
 from tidepool.workers.openai_bodies import ledger_result
@@ -110,6 +111,12 @@ class Results:
         """One transaction for a list of (attempt, output): each result written through the guarded transitions;
         per item "completed", "lost" (the lease is gone), "released" or "cancelled" (an abort, or a completion the
         job's cancel came before). A cancelled job is billed what its attempt computed, once (settle_cancelled)."""
+        if len(done) == 1 and done[0][1].finish_reason != "abort" and self.db.dialect.name == "postgresql":
+            # one completion (a batch's lines mostly end one at a time): its one statement commits itself
+            with autocommit(self.db) as conn, Session(bind=conn) as s:
+                inf, out = done[0]
+                if self._complete(s, inf, self._result(inf, out)):
+                    return ["completed"]      # else nothing was written: the path below settles it
         statuses = []
         with session(self.db) as s:
             for inf, out in done:
@@ -123,15 +130,8 @@ class Results:
                                               out.generated_tokens or len(out.token_ids))
                         statuses.append("cancelled")
                     continue
-                result = ledger_result(out, self.engine.tokenizer, ledger_text, echo=inf.echo)
-                first = utc(inf.first_token_at) if inf.first_token_at is not None and not inf.first_recorded \
-                    else None
-                finished = time.time()
-                if jobs.complete(s, inf.job_id, inf.lease_token, **result, first_token_at=first,
-                                 finished_at=utc(finished)):
-                    if inf.online:     # its end event carries it: the waiting request reads no row
-                        inf.result = {**result, "first_token_at": inf.first_token_at, "finished_at": finished,
-                                      "started_at": inf.entered_at}
+                result = self._result(inf, out)
+                if self._complete(s, inf, result):
                     statuses.append("completed")
                 elif jobs.settle_cancelled(s, inf.job_id, inf.lease_token, result["prompt_tokens"],
                                            result["completion_tokens"]):
@@ -140,6 +140,21 @@ class Results:
                     statuses.append("lost")
             s.commit()
         return statuses
+
+    def _result(self, inf: Inflight, out) -> dict:
+        return ledger_result(out, self.engine.tokenizer, ledger_text, echo=inf.echo)
+
+    def _complete(self, s, inf: Inflight, result: dict) -> bool:
+        """The attempt's result written (jobs.complete); False (nothing written) when its lease is not current."""
+        first = utc(inf.first_token_at) if inf.first_token_at is not None and not inf.first_recorded else None
+        finished = time.time()
+        if not jobs.complete(s, inf.job_id, inf.lease_token, **result, first_token_at=first,
+                             finished_at=utc(finished)):
+            return False
+        if inf.online:     # its end event carries it: the waiting request reads no row
+            inf.result = {**result, "first_token_at": inf.first_token_at, "finished_at": finished,
+                          "started_at": inf.entered_at}
+        return True
 
     def _write_one(self, item) -> str | None:
         try:

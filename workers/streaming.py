@@ -1,10 +1,14 @@
 """The worker's token events (engine thread): each step's new text, logprobs and, with `echo`, the prompt go out on
 the token stream (service/ledger/token_stream.py) as "tok" events for online attempts, gathered per web process
-(the inbox its job's message names) and published once per step (`flush`); an attempt that entered the engine
-before its claim committed holds its events until the claim succeeded. The intake thread announces each online
-attempt's end ("end" event). A waiter that misses an event falls back to the ledger."""
+(the inbox its job's message names) and published after a step (`flush`): at once when the step gave an attempt its
+first token or ended one, else at most every COALESCE_S, so steps faster than that (a small model, a fast device)
+share one message per web process. An attempt that entered the engine before its claim committed holds its events
+until the claim succeeded. The intake thread announces each online attempt's end ("end" event), after the step that
+ended it flushed. A waiter that misses an event falls back to the ledger."""
 import threading
 import time
+
+COALESCE_S = 0.01    # the longest a middle token waits for later steps' tokens to share its message
 
 from tidepool.service.ledger.wire import reply_to
 from tidepool.workers.attempt import Attempts, Inflight, ledger_text
@@ -19,12 +23,15 @@ class Streaming:
         self.wake = wake                # first tokens are written by the intake thread
         self.step_began = step_began    # () -> when the engine's current step began (stage marks)
         self.inboxes = hasattr(stream, "publish_inboxes")     # Redis: one message per web process per step
-        self.pending: dict[str, list] = {}    # inbox -> this step's [job id, event] pairs (engine thread)
+        self.pending: dict[str, list] = {}    # inbox -> [job id, event] pairs not published yet (engine thread)
+        self.urgent = False                   # pending holds a first token: publish it after this step
+        self.flushed_at = 0.0                 # monotonic
 
     def on_token(self, inf: Inflight, out) -> None:
         if not self.attempts.current(inf):
             return
-        if inf.first_token_at is None and (out.token_ids or out.embeddings):
+        first = inf.first_token_at is None and bool(out.token_ids or out.embeddings)
+        if first:
             inf.first_token_at = out.first_token_time or time.time()
             if inf.online:    # offline first tokens go into the completion transaction instead
                 self.attempts.firsts.put(inf)
@@ -54,14 +61,19 @@ class Streaming:
                         self.publish(inf, event)
                     else:
                         self.pending.setdefault(inbox, []).append([inf.job_id, event])
+                        self.urgent = self.urgent or first
                 elif not inf.dropped:
                     inf.held.append(event)
 
-    def flush(self) -> None:
-        """This step's events, one message per web process (engine thread, after each step)."""
+    def flush(self, ended: bool = False) -> None:
+        """The events gathered so far, one message per web process (engine thread, after each step; ended: the
+        step ended attempts, whose events must go out before their ends)."""
         if not self.pending:
             return
-        pending, self.pending = self.pending, {}
+        now = time.monotonic()
+        if not (ended or self.urgent or now - self.flushed_at >= COALESCE_S):
+            return
+        pending, self.pending, self.urgent, self.flushed_at = self.pending, {}, False, now
         try:
             self.stream.publish_inboxes(pending)
         except Exception:  # the waiters fall back to the ledger

@@ -1,7 +1,10 @@
-"""What an online request costs the ledger on Postgres, counted statement by statement (BEGIN, COMMIT and ROLLBACK
-included) over the web app's and the worker's engines: a request through POST /v1/completions, taken, claimed, run
-and answered by a real worker. The budget is the one the capacity model projects from (benchmarks/capacity.py): a
-change that adds a statement or a transaction to this path fails here. Streamed tokens cost the ledger nothing."""
+"""What an online request and a batch line cost the ledger on Postgres, counted statement by statement (BEGIN,
+COMMIT and ROLLBACK included) over the web app's and the worker's engines: a request through POST /v1/completions,
+and the lines of a batch from its upload on, taken, claimed, run and written by a real worker. The budgets are the
+ones the capacity model projects from (benchmarks/capacity.py): a change that adds a statement or a transaction to
+these paths fails here. Streamed tokens cost the ledger nothing."""
+import io
+import json
 import threading
 from contextlib import contextmanager
 
@@ -10,6 +13,7 @@ from sqlalchemy import event
 from .test_intake import _close, _run_engine, _worker
 
 ONLINE_STATEMENTS, ONLINE_TRANSACTIONS = 8, 3
+BATCH_LINE_STATEMENTS = 4
 
 
 class Counter:
@@ -95,5 +99,37 @@ def test_an_online_request_costs_the_ledger_a_fixed_few_statements(stack):
             assert counter.statements <= ONLINE_STATEMENTS, counter.texts
             assert counter.transactions <= ONLINE_TRANSACTIONS, counter.texts
         assert costs[16] == costs[4], costs      # no statement per streamed token
+    finally:
+        _close(w)
+
+
+def test_a_batch_line_costs_the_ledger_a_few_statements(stack):
+    """Upload, batch creation (the lines' jobs in one INSERT), and each line taken, claimed and written alone (one
+    statement each, no BEGIN or COMMIT): the batch's fixed statements spread over its lines."""
+    st = stack
+    _, key = st.tenant()
+    w = _worker(st, "w")
+    lines = 20
+    body = b"".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions", "body": {
+        "prompt": f"line {i}", "max_tokens": 4, "ignore_eos": True}}).encode() + b"\n" for i in range(lines))
+    client, headers = st.app.test_client(), {"Authorization": f"Bearer {key}"}
+    try:
+        counter = Counter(st.engine, w.db)
+        with counter.counting():
+            f = client.post("/v1/files", data={"purpose": "batch", "file": (io.BytesIO(body), "in.jsonl")},
+                            headers=headers).get_json()
+            b = client.post("/v1/batches", headers=headers, json={
+                "input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"}).get_json()
+            assert b["status"] == "in_progress", b
+            done = 0
+            while done < lines:
+                assert w.pull(), f"{done} of {lines} lines ran"    # one offline message a pass
+                _run_engine(w)
+                assert w.finish_done()
+                done += 1
+        per_line = counter.statements / lines
+        assert per_line <= BATCH_LINE_STATEMENTS, (per_line, counter.texts)
+        assert client.get(f"/v1/batches/{b['id']}", headers=headers).get_json()["request_counts"]["completed"] \
+            == lines
     finally:
         _close(w)
