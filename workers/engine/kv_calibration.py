@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
-from tidepool.kernels.kv_quant import STORAGE
+from tidepool.kernels.kv_quant import STORAGE, cache_row_width
 from tidepool.workers.engine.config import EngineConfig
 from tidepool.workers.engine.kv_scales import AmaxObserver, install
 from tidepool.workers.engine.model_runner import ModelRunner
@@ -88,7 +88,8 @@ class Calibrator:
         return seen.k_amax, seen.v_amax
 
     def _quantized_caches(self, dtype: torch.dtype, record: dict) -> list:
-        shape = self.layers[0].self_attn.k_cache.shape
+        *shape, head_dim = self.layers[0].self_attn.k_cache.shape
+        shape = (*shape, cache_row_width(dtype, head_dim))
         install(self.layers, record, dtype, head_split(self.config.model_config, Shard()).kv)
         out = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), a.k_scale, a.v_scale)
                for a in (layer.self_attn for layer in self.layers)]
