@@ -30,14 +30,19 @@ def store_kv(backend: str, key, value, k_cache, v_cache, slot_mapping, k_scale=N
     if backend == "triton":
         from tidepool.kernels.triton_kv_store import store_kv_triton
         return store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if k_scale is not None:
-        return store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.device.type == "cpu" and slot_mapping.dtype == torch.int64 and k_cache.is_contiguous():
         from tidepool.kernels.cpu_ops import native_op
-        op = native_op("store_kv")
-        if op is not None and key.stride(-1) == 1 and value.stride(-1) == 1 and key.dtype == k_cache.dtype:
-            return op(key, value, k_cache, v_cache, slot_mapping)
-    return store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        if k_scale is not None:     # quantized: the reference's codes and row scales, bit for bit
+            op = native_op("store_kv_quant")
+            if op is not None and key.stride(-1) == 1 and value.stride(-1) == 1:
+                head_dim = key.shape[-1]
+                return op(key, value, k_cache, v_cache, slot_mapping, per_channel(k_scale, head_dim),
+                          per_channel(v_scale, head_dim))
+        else:
+            op = native_op("store_kv")
+            if op is not None and key.stride(-1) == 1 and value.stride(-1) == 1 and key.dtype == k_cache.dtype:
+                return op(key, value, k_cache, v_cache, slot_mapping)
+    return store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,

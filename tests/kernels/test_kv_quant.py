@@ -165,6 +165,29 @@ def test_store_kv_quantizes_on_every_backend(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("key_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_native_store_matches_the_reference_bit_for_bit(native_op, monkeypatch, dtype, key_dtype):
+    """The native quantizing store (kernels/csrc/fused_cpu.cpp) writes the reference's codes and row scales: K and V
+    as strided views of a fused qkv, a skipped slot, an all-zero row, a row far past its channel scale."""
+    monkeypatch.setattr(cpu_ops, "_enabled", True)
+    assert cpu_ops.native_op("store_kv_quant") is not None
+    gen = torch.Generator().manual_seed(9)
+    qkv = (torch.randn(40, 3 * 2 * 64, generator=gen) * 3).to(key_dtype)
+    key, value = qkv[:, 128:256].view(40, 2, 64), qkv[:, 256:].view(40, 2, 64)
+    key[3] = 0
+    key[5, 1, 7] = 5e3
+    ks, vs = torch.rand(2, 64, generator=gen) * 0.05 + 0.005, torch.rand(2, 64, generator=gen) * 0.05 + 0.005
+    slots = torch.randperm(64, generator=gen)[:40]
+    slots[11] = -1
+    want = [torch.zeros(4, 16, 2, 66, dtype=dtype) for _ in range(2)]
+    store_kv_ref(key, value, *want, slots, ks, vs)
+    got = [torch.zeros(4, 16, 2, 66, dtype=dtype) for _ in range(2)]
+    attention.store_kv("torch", key, value, *got, slots, ks, vs)
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_triton_kernels_read_quantized_cache(dtype):
     """Decode (split over the context and merged) and varlen launches on a quantized pool against the reference."""
     from tidepool.kernels.triton_paged_attention import paged_attention_triton
