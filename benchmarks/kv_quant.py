@@ -4,7 +4,9 @@ memory, accuracy on held-out text, the decode kernel alone, and engine decode th
 * capacity: blocks of a fixed KV budget per cache dtype, fp32 and bf16 weights (EngineConfig.kv_block_bytes);
 * accuracy: `tidepool models calibrate-kv`'s measurement (workers/engine/kv_calibration.py: the built-in
   calibration set, its held-out texts teacher-forced in 16-token chunks so every position reads the cache) with the
-  weights in --accuracy-dtype: next-token top-1 agreement, mean KL and perplexity against the 16-bit cache;
+  weights in --accuracy-dtype: next-token top-1 agreement (and its standard error), mean KL and perplexity against
+  the 16-bit cache, the reference's top-two margins where the argmax flipped, and, with fp32 weights, a bf16 cache's
+  figures (16-bit rounding alone);
 * kernel: the native CPU decode op alone, SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64), bf16 q, a bf16
   cache against 8-bit codes, --kernel-batch sequences of --long-len tokens;
 * engine: the shared workload (../shared/bench/workload.py) of --num-requests with --engine-dtype weights (bf16 by
@@ -45,15 +47,24 @@ def capacity(model: str, kvs: list[str]) -> list[dict]:
 
 
 def accuracy(model: str, kvs: list[str], dtype: str, samples: int) -> list[dict]:
+    """The guard's figures per dtype, with the binomial standard error of the top-1 agreement (as llama.cpp's
+    `perplexity --kl-divergence` prints it) and the margins (nats) the reference's top two had where the argmax
+    flipped. With fp32 weights, a bf16 cache is measured beside them: the loss of 16-bit rounding alone."""
     from tidepool.workers.engine.kv_calibration import calibrate
     from tidepool.workers.engine.tokenizer import Tokenizer
     from tidepool.workers.tools.kv_calibrate import builtin_texts, split
     calib, heldout = split(builtin_texts(), Tokenizer(model), samples)
-    rec = calibrate(model, calib, heldout, dtype, tuple(kvs))
-    return [{"weights": dtype, "kv_cache_dtype": kv, "samples": rec["samples"], "heldout_positions": f["positions"],
-             "top1_agreement": round(f["top1_agreement"], 4), "mean_kl": round(f["mean_kl"], 5),
-             "ppl_16bit": round(f["ppl_ref"], 3), "ppl": round(f["ppl"], 3),
-             "ppl_increase": round(f["ppl_increase"], 4)} for kv, f in rec["accuracy"].items()]
+    rec = calibrate(model, calib, heldout, dtype, tuple(kvs) + (("bfloat16",) if dtype == "float32" else ()))
+    rows = []
+    for kv, f in rec["accuracy"].items():
+        p, n = f["top1_agreement"], f["positions"]
+        rows.append({"weights": dtype, "kv_cache_dtype": kv, "samples": rec["samples"], "heldout_positions": n,
+                     "top1_agreement": round(p, 4), "mean_kl": round(f["mean_kl"], 5),
+                     "ppl_16bit": round(f["ppl_ref"], 3), "ppl": round(f["ppl"], 3),
+                     "ppl_increase": round(f["ppl_increase"], 4),
+                     "top1_agreement_se": round((p * (1 - p) / n) ** 0.5, 4),
+                     "disagreements": len(f["flip_margins"]), "flip_margins": f["flip_margins"]})
+    return rows
 
 
 def kernel(kvs: list[str], batch: int, ctx: int) -> list[dict]:

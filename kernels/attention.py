@@ -7,7 +7,7 @@ against (tests/kernels)."""
 
 import torch
 
-from tidepool.kernels.kv_quant import per_channel
+from tidepool.kernels.kv_quant import head_dim_of, per_channel
 from tidepool.kernels.paged_attention import paged_attention_ref, paged_decode_ref, store_kv_ref
 
 BACKENDS = ("torch", "triton")
@@ -25,18 +25,24 @@ def resolve_backend(device: torch.device | str, requested: str | None = None) ->
 
 
 def store_kv(backend: str, key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """k_scale, v_scale [Hkv]: a quantized cache's scales (kernels/kv_quant.py), None for a 16/32-bit cache."""
+    """k_scale, v_scale [Hkv] or [Hkv, D]: a quantized cache's channel scales (kernels/kv_quant.py), None for a 16/32-bit
+    cache."""
     if backend == "triton":
         from tidepool.kernels.triton_kv_store import store_kv_triton
         return store_kv_triton(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    if k_scale is not None:
-        return store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if key.device.type == "cpu" and slot_mapping.dtype == torch.int64 and k_cache.is_contiguous():
         from tidepool.kernels.cpu_ops import native_op
-        op = native_op("store_kv")
-        if op is not None and key.stride(-1) == 1 and value.stride(-1) == 1 and key.dtype == k_cache.dtype:
-            return op(key, value, k_cache, v_cache, slot_mapping)
-    return store_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+        if k_scale is not None:     # quantized: the reference's codes and row scales, bit for bit
+            op = native_op("store_kv_quant")
+            if op is not None and key.stride(-1) == 1 and value.stride(-1) == 1:
+                head_dim = key.shape[-1]
+                return op(key, value, k_cache, v_cache, slot_mapping, per_channel(k_scale, head_dim),
+                          per_channel(v_scale, head_dim))
+        else:
+            op = native_op("store_kv")
+            if op is not None and key.stride(-1) == 1 and value.stride(-1) == 1 and key.dtype == k_cache.dtype:
+                return op(key, value, k_cache, v_cache, slot_mapping)
+    return store_kv_ref(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -46,8 +52,9 @@ NATIVE_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float
 def _native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                    context_lens: torch.Tensor, scale: float, k_scale=None, v_scale=None) -> torch.Tensor | None:
     """The native CPU decode kernel when it applies (CPU tensors, head_dim a multiple of 8 up to 256), else None.
-    A quantized cache is read as it is (codes widened in registers, the scales folded into q and the output)."""
-    head_dim = k_cache.shape[-1]
+    A quantized cache is read as it is (codes widened in registers; a row's own scale multiplies its score and its
+    probability, the channel scales are folded into q and the output)."""
+    head_dim = head_dim_of(k_cache)
     if (q.device.type != "cpu" or k_cache.device.type != "cpu" or head_dim % 8 or head_dim > 256
             or k_cache.dtype not in NATIVE_CACHE_DTYPES):
         return None

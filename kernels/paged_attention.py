@@ -20,9 +20,12 @@ only, and each is tested against the functions here. `paged_attention_ref` takes
 (`decode`, default `paged_decode_ref`), which is how kernels/attention.py puts the native decode kernel under the
 same varlen step.
 
-A quantized cache (kernels/kv_quant.py: fp8 or int8 codes) comes with k_scale and v_scale ([Hkv] fp32 each): the
-store quantizes, every read dequantizes to q's dtype, so attention always sees the values the cache holds (a
-prompt attended whole, in chunks or after a prefix-cache hit sees the same keys).
+A quantized cache (kernels/kv_quant.py: fp8 or int8 codes) is [num_blocks, block_size, num_kv_heads, head_dim + 2]:
+each (token, KV head) row is head_dim codes followed by the row's own scale, an fp16 in the last two bytes, written
+with the row (llama.cpp's q8_0 block is the same: an fp16 scale beside its codes). It comes with k_scale and v_scale
+([Hkv] or [Hkv, D] fp32 each, per layer): a value is code * row scale * k_scale[head, channel]. The store quantizes,
+every read dequantizes to q's dtype, so attention always sees the values the cache holds (a prompt attended whole,
+in chunks or after a prefix-cache hit sees the same keys).
 """
 from collections.abc import Callable
 
@@ -32,21 +35,38 @@ import torch.nn.functional as F
 
 
 QMAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}     # largest finite code
+ROW_SCALE_BYTES = 2     # a quantized row's own scale, fp16, after its head_dim codes
+
+
+def head_dim_of(cache: torch.Tensor) -> int:
+    """head_dim of a cache [num_blocks, block_size, Hkv, head_dim (+ ROW_SCALE_BYTES if quantized)]."""
+    return cache.shape[-1] - (ROW_SCALE_BYTES if cache.dtype in QMAX else 0)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [N, Hkv, D], scale [Hkv] or [Hkv, D] -> codes [N, Hkv, D] of `dtype` (int8 rounded to nearest, fp8 as
-    torch rounds)."""
+    """x [N, Hkv, D], scale [Hkv] or [Hkv, D] -> rows [N, Hkv, D + 2] of `dtype`: per (token, KV head), x / scale
+    takes its own fp16 scale r (its |max| maps onto the type's largest code; r = 1 for an all-zero row), and the codes
+    are x / scale / r (int8 rounded to nearest, fp8 as torch rounds), then r's two bytes."""
     limit = QMAX[dtype]
-    y = (x.float() / scale.view(scale.shape[0], -1)).clamp_(-limit, limit)
+    y = x.float() / scale.float().view(scale.shape[0], -1)
+    r = (y.abs().amax(-1, keepdim=True) / limit).clamp_(max=65504.0).half()
+    r = torch.where(r > 0, r, torch.ones_like(r))
+    y = (y / r.float()).clamp_(-limit, limit)
     if dtype == torch.int8:
         y = y.round_()
-    return y.to(dtype)
+    codes = y.to(dtype).view(torch.uint8)
+    return torch.cat([codes, r.view(torch.uint8)], -1).view(dtype)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes [..., Hkv, D], scale [Hkv] or [Hkv, D] -> values of `dtype`."""
-    return (codes.float() * scale.view(scale.shape[0], -1)).to(dtype)
+def row_scales(rows: torch.Tensor) -> torch.Tensor:
+    """rows [..., D + 2] of a quantized cache -> their fp16 scales [..., 1]."""
+    return rows.view(torch.uint8)[..., -ROW_SCALE_BYTES:].view(torch.float16)
+
+
+def dequantize(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rows [..., Hkv, D + 2] (quantize's), scale [Hkv] or [Hkv, D] -> values [..., Hkv, D] of `dtype`."""
+    codes = rows[..., :-ROW_SCALE_BYTES].float() * row_scales(rows).float()
+    return (codes * scale.float().view(scale.shape[0], -1)).to(dtype)
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -73,14 +93,15 @@ def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, num_blocks: int, s
     gathered = cache.index_select(0, blocks.flatten())     # [B * nb, bs, Hkv, D]; far cheaper than cache[blocks]
     if scale is not None:
         gathered = dequantize(gathered, scale, dtype)
-    return gathered.view(blocks.shape[0], -1, *cache.shape[2:])
+    return gathered.view(blocks.shape[0], -1, *gathered.shape[2:])
 
 
 def paged_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence: q [B, Hq, D] -> [B, Hq, D]. The pure-torch definition of decode attention."""
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    head_dim = head_dim_of(k_cache)
     group = q.shape[1] // num_kv_heads
     lens = context_lens.tolist()
     out = torch.empty_like(q)

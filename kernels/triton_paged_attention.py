@@ -10,7 +10,8 @@ Both gather cache rows token by token through the block table, so any block size
 grids from host-known shapes (block table width, max_seqlen_q), never from context_lens, so neither syncs.
 Softmax runs in base 2 with fp32 accumulators; a sequence with no keys (context 0, e.g. a padding row) gets zeros.
 A quantized cache (fp8 e4m3 / e5m2, int8; kernels/kv_quant.py) is read as codes and dequantized in registers: K's
-scales (per channel of the program's KV head) folded into q, V's into the output.
+channel scales (of the program's KV head) folded into q, V's into the output; each row's own fp16 scale (the two bytes
+after its codes, read through a byte view of the cache) multiplies its score (K) or its probability before p . V (V).
 """
 import functools
 import math
@@ -22,14 +23,22 @@ import triton.language as tl
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 
-from tidepool.kernels.kv_quant import per_channel  # noqa: E402
+from tidepool.kernels.kv_quant import head_dim_of, per_channel  # noqa: E402
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 MIN_SPLIT_TOKENS = 512   # a split shorter than this costs more in the merge than it wins in parallelism
 
 
 @triton.jit
+def _row_scales(cache_bytes, rows, mask, HEAD_DIM: tl.constexpr):
+    """The fp16 scales of quantized cache rows (offsets `rows`), from the two bytes after each row's codes."""
+    lo = tl.load(cache_bytes + rows + HEAD_DIM, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(cache_bytes + rows + HEAD_DIM + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse, k_scale, v_scale,
-                   scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                   k_bytes, v_bytes, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                    stride_kslot, stride_kh, split_len,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -70,12 +79,17 @@ def _decode_kernel(q, k_cache, v_cache, block_tables, context_lens, out, part_ou
         k = tl.load(k_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)   # [N, D]
         v = tl.load(v_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)
         s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale_log2          # [G, N]
+        if QUANT:
+            s = s * _row_scales(k_bytes, rows, n_mask, HEAD_DIM)[None, :]
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        pv = p
+        if QUANT:
+            pv = p * _row_scales(v_bytes, rows, n_mask, HEAD_DIM)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
     safe_l = tl.where(l > 0, l, 1.0)
@@ -116,7 +130,7 @@ def _merge_splits_kernel(part_out, part_lse, out, stride_ot, stride_oh, num_head
 
 @triton.jit
 def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out, k_scale, v_scale,
-                   scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kslot, stride_kh,
+                   k_bytes, v_bytes, scale_log2, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_kslot, stride_kh,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                    UPCAST: tl.constexpr, QUANT: tl.constexpr):
@@ -160,6 +174,8 @@ def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q
         k = tl.load(k_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)
         v = tl.load(v_cache + rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(dot_ty)
         s = tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * scale_log2          # [M, N]
+        if QUANT:
+            s = s * _row_scales(k_bytes, rows, n_mask, HEAD_DIM)[None, :]
         s = tl.where(n_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         # rows past q_len may see no key in this tile; keep their max finite so no NaN reaches acc
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -167,7 +183,10 @@ def _varlen_kernel(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        pv = p
+        if QUANT:
+            pv = p * _row_scales(v_bytes, rows, n_mask, HEAD_DIM)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
     o = acc / tl.where(l > 0, l, 1.0)[:, None] * v_mul[None, :]
@@ -179,7 +198,7 @@ def _check(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q):
     num_tokens, num_heads, head_dim = q.shape
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "caches must be [blocks, block_size, Hkv, D]"
     num_kv_heads = k_cache.shape[2]
-    assert k_cache.shape[3] == head_dim, f"q head_dim {head_dim} != cache head_dim {k_cache.shape[3]}"
+    assert head_dim_of(k_cache) == head_dim, f"q head_dim {head_dim} != cache head_dim {head_dim_of(k_cache)}"
     if not MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"triton paged attention supports head_dim {MIN_HEAD_DIM}..{MAX_HEAD_DIM}, got {head_dim}")
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads not a multiple of {num_kv_heads} KV heads"
@@ -222,7 +241,8 @@ def kernel_meta(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, blo
     meta = dict(GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=block_d,
                 # no config spills registers on sm_90 (tests/kernels/test_triton_compile.py compiles them for it);
                 # fp32 dots run on FMA units and need the smallest tiles
-                BLOCK_N=16 if fp32 else 64 if head_dim <= 128 else 32,
+                # a quantized cache's rows (codes and a 2-byte scale) are byte-aligned: narrower loads, more registers
+                BLOCK_N=16 if fp32 else 64 if head_dim <= (64 if quant else 128) else 32,
                 PRECISION="ieee" if fp32 or upcast else "tf32", UPCAST=upcast, QUANT=quant)
     if kind == "decode":
         meta.update(NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(meta["GROUP"])), num_warps=4)
@@ -235,6 +255,11 @@ def kernel_meta(kind: str, num_heads: int, num_kv_heads: int, head_dim: int, blo
 def _compute_dtype(q, k_cache) -> tuple[torch.dtype, bool]:
     quant = k_cache.dtype in QUANTIZED_DTYPES
     return (q.dtype if quant else k_cache.dtype), quant
+
+
+def _bytes(k_cache, v_cache, quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches as bytes, for the row scales of a quantized one (the caches themselves, unused, otherwise)."""
+    return (k_cache.view(torch.uint8), v_cache.view(torch.uint8)) if quant else (k_cache, v_cache)
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float,
@@ -258,7 +283,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float,
         part_out = part_lse = out
     _decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        k_scale if quant else q, v_scale if quant else q, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        k_scale if quant else q, v_scale if quant else q, *_bytes(k_cache, v_cache, quant), scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2), split_len, **meta)
     if splits > 1:
@@ -283,7 +309,8 @@ def paged_varlen(q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, 
     grid = (triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), num_heads, num_seqs)
     _varlen_kernel[grid](
         q, k_cache, v_cache, block_tables, context_lens, cu_seqlens_q, out,
-        k_scale if quant else q, v_scale if quant else q, scale * math.log2(math.e), q.stride(0), q.stride(1),
+        k_scale if quant else q, v_scale if quant else q, *_bytes(k_cache, v_cache, quant), scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0),
         k_cache.stride(1), k_cache.stride(2), **meta)
     return out

@@ -4,6 +4,9 @@
 //   silu_and_mul:  x [T, 2I] -> silu(x[:, :I]) * x[:, I:]
 //   rotary:        q, k [T, heads, D] rotated in place (rotate-half layout) by per-token cos, sin [T, D]
 //   store_kv:      key/value rows into their cache slots (slot -1: not stored)
+//   store_kv_quant: the same into a quantized cache (kernels/paged_attention.py's quantize): per (token, KV head) row,
+//                  x / channel scale takes its own fp16 scale, then the codes (int8 rounded half to even, fp8 as
+//                  c10 converts, as torch does) and the scale's two bytes; bit for bit the reference's
 //   argmax_rows:   logits [rows, V] -> int64 [rows], exactly torch.argmax(dim=-1): the first index of the maximum,
 //                  the first NaN's index where a row has one, index 0 for a row of -inf
 // Each computes in fp32 and rounds to the tensor's dtype wherever its torch definition (the *_ref functions of
@@ -19,6 +22,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -390,6 +395,92 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
   }
 }
 
+// One row of `dim` values (x, channel scales sc) -> `dim` codes of C and the row's fp16 scale, at out.
+template <typename C, typename T>
+inline void quantize_row(const T* x, const float* sc, int64_t dim, float limit, uint8_t* out, float* y) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < dim; ++i) {
+    y[i] = static_cast<float>(x[i]) / sc[i];
+    amax = std::max(amax, std::abs(y[i]));
+  }
+  c10::Half rh(std::min(amax / limit, 65504.0f));
+  if (!(static_cast<float>(rh) > 0.0f)) rh = c10::Half(1.0f);
+  const float r = static_cast<float>(rh);
+  for (int64_t i = 0; i < dim; ++i) {
+    const float z = std::min(std::max(y[i] / r, -limit), limit);
+    if constexpr (std::is_same_v<C, int8_t>) {
+      const int8_t code = static_cast<int8_t>(std::nearbyint(z));
+      std::memcpy(out + i, &code, 1);
+    } else {
+      const C code(z);
+      std::memcpy(out + i, &code, 1);
+    }
+  }
+  std::memcpy(out + dim, &rh.x, 2);
+}
+
+template <typename C, typename T>
+void store_kv_quant_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const int64_t* slots, const float* k_sc, const float* v_sc, float limit) {
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2), width = dim + 2;
+  const int64_t total_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] < total_slots, "slot ", slots[t], " outside the cache");
+  const T* kp = key.data_ptr<T>();
+  const T* vp = value.data_ptr<T>();
+  uint8_t* kc = static_cast<uint8_t*>(k_cache.data_ptr());
+  uint8_t* vc = static_cast<uint8_t*>(v_cache.data_ptr());
+  const int64_t ks0 = key.stride(0), ks1 = key.stride(1), vs0 = value.stride(0), vs1 = value.stride(1);
+  at::parallel_for(0, tokens, grain_for(4 * heads * dim * sizeof(T), 128 * 1024), [&](int64_t begin, int64_t end) {
+    std::vector<float> y(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        uint8_t* row = kc + (slot * heads + h) * width;
+        quantize_row<C>(kp + t * ks0 + h * ks1, k_sc + h * dim, dim, limit, row, y.data());
+        quantize_row<C>(vp + t * vs0 + h * vs1, v_sc + h * dim, dim, limit, vc + (slot * heads + h) * width, y.data());
+      }
+    }
+  });
+}
+
+template <typename C>
+void store_kv_quant_typed(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                          const int64_t* slots, const float* k_sc, const float* v_sc, float limit) {
+  switch (key.scalar_type()) {
+    case at::kFloat: store_kv_quant_impl<C, float>(key, value, k_cache, v_cache, slots, k_sc, v_sc, limit); break;
+    case at::kBFloat16: store_kv_quant_impl<C, c10::BFloat16>(key, value, k_cache, v_cache, slots, k_sc, v_sc, limit); break;
+    case at::kHalf: store_kv_quant_impl<C, c10::Half>(key, value, k_cache, v_cache, slots, k_sc, v_sc, limit); break;
+    default: TORCH_CHECK(false, "unsupported dtype ", key.scalar_type());
+  }
+}
+
+void store_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+                    const at::Tensor& slot_mapping, const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
+              key.scalar_type() == value.scalar_type(), "key, value must be [T, Hkv, D] with contiguous rows");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 4 &&
+              k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2) + 2 &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be contiguous [blocks, block_size, Hkv, D + 2]");
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() &&
+              v_scale.is_contiguous() && k_scale.numel() == key.size(1) * key.size(2) &&
+              v_scale.numel() == key.size(1) * key.size(2), "k_scale and v_scale must be contiguous fp32 [Hkv, D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == key.size(0), "slot_mapping must be int64 [T]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* ks = k_scale.data_ptr<float>();
+  const float* vs = v_scale.data_ptr<float>();
+  switch (k_cache.scalar_type()) {
+    case at::ScalarType::Char: store_kv_quant_typed<int8_t>(key, value, k_cache, v_cache, slots, ks, vs, 127.0f); break;
+    case at::ScalarType::Float8_e4m3fn:
+      store_kv_quant_typed<c10::Float8_e4m3fn>(key, value, k_cache, v_cache, slots, ks, vs, 448.0f); break;
+    case at::ScalarType::Float8_e5m2:
+      store_kv_quant_typed<c10::Float8_e5m2>(key, value, k_cache, v_cache, slots, ks, vs, 57344.0f); break;
+    default: TORCH_CHECK(false, "unsupported quantized cache dtype ", k_cache.scalar_type());
+  }
+}
+
 // ---- argmax_rows ------------------------------------------------------------------------------------------------
 // One scan of a stretch [begin, end) of a row: `idx` the first index of its largest value (begin when all are -inf),
 // `nan` the first NaN's index or -1. Stretches of one row combine in order (argmax_combine), so a row can be split
@@ -546,6 +637,9 @@ TORCH_LIBRARY_FRAGMENT(tidepool_cpu, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
   m.impl("rotary", c10::DispatchKey::CPU, &rotary);
   m.impl("store_kv", c10::DispatchKey::CPU, &store_kv);
+  m.def("store_kv_quant(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor k_scale, Tensor v_scale) -> ()");
+  m.impl("store_kv_quant", c10::DispatchKey::CPU, &store_kv_quant);
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 }

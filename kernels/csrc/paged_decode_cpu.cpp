@@ -88,6 +88,18 @@ struct Scales {
 };
 template <typename T>
 inline float k_factor(const Scales& sc, int64_t hc) { return sc.k[hc] * kCodeScale<T>; }
+// A quantized cache row (one token's KV head: `dim` codes, then its own fp16 scale) -> that scale; 1 otherwise. It
+// multiplies the row's score (K) or its probability before p . V (V).
+template <typename T>
+inline float row_scale(const T* row, int64_t dim) {
+  if constexpr (kQuantized<T>) {
+    uint16_t bits;
+    std::memcpy(&bits, row + dim, sizeof bits);
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  } else {
+    return 1.0f;
+  }
+}
 template <typename T>
 inline float v_factor(const Scales& sc, int64_t hc) { return sc.v[hc] * kCodeScale<T>; }
 
@@ -134,6 +146,7 @@ inline void prefetch_rows(const T* first, int64_t rows, int64_t stride, int64_t 
 struct Shape {
   int64_t block_size, num_kv_heads, group, dim, pool_blocks;
   float scale;
+  int64_t row;      // elements of one (token, KV head) row in the cache: dim, plus a quantized row's 2 scale bytes
 };
 
 // KV heads [h0, h1) of one sequence. head_dim = 8 * NC (NC = 0: any multiple of 8 up to 256, read at run time).
@@ -142,12 +155,12 @@ template <typename QT, typename T, int NC>
 void attend(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int32_t* table, int64_t ctx,
             int64_t h0, int64_t h1, const Shape& s, const Scales& sc, float* scores, float* acc) {
   const int64_t nc = NC ? NC : s.dim / 8;
-  const int64_t dim = 8 * nc, group = s.group;
-  const int64_t tok_stride = s.num_kv_heads * dim;
+  const int64_t dim = 8 * nc, group = s.group, row = s.row;
+  const int64_t tok_stride = s.num_kv_heads * row;
   const int64_t blk_stride = s.block_size * tok_stride;
   const int64_t nblk = (ctx + s.block_size - 1) / s.block_size;
   const int64_t rows = (h1 - h0) * group;
-  const int64_t head_bytes = (h1 - h0) * dim * static_cast<int64_t>(sizeof(T));
+  const int64_t head_bytes = (h1 - h0) * row * static_cast<int64_t>(sizeof(T));
   QT* oh = out + h0 * group * dim;
   if (ctx == 0) {     // a padding row (CUDA-graph style): attends to nothing
     std::fill(oh, oh + rows * dim, static_cast<QT>(0.0f));
@@ -162,13 +175,13 @@ void attend(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int3
   for (int64_t j = 0; j < nblk; ++j) {
     const int64_t n = block_len(j);
     if (j + 1 < nblk) {
-      prefetch_rows(k_cache + table[j + 1] * blk_stride + h0 * dim, block_len(j + 1), tok_stride, head_bytes);
+      prefetch_rows(k_cache + table[j + 1] * blk_stride + h0 * row, block_len(j + 1), tok_stride, head_bytes);
     } else {
-      prefetch_rows(v_cache + table[0] * blk_stride + h0 * dim, block_len(0), tok_stride, head_bytes);
+      prefetch_rows(v_cache + table[0] * blk_stride + h0 * row, block_len(0), tok_stride, head_bytes);
     }
     const T* kb = k_cache + table[j] * blk_stride;
     for (int64_t h = h0; h < h1; ++h) {
-      const T* kh = kb + h * dim;
+      const T* kh = kb + h * row;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = (h - h0) * group + g;
         vec8 qv[NC ? NC : 32];
@@ -192,16 +205,16 @@ void attend(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int3
             a2 += qv[c] * load8(k2 + 8 * c);
             a3 += qv[c] * load8(k3 + 8 * c);
           }
-          sr[t] = hsum(a0) * s.scale;
-          sr[t + 1] = hsum(a1) * s.scale;
-          sr[t + 2] = hsum(a2) * s.scale;
-          sr[t + 3] = hsum(a3) * s.scale;
+          sr[t] = hsum(a0) * s.scale * row_scale(k0, dim);
+          sr[t + 1] = hsum(a1) * s.scale * row_scale(k1, dim);
+          sr[t + 2] = hsum(a2) * s.scale * row_scale(k2, dim);
+          sr[t + 3] = hsum(a3) * s.scale * row_scale(k3, dim);
         }
         for (; t < n; ++t) {
           const T* k0 = kh + t * tok_stride;
           vec8 a0 = qv[0] * load8(k0);
           for (int64_t c = 1; c < nc; ++c) a0 += qv[c] * load8(k0 + 8 * c);
-          sr[t] = hsum(a0) * s.scale;
+          sr[t] = hsum(a0) * s.scale * row_scale(k0, dim);
         }
       }
     }
@@ -214,19 +227,19 @@ void attend(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int3
   for (int64_t j = 0; j < nblk; ++j) {
     const int64_t n = block_len(j);
     if (j + 1 < nblk) {
-      prefetch_rows(v_cache + table[j + 1] * blk_stride + h0 * dim, block_len(j + 1), tok_stride, head_bytes);
+      prefetch_rows(v_cache + table[j + 1] * blk_stride + h0 * row, block_len(j + 1), tok_stride, head_bytes);
     }
     const T* vb = v_cache + table[j] * blk_stride;
     for (int64_t h = h0; h < h1; ++h) {
-      const T* vh = vb + h * dim;
+      const T* vh = vb + h * row;
       for (int64_t g = 0; g < group; ++g) {
         const int64_t r = (h - h0) * group + g;
         vec8 av[NC ? NC : 32];
         for (int64_t c = 0; c < nc; ++c) av[c] = load8(acc + r * dim + 8 * c);
         const float* pr = scores + r * ctx + j * s.block_size;
         for (int64_t t = 0; t < n; ++t) {
-          const float p = pr[t];
           const T* vt = vh + t * tok_stride;
+          const float p = pr[t] * row_scale(vt, dim);
           for (int64_t c = 0; c < nc; ++c) av[c] += p * load8(vt + 8 * c);
         }
         for (int64_t c = 0; c < nc; ++c) *reinterpret_cast<vec8u*>(acc + r * dim + 8 * c) = av[c];
@@ -361,7 +374,7 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
               int64_t h1, const Shape& s, const Scales& sc, float* scratch) {
   const int64_t nc = NC ? NC : s.dim / 16;
   const int64_t dim = 16 * nc, group = s.group, bs = s.block_size, heads = h1 - h0, rows = heads * group;
-  const int64_t tok_stride = s.num_kv_heads * dim, blk_stride = bs * tok_stride, span = heads * dim;
+  const int64_t row = s.row, tok_stride = s.num_kv_heads * row, blk_stride = bs * tok_stride, span = heads * dim;
   const QT* qh = q + h0 * group * dim;
   QT* oh = out + h0 * group * dim;
   if (ctx == 0) {     // a padding row (CUDA-graph style): attends to nothing
@@ -387,19 +400,19 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
   std::fill(den, den + rows * kTile, 0.0f);
   std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
   const __m512 scale = _mm512_set1_ps(s.scale);
-  const int64_t span_bytes = span * static_cast<int64_t>(sizeof(T));
+  const int64_t span_bytes = heads * row * static_cast<int64_t>(sizeof(T));     // a tile row in the cache
   // offsets of the tile's rows (heads h0..h1 of each position; one division per tile, not per row)
   auto tile_offsets = [&](int64_t p0, int64_t* off) {
     const int64_t n = std::min<int64_t>(kTile, ctx - p0);
     int64_t j = p0 / bs, o = p0 % bs;
     for (int64_t t = 0; t < n; ++t) {
-      off[t] = table[j] * blk_stride + o * tok_stride + h0 * dim;
+      off[t] = table[j] * blk_stride + o * tok_stride + h0 * row;
       if (++o == bs) o = 0, ++j;
     }
   };
 
   const float* kr[kTile];     // this tile's K rows in fp32 (the cache's, or widened into kf)
-  const T* kb[kTile];         // this tile's K and V rows in the cache, heads h0..h1 side by side (dim apart)
+  const T* kb[kTile];         // this tile's K and V rows in the cache, heads h0..h1 side by side (row apart)
   const T* vb[kTile];
   const bool bf16_dot = kBf16Dot<T> && std::is_same_v<QT, T> && nc % 2 == 0;
   int64_t cur[kTile], nxt[kTile];
@@ -420,8 +433,16 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
       vb[t] = v_cache + cur[t];
       if constexpr (std::is_same_v<T, float>) {
         kr[t] = kb[t];
-      } else if (!bf16_dot) {
-        for (int64_t c = 0; c < span / 16; ++c) _mm512_storeu_ps(kf + t * span + 16 * c, load16(kb[t] + 16 * c));
+      } else if (!bf16_dot) {     // widened; a quantized row times its own scale
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* kt = kb[t] + h * row;
+          const __m512 rs = _mm512_set1_ps(row_scale(kt, dim));
+          for (int64_t c = 0; c < nc; ++c) {
+            __m512 x = load16(kt + 16 * c);
+            if constexpr (kQuantized<T>) x = _mm512_mul_ps(x, rs);
+            _mm512_storeu_ps(kf + t * span + h * dim + 16 * c, x);
+          }
+        }
         kr[t] = kf + t * span;
       }
     }
@@ -431,6 +452,7 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
     Prefetcher pfr{pf, npf, span_bytes, npf * ((span_bytes + 63) / 64), rows * kTile + vpasses * n,
                    4 * kTile * span_bytes > kL1Bytes};
 
+    alignas(64) float vrs[kTile];     // a quantized cache: this head's V row scales over the tile
     // query rows g0..g0 + RB of KV head h: scores, running max and denominator, probabilities into pw
     auto score_rows = [&](auto rb, int64_t h, int64_t g0) {
       constexpr int RB = decltype(rb)::value;
@@ -487,10 +509,14 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
                                        (__m256i)_mm512_cvtneps_pbh(p))));
         }
 #endif
+        if constexpr (kQuantized<T>) p = _mm512_mul_ps(p, _mm512_loadu_ps(vrs));     // times the V rows' scales
         _mm512_storeu_ps(pw + (g0 + i) * kTile, p);
       }
     };
     for (int64_t h = 0; h < heads; ++h) {
+      if constexpr (kQuantized<T>) {
+        for (int t = 0; t < kTile; ++t) vrs[t] = t < n ? row_scale(vb[t] + h * row, dim) : 0.0f;
+      }
       for (int64_t g0 = 0; g0 < group; g0 += kRowsAtOnce) {
         switch (std::min<int64_t>(kRowsAtOnce, group - g0)) {
           case 1: score_rows(std::integral_constant<int, 1>{}, h, g0); break;
@@ -505,7 +531,7 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
         for (int64_t c0 = 0; c0 < nc; c0 += kColsAtOnce) {
           const int64_t ncol = std::min<int64_t>(kColsAtOnce, nc - c0);
           kAccumulate<T>[(nr - 1) * kColsAtOnce + ncol - 1](acc + (h * group + g0) * dim + 16 * c0, dim, alpha + g0,
-                                                             pw + g0 * kTile, n, vb, h * dim + 16 * c0, &pfr);
+                                                             pw + g0 * kTile, n, vb, h * row + 16 * c0, &pfr);
         }
       }
     }
@@ -583,7 +609,7 @@ void attend8(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int
   constexpr int kGroups = kTile / 8;
   const int64_t nc = NC ? NC : s.dim / 8;
   const int64_t dim = 8 * nc, group = s.group, bs = s.block_size, heads = h1 - h0, rows = heads * group;
-  const int64_t tok_stride = s.num_kv_heads * dim, blk_stride = bs * tok_stride, span = heads * dim;
+  const int64_t row = s.row, tok_stride = s.num_kv_heads * row, blk_stride = bs * tok_stride, span = heads * dim;
   const QT* qh = q + h0 * group * dim;
   QT* oh = out + h0 * group * dim;
   if (ctx == 0) {     // a padding row (CUDA-graph style): attends to nothing
@@ -620,15 +646,22 @@ void attend8(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int
     const int n = static_cast<int>(std::min<int64_t>(kTile, ctx - p0));
     const int ng = (n + 7) / 8;     // groups of 8 positions holding one at least
     for (int t = 0; t < n; ++t) {
-      const int64_t off = table[j] * blk_stride + o * tok_stride + h0 * dim;
+      const int64_t off = table[j] * blk_stride + o * tok_stride + h0 * row;
       if (++o == bs) o = 0, ++j;
       if constexpr (std::is_same_v<T, float>) {
         kr[t] = k_cache + off;
         vr[t] = v_cache + off;
-      } else {
-        for (int64_t c = 0; c < span / 8; ++c) {
-          _mm256_storeu_ps(kf + t * span + 8 * c, load8(k_cache + off + 8 * c));
-          _mm256_storeu_ps(vf + t * span + 8 * c, load8(v_cache + off + 8 * c));
+      } else {    // widened; a quantized row times its own scale
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* kt = k_cache + off + h * row;
+          const T* vt = v_cache + off + h * row;
+          const __m256 ks = _mm256_set1_ps(row_scale(kt, dim)), vs = _mm256_set1_ps(row_scale(vt, dim));
+          for (int64_t c = 0; c < nc; ++c) {
+            __m256 kx = load8(kt + 8 * c), vx = load8(vt + 8 * c);
+            if constexpr (kQuantized<T>) kx = _mm256_mul_ps(kx, ks), vx = _mm256_mul_ps(vx, vs);
+            _mm256_storeu_ps(kf + t * span + h * dim + 8 * c, kx);
+            _mm256_storeu_ps(vf + t * span + h * dim + 8 * c, vx);
+          }
         }
         kr[t] = kf + t * span;
         vr[t] = vf + t * span;
@@ -642,7 +675,7 @@ void attend8(const QT* q, QT* out, const T* k_cache, const T* v_cache, const int
     if constexpr (std::is_same_v<T, float>) {
       nn = static_cast<int>(std::min<int64_t>(kTile, std::max<int64_t>(0, ctx - p0 - kTile)));
       for (int64_t t = 0, jj = j, oo = o; t < nn; ++t) {
-        nxt[t] = table[jj] * blk_stride + oo * tok_stride + h0 * dim;
+        nxt[t] = table[jj] * blk_stride + oo * tok_stride + h0 * row;
         if (++oo == bs) oo = 0, ++jj;
       }
     }
@@ -717,7 +750,8 @@ template <typename QT, typename T>
 void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, const Scales& sc) {
   const int64_t batch = q.size(0), num_heads = q.size(1), dim = q.size(2);
-  const Shape s{k_cache.size(1), k_cache.size(2), num_heads / k_cache.size(2), dim, k_cache.size(0), scale};
+  const Shape s{k_cache.size(1), k_cache.size(2), num_heads / k_cache.size(2), dim, k_cache.size(0), scale,
+                k_cache.size(3)};
   const int64_t table_stride = block_tables.stride(0), width = block_tables.size(1);
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -811,7 +845,8 @@ void run(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const 
   });
 }
 
-// A quantized cache (fp8 e4m3fn / e5m2, int8 codes; k_scale and v_scale [Hkv] fp32) with fp32 or bf16 q.
+// A quantized cache (fp8 e4m3fn / e5m2, int8 codes, each row with its fp16 scale; k_scale and v_scale [Hkv, D] fp32)
+// with fp32 or bf16 q.
 template <typename QT>
 void run_quantized(const at::Tensor& q, at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& context_lens, float scale, const Scales& sc) {
@@ -837,11 +872,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(quantized || q.scalar_type() == k_cache.scalar_type(), "q and the caches must share a dtype");
   TORCH_CHECK(!quantized || (v_scale.has_value() && k_scale->scalar_type() == at::kFloat &&
                              v_scale->scalar_type() == at::kFloat && k_scale->is_contiguous() &&
-                             v_scale->is_contiguous() && k_scale->numel() == k_cache.size(2) * k_cache.size(3) &&
-                             v_scale->numel() == k_cache.size(2) * k_cache.size(3)),
+                             v_scale->is_contiguous() && k_scale->numel() == k_cache.size(2) * q.size(2) &&
+                             v_scale->numel() == k_cache.size(2) * q.size(2)),
               "k_scale and v_scale must be contiguous fp32 [Hkv, D]");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) % 8 == 0 && q.size(2) <= 256,
-              "head_dim must match and be a multiple of 8 up to 256");
+  // a quantized cache's rows are head_dim codes and their own fp16 scale (2 bytes)
+  TORCH_CHECK(q.size(2) + (quantized ? 2 : 0) == k_cache.size(3) && q.size(2) % 8 == 0 && q.size(2) <= 256,
+              "head_dim must match (a quantized cache: head_dim + 2 bytes a row) and be a multiple of 8 up to 256");
   TORCH_CHECK(k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0, "Hq must be a multiple of Hkv");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1 &&
               block_tables.size(0) == q.size(0), "block_tables must be int32 [B, W] with unit column stride");

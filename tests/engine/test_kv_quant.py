@@ -20,13 +20,18 @@ QUANTIZED = ("fp8_e4m3", "fp8_e5m2", "int8")
 def test_pool_holds_more_tokens_in_the_same_memory(tiny_model_dir):
     model = tiny_model_dir("llama-gqa")
     budget = 4 * 2**20
-    blocks = {}
+    blocks, row_bytes = {}, {}
     for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "int8"), ("bfloat16", "fp8_e4m3")):
         config = EngineConfig(model=model, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory_bytes=budget,
                               max_num_seqs=1024)
         blocks[dtype, kv] = budget // config.kv_block_bytes
-    assert blocks["float32", "int8"] == 4 * blocks["float32", "auto"]
-    assert blocks["bfloat16", "fp8_e4m3"] == 2 * blocks["bfloat16", "auto"]
+        row_bytes[dtype, kv] = config.kv_block_bytes
+    head_dim = config.model_config.head_dim
+    # a quantized row: head_dim codes and its 2-byte scale, against head_dim elements of 4 or 2 bytes
+    assert row_bytes["float32", "int8"] * 4 * head_dim == row_bytes["float32", "auto"] * (head_dim + 2)
+    assert row_bytes["bfloat16", "fp8_e4m3"] * 2 * head_dim == row_bytes["bfloat16", "auto"] * (head_dim + 2)
+    assert blocks["float32", "int8"] >= 3.5 * blocks["float32", "auto"]         # head_dim 16 here; 64: 3.88x
+    assert blocks["bfloat16", "fp8_e4m3"] >= 1.75 * blocks["bfloat16", "auto"]    # 64: 1.94x
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(model=model, kv_cache_dtype="fp4")
 

@@ -31,7 +31,10 @@ def compile_one(fn, dtype: str, meta: dict, pointers: dict | None = None) -> str
             signature[name] = "fp32"
         elif name.startswith("stride") or name.endswith("_stride") or name in ("split_len", "num_heads"):
             signature[name] = "i32"
-            if name not in ("stride_bt", "num_heads"):   # strides over head_dim rows: the JIT sees multiples of 16
+            # strides over head_dim rows: the JIT sees multiples of 16, but for a quantized cache's rows (head_dim
+            # codes and a 2-byte scale)
+            packed = "k_bytes" in ptr_dtypes and name in ("stride_kslot", "stride_kh")
+            if name not in ("stride_bt", "num_heads") and not packed:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             signature[name] = "*" + ptr_dtypes.get(name, dtype)
@@ -64,21 +67,20 @@ def main() -> int:
                 cases.append((f"varlen {name} D={head_dim} max_q={max_q}", attn._varlen_kernel, name, meta, None))
         merge = dict(HEAD_DIM=128, NUM_SPLITS=5, BLOCK_S=8, BLOCK_D=128, num_warps=4)
         cases.append((f"merge {name}", attn._merge_splits_kernel, name, merge, None))
-        cases.append((f"store {name}", store._store_kv_kernel, name, dict(ROW=1024, BLOCK=1024, HEAD_DIM=128,
-                                                                          QUANT=False, QMAX=0.0, INT8=False,
-                                                                          num_warps=4), None))
+        cases.append((f"store {name}", store._store_kv_kernel, name, dict(ROW=1024, BLOCK=1024, num_warps=4),
+                      {"slot_mapping": "i64"}))
     # quantized caches (kernels/kv_quant.py) under bf16 queries
     for cache, qmax in (("fp8e4nv", 448.0), ("fp8e5", 57344.0), ("i8", 127.0)):
-        caches = {"k_cache": cache, "v_cache": cache}
+        caches = {"k_cache": cache, "v_cache": cache, "k_bytes": "u8", "v_bytes": "u8"}     # codes; rows' scales
         for head_dim in (64, 128):
             meta = attn.kernel_meta("decode", 32, 8, head_dim, 16, torch.bfloat16, "cuda", num_splits=4, quant=True)
             cases.append((f"decode {cache} D={head_dim}", attn._decode_kernel, "bf16", meta, caches))
             meta = attn.kernel_meta("varlen", 32, 8, head_dim, 16, torch.bfloat16, "cuda", max_seqlen_q=512,
                                     quant=True)
             cases.append((f"varlen {cache} D={head_dim}", attn._varlen_kernel, "bf16", meta, caches))
-        cases.append((f"store {cache}", store._store_kv_kernel, "bf16", dict(ROW=1024, BLOCK=1024, HEAD_DIM=128,
-                                                                             QUANT=True, QMAX=qmax,
-                                                                             INT8=cache == "i8", num_warps=4), caches))
+        meta = dict(HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QMAX=qmax, INT8=cache == "i8", num_warps=4)
+        cases.append((f"store {cache}", store._store_kv_quant_kernel, "bf16", meta,
+                      {**caches, "slot_mapping": "i64", "k_scale": "fp32", "v_scale": "fp32"}))
     failed = 0
     for label, fn, dtype, meta, pointers in cases:
         usage = compile_one(fn, dtype, meta, pointers)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from tidepool.kernels.kv_quant import storage_dtype
+from tidepool.kernels.kv_quant import cache_row_width, storage_dtype
 from tidepool.workers.engine.kv_scales import load_calibration, resolve
 from tidepool.workers.engine.models.model_config import load_config
 
@@ -213,11 +213,11 @@ class EngineConfig:
     @property
     def kv_block_bytes(self) -> int:
         """Bytes one KV block takes on one rank's device (keys and values of block_size tokens in every layer, of
-        the KV heads that rank holds)."""
+        the KV heads that rank holds; a quantized row's own scale included)."""
         m = self.model_config
-        element = self.kv_storage_dtype.itemsize
+        dtype = self.kv_storage_dtype
         heads = m.kv_heads_per_rank(self.tensor_parallel_size)
-        return 2 * m.num_hidden_layers * self.block_size * heads * m.head_dim * element
+        return 2 * m.num_hidden_layers * self.block_size * heads * cache_row_width(dtype, m.head_dim) * dtype.itemsize
 
     @property
     def blocks_per_sequence(self) -> int:

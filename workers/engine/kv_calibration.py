@@ -4,14 +4,16 @@ dtype keeps with those scales on held-out text (the record kv_scales.py reads; `
 Accuracy is teacher-forced: the held-out sequences run in chunks of CHUNK tokens, so every position attends to keys
 and values read back from the cache (as decode does), once over the 16-bit cache and once over each quantized one.
 Per position: top-1 agreement of the next-token argmax, KL(16-bit || quantized) of the next-token distribution, and
-the next token's log-likelihood (perplexity, both caches).
+the next token's log-likelihood (perplexity, both caches). Where the argmax differs, the margin the reference's own top
+two had (in nats): a small model's next-token choices are often near ties, which any rounding flips (a bf16 cache
+under fp32 weights does too: name "bfloat16" among the dtypes measures it, for the figures only).
 """
 import time
 from contextlib import contextmanager
 
 import torch
 
-from tidepool.kernels.kv_quant import STORAGE
+from tidepool.kernels.kv_quant import STORAGE, cache_row_width
 from tidepool.workers.engine.config import EngineConfig
 from tidepool.workers.engine.kv_scales import AmaxObserver, install
 from tidepool.workers.engine.model_runner import ModelRunner
@@ -88,7 +90,8 @@ class Calibrator:
         return seen.k_amax, seen.v_amax
 
     def _quantized_caches(self, dtype: torch.dtype, record: dict) -> list:
-        shape = self.layers[0].self_attn.k_cache.shape
+        *shape, head_dim = self.layers[0].self_attn.k_cache.shape
+        shape = (*shape, cache_row_width(dtype, head_dim))
         install(self.layers, record, dtype, head_split(self.config.model_config, Shard()).kv)
         out = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), a.k_scale, a.v_scale)
                for a in (layer.self_attn for layer in self.layers)]
@@ -96,11 +99,17 @@ class Calibrator:
             layer.self_attn.k_scale = layer.self_attn.v_scale = None
         return out
 
+    def _plain_caches(self, dtype: torch.dtype) -> list:
+        shape = self.layers[0].self_attn.k_cache.shape
+        return [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), None, None) for _ in self.layers]
+
     @torch.inference_mode()
     def accuracy(self, heldout: list[list[int]], record: dict, dtypes: list[str]) -> dict:
-        """{dtype: {top1_agreement, mean_kl, ppl, ppl_ref, ppl_increase, positions}} over the held-out sequences."""
-        quant = {name: self._quantized_caches(STORAGE[name], record) for name in dtypes}
-        stats = {name: {"agree": 0, "kl": 0.0, "nll": 0.0} for name in dtypes}
+        """{dtype: {top1_agreement, mean_kl, ppl, ppl_ref, ppl_increase, positions, flip_margins}} over the held-out
+        sequences; dtypes: kv_cache_dtypes, or a 16-bit torch dtype name (a plain cache of that type)."""
+        quant = {name: self._quantized_caches(STORAGE[name], record) if name in STORAGE
+                 else self._plain_caches(getattr(torch, name)) for name in dtypes}
+        stats = {name: {"agree": 0, "kl": 0.0, "nll": 0.0, "margins": []} for name in dtypes}
         nll_ref, positions = 0.0, 0
         for batch in _batches([s[:self.max_len] for s in heldout]):
             for start in range(0, max(map(len, batch)) - 1, CHUNK):
@@ -116,13 +125,16 @@ class Calibrator:
                     hidden = self.runner._forward(step, CHUNK, None)
                     return torch.log_softmax(self.runner.model.compute_logits(hidden[rows_t]).float(), -1)
                 ref = logprobs()
+                top2 = ref.topk(2, -1).values
                 nll_ref -= ref.gather(1, targets_t[:, None]).sum().item()
                 positions += len(rows)
                 for name, caches in quant.items():
                     with _cache(self.layers, caches):
                         got = logprobs()
                     s = stats[name]
-                    s["agree"] += (got.argmax(-1) == ref.argmax(-1)).sum().item()
+                    same = got.argmax(-1) == ref.argmax(-1)
+                    s["agree"] += same.sum().item()
+                    s["margins"] += (top2[:, 0] - top2[:, 1])[~same].tolist()
                     s["kl"] += (ref.exp() * (ref - got)).sum().item()
                     s["nll"] -= got.gather(1, targets_t[:, None]).sum().item()
         ppl_ref = float(torch.tensor(nll_ref / positions).exp())
@@ -130,7 +142,8 @@ class Calibrator:
         for name, s in stats.items():
             ppl = float(torch.tensor(s["nll"] / positions).exp())
             out[name] = {"top1_agreement": s["agree"] / positions, "mean_kl": s["kl"] / positions, "ppl": ppl,
-                         "ppl_ref": ppl_ref, "ppl_increase": max(0.0, ppl / ppl_ref - 1.0), "positions": positions}
+                         "ppl_ref": ppl_ref, "ppl_increase": max(0.0, ppl / ppl_ref - 1.0), "positions": positions,
+                         "flip_margins": sorted(round(m, 4) for m in s["margins"])}
         return out
 
 

@@ -1,12 +1,14 @@
-"""Which KV cache dtype an engine runs with, and the per-(layer, KV head, channel) scales of a quantized one.
+"""Which KV cache dtype an engine runs with, and the per-(layer, KV head, channel) scales of a quantized one (each
+cache row also takes its own scale when written: kernels/kv_quant.py).
 
 Scales come from the model's calibration (`tidepool models calibrate-kv`: SCALES_FILE in the model folder, a copy in
 the registry), which holds every layer's |max| of K and V per (KV head, channel) over the calibration text (per
 channel: K's channels differ by an order of magnitude after RoPE, and a channel's scale costs the kernels nothing,
 folded into q and the output) and, per dtype, the
-accuracy measured on held-out text. Without one the engine takes dynamic scales: the |max| of a probe forward over
-PROBE_TEXT at start, with DYNAMIC_HEADROOM (as vLLM's on-the-fly scales, but fixed before the first request, so
-outputs never depend on which request came first). A dtype whose measured loss (top-1 disagreement or perplexity
+accuracy measured on held-out text. The channel scales even out the channels before each row takes its own scale, so
+a value past the calibrated |max| is not clipped. Without a calibration the engine takes dynamic scales: the |max| of a
+probe forward over PROBE_TEXT at start (as vLLM's on-the-fly scales, but fixed before the first request, so outputs
+never depend on which request came first). A dtype whose measured loss (top-1 disagreement or perplexity
 increase) exceeds MAX_LOSS is refused: the engine keeps the 16-bit cache (resolve).
 """
 import json
@@ -22,12 +24,6 @@ log = logging.getLogger(__name__)
 
 SCALES_FILE = "kv_cache_scales.json"
 MAX_LOSS = 0.02
-# A calibrated scale maps HEADROOM x the calibration's |max| onto the type's range: held-out text exceeds a channel's
-# calibrated |max| now and then, and a clipped key costs more than a coarser step (SmolLM2-135M, held-out top-1
-# agreement: int8 97.7% at x1, 98.0% at x1.5; fp8_e4m3 97.1% at x1.5, 97.8% at x3). fp8 keeps its relative precision
-# under any scale, so it takes more.
-HEADROOM = {torch.int8: 1.5, torch.float8_e4m3fn: 3.0, torch.float8_e5m2: 3.0}
-DYNAMIC_HEADROOM = 2.0      # over HEADROOM: the start probe is a few hundred tokens
 PROBE_TEXT = (
     "The tide had gone out in the night, and in the grey light of morning the rocks lay bare for a hundred yards. "
     "Pools of still water caught the sky. A heron stood at the edge of the largest one, as patient as a post, while "
@@ -100,8 +96,8 @@ class AmaxObserver:
     live=True sets each layer's scales from its running |max| before the layer stores (the start probe on a quantized
     pool)."""
 
-    def __init__(self, layers, dtype: torch.dtype | None = None, headroom: float = 1.0, live: bool = False):
-        self.layers, self.dtype, self.headroom, self.live = layers, dtype, headroom, live
+    def __init__(self, layers, dtype: torch.dtype | None = None, live: bool = False):
+        self.layers, self.dtype, self.live = layers, dtype, live
         attn = layers[0].self_attn
         self.k_amax = torch.zeros(len(layers), attn.num_kv_heads, attn.head_dim)
         self.v_amax = torch.zeros(len(layers), attn.num_kv_heads, attn.head_dim)
@@ -120,14 +116,13 @@ class AmaxObserver:
         self.k_amax[i] = torch.maximum(self.k_amax[i], k.detach().abs().amax(dim=0).float().cpu())
         self.v_amax[i] = torch.maximum(self.v_amax[i], v.detach().abs().amax(dim=0).float().cpu())
         if self.live:
-            install_layer(self.layers[i].self_attn, self.k_amax[i], self.v_amax[i], self.dtype,
-                          self.headroom * HEADROOM[self.dtype])
+            install_layer(self.layers[i].self_attn, self.k_amax[i], self.v_amax[i], self.dtype)
 
 
-def install_layer(attn, k_amax: torch.Tensor, v_amax: torch.Tensor, dtype: torch.dtype, headroom: float) -> None:
+def install_layer(attn, k_amax: torch.Tensor, v_amax: torch.Tensor, dtype: torch.dtype) -> None:
     device = attn.k_cache.device
-    attn.k_scale = scales_from_amax(k_amax, dtype, headroom).to(device)
-    attn.v_scale = scales_from_amax(v_amax, dtype, headroom).to(device)
+    attn.k_scale = scales_from_amax(k_amax, dtype).to(device)
+    attn.v_scale = scales_from_amax(v_amax, dtype).to(device)
 
 
 def install(layers, calibration: dict, dtype: torch.dtype, kv_heads: tuple[int, int]) -> None:
@@ -137,4 +132,4 @@ def install(layers, calibration: dict, dtype: torch.dtype, kv_heads: tuple[int, 
         raise ValueError(f"the KV calibration has {k_amax.shape[0]} layers, the model {len(layers)}")
     a, b = kv_heads
     for i, layer in enumerate(layers):
-        install_layer(layer.self_attn, k_amax[i, a:b], v_amax[i, a:b], dtype, HEADROOM[dtype])
+        install_layer(layer.self_attn, k_amax[i, a:b], v_amax[i, a:b], dtype)

@@ -10,6 +10,7 @@ import torch
 from tidepool.kernels import cpu_ops
 from tidepool.kernels.attention import resolve_backend
 from tidepool.kernels.cpu_linear import prepack_linears
+from tidepool.kernels.kv_quant import cache_row_width
 from tidepool.kernels.paged_attention import SHORT_CHUNK
 from tidepool.workers.engine import host_pools, kv_scales
 from tidepool.workers.engine.config import EngineConfig
@@ -167,11 +168,11 @@ class ModelRunner:
             largest = torch.tensor([self.weight_bytes], dtype=torch.int64, device=self.device)
             shard.comm.all_reduce(largest, torch.distributed.ReduceOp.MAX)
             self.largest_rank_weight_bytes = int(largest.item())
-        shape = (self.num_kv_blocks, config.block_size, self.model.layers[0].self_attn.num_kv_heads,
-                 model_config.head_dim)
         # empty, not zeros: no slot is read before it is written, and on the CPU untouched pages cost no memory
         self.kv_choice = config.kv_choice
         self.kv_dtype = config.kv_storage_dtype
+        shape = (self.num_kv_blocks, config.block_size, self.model.layers[0].self_attn.num_kv_heads,
+                 cache_row_width(self.kv_dtype, model_config.head_dim))     # a quantized row: codes and its scale
         for layer in self.model.layers:
             layer.self_attn.k_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
             layer.self_attn.v_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
@@ -210,14 +211,12 @@ class ModelRunner:
         n, bs = len(ids), self.config.block_size
         step = dict(input_ids=ids, positions=list(range(n)), slot_mapping=list(range(n)), context_lens=[n],
                     cu_seqlens_q=[0, n], block_tables=[list(range(-(-n // bs)))])
-        with kv_scales.AmaxObserver(layers, self.kv_dtype, kv_scales.DYNAMIC_HEADROOM, live=True), \
-                torch.inference_mode():
+        with kv_scales.AmaxObserver(layers, self.kv_dtype, live=True), torch.inference_mode():
             self._forward(step, n, None)
         if shard.rank == 0:
             log.info("kv_cache_dtype %s without a calibration for %s: dynamic scales per (layer, KV head, channel) from a "
-                     "%d-token probe at start (x%.1f headroom); `tidepool models calibrate-kv` measures and stores "
-                     "calibrated ones", self.kv_choice.in_use, self.config.model, n,
-                     kv_scales.DYNAMIC_HEADROOM * kv_scales.HEADROOM[self.kv_dtype])
+                     "%d-token probe at start (and each cache row's own scale); `tidepool models calibrate-kv` "
+                     "measures and stores calibrated ones", self.kv_choice.in_use, self.config.model, n)
 
     def make_decode_graphs(self, capture: bool, sizes: list[int] | None = None) -> DecodeGraphs:
         """Static decode buffers for a ladder of batch sizes (default: by max_num_seqs); `capture` records a
