@@ -64,7 +64,9 @@ def record(name: str, result, argv: list[str] | None = None) -> Path:
     script = Path(argv[0]).resolve() if argv else None
     shown = str(script.relative_to(ROOT)) if script and script.is_relative_to(ROOT) else (argv[0] if argv else "")
     commit = _run(["git", "rev-parse", "--short=12", "HEAD"]) or None
-    dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])) if commit else None
+    # the code differs from the commit; recorded results (a benchmark that records after each part) do not count
+    dirty = bool(_run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                       ":(exclude)benchmarks/results"])) if commit else None
     line = {"name": name, "command": shlex.join(["python", shown, *argv[1:]]),
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
             "commit": commit, "dirty": dirty, "machine": machine(), "torch": _version("torch"),
