@@ -9,7 +9,7 @@ from datetime import datetime, timedelta, timezone
 
 from kombu import Connection
 
-from tidepool.service.ledger import batches, doorbell, files, fleet, jobs, partitions, planner
+from tidepool.service.ledger import batches, cluster_queues, doorbell, files, fleet, jobs, partitions, planner, redis_conn
 from tidepool.service.ledger.database import session
 from tidepool.service.ledger.services import Services
 
@@ -48,6 +48,10 @@ def _restore_visible(services: Services, visibility_timeout: float) -> None:
     url = services.config.broker_url
     if not url.startswith("redis"):
         return
+    if redis_conn.on_cluster(services.redis):     # each queue's unacked set (service/ledger/cluster_queues.py)
+        if cluster_queues.restore_visible(services.redis, visibility_timeout):
+            doorbell.ring(services.redis)
+        return
     with Connection(url, transport_options=transport_options(visibility_timeout)) as conn:
         conn.default_channel.qos.restore_visible(num=1000, interval=1)
 
@@ -64,12 +68,25 @@ def restore_orphans(services: Services, grace: float = ORPHAN_GRACE) -> int:
     if client is None or not url.startswith("redis"):
         return 0
     restored = 0
+    heartbeats = Heartbeats(client)
+    if redis_conn.on_cluster(client):      # each queue's unacked set and owners (service/ledger/cluster_queues.py)
+        started: dict[str, float | None] = {}
+
+        def gone(name: str, started_at: float) -> bool:
+            if name not in started:
+                beat = heartbeats.get(name)
+                started[name] = beat.get("started_at") if beat else None
+            return started[name] != started_at
+
+        restored = cluster_queues.restore_orphans(client, gone, grace)
+        if restored:
+            log.warning("returned %d unacked messages of dead workers to their queues", restored)
+        return restored
     with Connection(url, transport_options=transport_options(6 * 3600)) as conn:
         qos = conn.default_channel.qos
         tags = client.zrangebyscore(qos.unacked_index_key, 0, time.time() - grace)
         owners = client.hmget(OWNERS_KEY, tags) if tags else []
         started: dict[str, float | None] = {}
-        heartbeats = Heartbeats(client)
         for tag, owner in zip(tags, owners):
             if owner is None:
                 continue
@@ -100,7 +117,7 @@ def drain_private_queues(services: Services) -> int:
     returns a dead worker's unacked messages to the queue they came from, its private one among them."""
     from tidepool.service.ledger import affinity
     client, url = services.redis, services.config.broker_url
-    if client is None or not url.startswith("redis"):
+    if client is None or not url.startswith("redis") or redis_conn.on_cluster(client):   # (no private queues there)
         return 0
     moved = affinity.drain_dead(client)
     if moved:

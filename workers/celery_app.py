@@ -4,7 +4,11 @@ ledger's services (service/ledger/services.py) built from the settings: beat nev
 
 Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|deferrable) are consumed
 by the gpu/cpu workers (workers/worker.py), not by a Celery worker pool: they pull offline queues only
-when their engine has room, which a prefetching Celery consumer cannot express."""
+when their engine has room, which a prefetching Celery consumer cannot express.
+
+On a Redis Cluster, which kombu's Redis transport cannot use, beat's own tasks go over the in-process `memory://`
+transport: beat and the one-thread worker that runs its tasks are one process (`tidepool beat`), and the tasks reach
+the cluster through the services."""
 import functools
 
 from celery import Celery
@@ -18,10 +22,11 @@ PARTITIONS_EVERY = 3600.0   # seconds between two checks that the coming months'
 
 
 def make_celery(cfg: Config | None = None) -> Celery:
+    from tidepool.service.ledger.redis_conn import is_cluster
     from tidepool.service.ledger.wire import make_celery as celery_app, transport_options
     cfg = cfg or Config.from_env()
     every = cfg.sweep_interval
-    app = celery_app(cfg.broker_url, name="tidepool", publisher=False)
+    app = celery_app("memory://" if is_cluster(cfg.broker_url) else cfg.broker_url, name="tidepool", publisher=False)
     app.conf.update(
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
         broker_transport_options=transport_options(cfg.visibility_timeout), broker_connection_retry_on_startup=True,
@@ -81,7 +86,7 @@ def main_beat(args) -> int:
     # its shutdown notice is printed straight to stdout; make it a log line like every other
     celery_worker.safe_say = lambda msg, f=None: logging.getLogger("tidepool.beat").info(msg.strip())
     app = make_celery(cfg)
-    if app.conf.broker_url.startswith("memory"):
+    if cfg.redis_url is None:
         raise SystemExit("tidepool beat needs TIDEPOOL_REDIS_URL; embedded mode (tidepool serve) runs upkeep itself")
     worker = app.Worker(beat=True, pool="solo", concurrency=1, queues=["maintenance"],
                         loglevel=cfg.log_level, quiet=True)

@@ -4,7 +4,7 @@ and, when it stops, its private queues handed back to the shared ones. The worke
 keys here; the engine knows nothing of it."""
 import logging
 
-from tidepool.service.ledger import affinity, fair
+from tidepool.service.ledger import affinity, fair, redis_conn
 
 log = logging.getLogger(__name__)
 
@@ -13,8 +13,10 @@ class WorkerAffinity:
     def __init__(self, name: str, queues: tuple[str, ...], redis_client=None, broker_url: str = "",
                  seats: int = 1):
         self.name, self.queues, self.redis, self.seats = name, tuple(queues), redis_client, seats
-        # Only over a Redis broker that the heartbeat's Redis can see: otherwise nobody can route here.
-        self.on = redis_client is not None and broker_url.startswith(("redis://", "rediss://", "unix://"))
+        # Only over a Redis broker that the heartbeat's Redis can see: otherwise nobody can route here. Not on a Redis
+        # Cluster yet (the publisher routes to the shared queues there: service/ledger/dispatch.py route).
+        self.on = redis_client is not None and broker_url.startswith(("redis://", "rediss://", "unix://")) \
+            and not redis_conn.on_cluster(redis_client)
         self.memory = affinity.PrefixMemory()
 
     def lanes(self, queue: str) -> tuple[str, ...]:
