@@ -37,6 +37,11 @@ def list_key(lane: str) -> str:
     return tag(lane) if parts is None else tag(lane) + affinity.SEP + parts[1]
 
 
+def lane_of(key: str) -> str:
+    """The lane whose list is `key` (list_key's inverse); a name without a hash tag is its own."""
+    return key.replace("{", "", 1).replace("}", "", 1) if key.startswith("{") else key
+
+
 def unacked_keys(queue: str) -> tuple[str, str, str]:
     """(unacked messages, their index by time taken, their owners) of a shared queue (or any lane of it)."""
     t = tag(queue)
@@ -111,10 +116,10 @@ def known(client) -> list[str]:
 
 
 def depth(client, queue: str) -> int:
-    """Messages waiting in shared queue `queue`: on its list and sorted in by the fair take."""
+    """Messages waiting in lane `queue` (on its list and sorted in by the fair take), on a cluster or one server."""
     from . import fair
-    key = list_key(queue)
-    return int(client.llen(key)) + sum(fair.lane_backlogs(client, [key]).get(key, {}).values())
+    from .redis_conn import on_cluster
+    return fair.lane_depth(client, list_key(queue) if on_cluster(client) else queue)
 
 
 def _restore_tags(client, queue: str, tags, leftmost: bool) -> int:

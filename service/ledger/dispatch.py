@@ -352,8 +352,9 @@ class Dispatcher:
 
     def fair_backlogs(self) -> dict[str, dict[str, int]]:
         """lane -> {tenant: jobs waiting} of what the fair take sorted in; {} without a plain Redis broker."""
-        if self.cluster:      # (queue_depths counts them per queue)
-            return {}
+        if self.cluster:      # lanes by name, not by key ({queue})
+            return {cluster_queues.lane_of(key): tenants
+                    for key, tenants in self._direct_read(fair_queues.lane_backlogs).items()}
         return self._direct_read(fair_queues.lane_backlogs)
 
     def private_depths(self) -> dict[str, int]:
