@@ -6,9 +6,8 @@ Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|def
 by the gpu/cpu workers (workers/worker.py), not by a Celery worker pool: they pull offline queues only
 when their engine has room, which a prefetching Celery consumer cannot express.
 
-On a Redis Cluster, which kombu's Redis transport cannot use, beat's own tasks go over the in-process `memory://`
-transport: beat and the one-thread worker that runs its tasks are one process (`tidepool beat`), and the tasks reach
-the cluster through the services."""
+On a Redis Cluster, which kombu's Redis transport cannot use, `tidepool beat` runs the same upkeep on a loop of its own
+(workers/beat.py run_forever, as embedded mode does), every TIDEPOOL_SWEEP_INTERVAL seconds, until SIGTERM."""
 import functools
 
 from celery import Celery
@@ -22,11 +21,10 @@ PARTITIONS_EVERY = 3600.0   # seconds between two checks that the coming months'
 
 
 def make_celery(cfg: Config | None = None) -> Celery:
-    from tidepool.service.ledger.redis_conn import is_cluster
     from tidepool.service.ledger.wire import make_celery as celery_app, transport_options
     cfg = cfg or Config.from_env()
     every = cfg.sweep_interval
-    app = celery_app("memory://" if is_cluster(cfg.broker_url) else cfg.broker_url, name="tidepool", publisher=False)
+    app = celery_app(cfg.broker_url, name="tidepool", publisher=False)
     app.conf.update(
         task_acks_late=True, task_reject_on_worker_lost=True, worker_prefetch_multiplier=1,
         broker_transport_options=transport_options(cfg.visibility_timeout), broker_connection_retry_on_startup=True,
@@ -72,6 +70,21 @@ def make_celery(cfg: Config | None = None) -> Celery:
     return app
 
 
+def _upkeep_loop(cfg: Config) -> int:
+    """`tidepool beat` on a Redis Cluster: the upkeep on this process's own loop until SIGTERM or SIGINT."""
+    import signal
+    import threading
+
+    from tidepool.workers import beat
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    beat.run_forever(Services.from_config(cfg), interval=cfg.sweep_interval, stop=stop,
+                     republish_after=cfg.republish_after, max_attempts=cfg.max_attempts,
+                     visibility_timeout=cfg.visibility_timeout)
+    return 0
+
+
 def main_beat(args) -> int:
     """`tidepool beat`: Celery beat embedded in a one-thread worker that runs the upkeep tasks."""
     import logging
@@ -88,6 +101,9 @@ def main_beat(args) -> int:
     app = make_celery(cfg)
     if cfg.redis_url is None:
         raise SystemExit("tidepool beat needs TIDEPOOL_REDIS_URL; embedded mode (tidepool serve) runs upkeep itself")
+    from tidepool.service.ledger.redis_conn import is_cluster
+    if is_cluster(cfg.redis_url):
+        return _upkeep_loop(cfg)
     worker = app.Worker(beat=True, pool="solo", concurrency=1, queues=["maintenance"],
                         loglevel=cfg.log_level, quiet=True)
     worker.start()

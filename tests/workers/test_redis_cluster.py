@@ -215,9 +215,7 @@ def test_taken_messages_come_back_from_a_closed_channel_a_dead_worker_and_the_vi
 
 def test_upkeep_and_the_operators_views_work_on_the_cluster(st):
     """Beat's sweep (each queue's unacked set), the admin queue depths and /metrics' fair-intake figures (by queue
-    name, not by key) on the cluster; beat's own tasks go over the in-process transport (kombu has no cluster one)."""
-    from tidepool.service.ledger.settings import Config
-    from tidepool.workers.celery_app import make_celery
+    name, not by key) on the cluster."""
     done = beat.sweep(st.services, visibility_timeout=3600)
     assert done["restored_orphans"] == 0 and done["private_drained"] == 0
     admin = {"Authorization": "Bearer admin"}
@@ -226,4 +224,3 @@ def test_upkeep_and_the_operators_views_work_on_the_cluster(st):
     assert {(m["sla_class"], m["depth"], m["served"]) for m in depths["models"]} >= {("interactive", 0, True)}
     metrics = requests.get(f"{st.url}/metrics", headers=admin).text
     assert 'tidepool:fair_service_gap{sla_class="interactive"}' in metrics and "{interactive}" not in metrics
-    assert make_celery(Config(redis_url=st.cluster.url, database_url="sqlite://")).conf.broker_url == "memory://"
