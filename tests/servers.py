@@ -70,6 +70,12 @@ class RedisCluster:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the Redis Cluster did not come up")
                 time.sleep(0.05)
+            # replicas in sync with their masters (a replica that never synced does not take over from its master)
+            while any(redis.Redis(port=p).info("replication").get("master_link_status") not in (None, "up")
+                      for p in self.ports):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis Cluster's replicas did not sync")
+                time.sleep(0.05)
         except BaseException:
             self.close()
             raise
@@ -79,7 +85,8 @@ class RedisCluster:
         self.procs[port] = subprocess.Popen(
             [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
              "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf", "--cluster-node-timeout",
-             "1000", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=self.dir)
+             "1000", "--save", "", "--appendonly", "no", "--repl-diskless-sync", "yes", "--repl-diskless-sync-delay",
+             "0"], stdout=subprocess.DEVNULL, cwd=self.dir)
 
     @staticmethod
     def _wait(client) -> None:

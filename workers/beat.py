@@ -127,10 +127,18 @@ def drain_private_queues(services: Services) -> int:
 
 
 def _check_broker_epoch(services: Services) -> int:
-    """A Redis without persistence that restarted has lost its queues: the epoch key is gone with them.
-    Then every queued job is republished (duplicates of messages that survived are dropped at claim)."""
+    """A Redis without persistence that restarted has lost its queues: the epoch key is gone with them. On a Redis
+    Cluster, a master replaced by its replica (or restarted) may have lost its last writes: its replication id
+    changes (cluster_queues.master_replaced). Then every queued job is republished (duplicates of messages that
+    survived are dropped at claim)."""
     client = services.redis
-    if client is None or not client.set(EPOCH_KEY, str(time.time()), nx=True):
+    if client is None:
+        return 0
+    lost = bool(client.set(EPOCH_KEY, str(time.time()), nx=True))
+    if redis_conn.on_cluster(client) and cluster_queues.master_replaced(client):
+        log.warning("a Redis Cluster master was replaced: republishing every queued job")
+        lost = True
+    if not lost:
         return 0
     with session(services.database) as s:
         n = jobs.undispatch_all(s)

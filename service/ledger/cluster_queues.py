@@ -23,6 +23,7 @@ import time
 from . import affinity
 
 QUEUES_KEY = "tidepool:cluster:queues"     # the shared queues workers consume (a set; beat sweeps their unacked)
+MASTERS_KEY = "tidepool:cluster:masters"   # the masters' replication ids as beat last saw them (JSON list)
 
 
 def tag(queue: str) -> str:
@@ -163,3 +164,22 @@ def restore_orphans(client, is_gone, grace: float, now: float | None = None) -> 
             if gone:
                 client.hdel(owners_key, *gone)
     return restored
+
+
+def master_replaced(client) -> bool:
+    """Whether a master of the cluster was replaced since the last call (beat's sweep): a replica promoted after its
+    master failed, or a master restarted empty; either may have lost the writes of its last moments (replication is
+    asynchronous), a published message among them, so beat then republishes every queued job (workers/beat.py; the
+    duplicates are dropped at claim). A promoted replica, or a restarted master, starts a new replication id: the
+    masters' ids are compared with those of the last call. False at the first call and while the topology is moving
+    (a node does not answer): the next sweep asks again."""
+    from redis.cluster import RedisCluster
+    try:
+        ids = sorted(info["master_replid"] for info in
+                     client.info("replication", target_nodes=RedisCluster.PRIMARIES).values()
+                     if isinstance(info, dict) and info.get("role") == "master")
+    except Exception:
+        return False
+    before = client.get(MASTERS_KEY)
+    client.set(MASTERS_KEY, json.dumps(ids))
+    return before is not None and not set(json.loads(before)) <= set(ids)

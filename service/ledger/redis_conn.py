@@ -11,9 +11,10 @@ import threading
 from urllib.parse import urlsplit
 
 import redis
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 
 _known: dict[str, bool] = {}
+_nodes: dict[str, list[tuple[str, int]]] = {}     # a cluster's URL -> its nodes, as a client last saw them
 _lock = threading.Lock()
 
 
@@ -49,7 +50,13 @@ def client(url: str, **kwargs):
     """A client for `url`: `RedisCluster` when it names a cluster node, else `redis.Redis`. kwargs: the client's
     connection options (socket_timeout, socket_connect_timeout, ...)."""
     if is_cluster(url):
-        return RedisCluster.from_url(_node(url), **kwargs)
+        key = _node(url)
+        # the nodes earlier clients of this process learned, so a new client (a worker reconnecting) still finds
+        # the cluster when the URL's own node is the one that is down
+        known = [ClusterNode(host, port) for host, port in _nodes.get(key, ())]
+        cluster = RedisCluster.from_url(key, startup_nodes=known, **kwargs)
+        _nodes[key] = [(node.host, node.port) for node in cluster.get_nodes()]
+        return cluster
     return redis.Redis.from_url(url, **kwargs)
 
 

@@ -127,6 +127,13 @@ class Inbox:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
+    def _close(self) -> None:
+        self.stopped = True
+        try:
+            self.pubsub.close()
+        except Exception:
+            pass
+
     def _get(self, timeout):
         if self.sharded:     # (one channel: one master's connection; after a failover redis-py follows the slot)
             return self.pubsub.get_sharded_message(timeout=1.0 if timeout is None else timeout)
@@ -137,6 +144,9 @@ class Inbox:
             try:
                 msg = self._get(timeout=None)     # blocks until a message (or the client's timeout)
             except Exception:  # Redis restarting, or quiet past the socket timeout: redis-py resubscribes on the next read
+                if self.sharded:    # a cluster's master gone: this inbox ends, the next request opens a new one
+                    self._close()
+                    return
                 time.sleep(0.1)
                 continue
             if msg is None or msg.get("type") not in ("message", "smessage"):
