@@ -224,3 +224,25 @@ def test_upkeep_and_the_operators_views_work_on_the_cluster(st):
     assert {(m["sla_class"], m["depth"], m["served"]) for m in depths["models"]} >= {("interactive", 0, True)}
     metrics = requests.get(f"{st.url}/metrics", headers=admin).text
     assert 'tidepool:fair_service_gap{sla_class="interactive"}' in metrics and "{interactive}" not in metrics
+
+
+def test_a_publish_rings_the_doorbell_of_its_queue_on_its_own_slot(redis_cluster):
+    """The doorbell on a cluster: a sharded channel per queue, on the queue's slot; a worker hears the queues it
+    consumes, and a publish to another queue rings nothing there."""
+    from tidepool.service.ledger import doorbell
+    from tidepool.service.ledger.wire import task_message
+    client = redis_conn.client(redis_cluster.url)
+    assert client.keyslot(doorbell.cluster_channel("batch@m>w1")) == client.keyslot(cluster_queues.list_key("batch@m"))
+    rung, event, stop = [], threading.Event(), threading.Event()
+    thread = doorbell.listen(redis_cluster.url, event, stop, rung.append, queues=["interactive@m", "batch@m"])
+    try:
+        wait(lambda: rung == [None], 10, "the subscription")      # (a ring for any queue on subscribing)
+        for queue in ("realtime@m", "batch@m", "interactive@m"):
+            cluster_queues.publish(client, [(queue, task_message("job-x", queue))])
+        wait(lambda: len(rung) == 3, 10, "the rings")
+        assert sorted(rung[1:]) == ["batch@m", "interactive@m"]
+    finally:
+        stop.set()
+        thread.join(5)
+        for queue in ("realtime@m", "batch@m", "interactive@m"):
+            client.delete(cluster_queues.list_key(queue))
