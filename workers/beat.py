@@ -9,7 +9,8 @@ from datetime import datetime, timedelta, timezone
 
 from kombu import Connection
 
-from tidepool.service.ledger import batches, cluster_queues, doorbell, files, fleet, jobs, partitions, planner, redis_conn
+from tidepool.service.ledger import (batches, cluster_queues, doorbell, files, fleet, jobs, partitions, planner,
+                                     redis_conn)
 from tidepool.service.ledger.database import session
 from tidepool.service.ledger.services import Services
 

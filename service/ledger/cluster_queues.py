@@ -10,6 +10,7 @@ slot. So here every key of one queue carries the same hash tag, its shared queue
     the unacked messages     tidepool:unacked:{interactive@m}             (delivery tag -> [message, exchange, lane])
     their index              tidepool:unacked_index:{interactive@m}       (delivery tag -> when taken)
     their owners             tidepool:unacked_owner:{interactive@m}       (delivery tag -> [worker, its start])
+    its doorbell             tidepool:doorbell:{interactive@m}            (a sharded pub/sub channel: doorbell.py)
 
 and each take, ack and restore is one script on one slot: the queues of different (model, class) pairs spread over
 the masters, and each pair's traffic stays on one. Messages are the very entries kombu writes (wire.task_message), the
@@ -41,6 +42,11 @@ def list_key(lane: str) -> str:
 def lane_of(key: str) -> str:
     """The lane whose list is `key` (list_key's inverse); a name without a hash tag is its own."""
     return key.replace("{", "", 1).replace("}", "", 1) if key.startswith("{") else key
+
+
+def doorbell_channel(queue: str) -> str:
+    """The doorbell of a queue (any lane of it): a sharded channel on the queue's slot (service/ledger/doorbell.py)."""
+    return f"tidepool:doorbell:{tag(queue)}"
 
 
 def unacked_keys(queue: str) -> tuple[str, str, str]:
@@ -86,14 +92,13 @@ def _text(raw) -> str:
 
 def publish(client, entries: list[tuple[str, str]], ring: bool = True) -> None:
     """Push (lane, message) entries (wire.task_message) onto their lists, in one pipeline (redis-py sends each master
-    its share in one round trip); ring: each lane's doorbell too (doorbell.cluster_channel, on the lane's own slot)."""
-    from . import doorbell
+    its share in one round trip); ring: each lane's doorbell too (doorbell_channel, on the lane's own slot)."""
     pipe = client.pipeline(transaction=False)
     for lane, message in entries:
         pipe.lpush(list_key(lane), message)
     if ring:
         for lane in dict.fromkeys(lane for lane, _ in entries):
-            pipe.spublish(doorbell.cluster_channel(lane), lane)
+            pipe.spublish(doorbell_channel(lane), lane)
     pipe.execute()
 
 

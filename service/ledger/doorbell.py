@@ -5,12 +5,14 @@ in-process event. A ring names the queue the message went to ("" or None: any qu
 the queues rung since it last found them empty; a missed ring costs at most the worker's fallback poll interval,
 when it looks at every queue again, so nothing depends on it for correctness.
 
-On a Redis Cluster the doorbell is one sharded channel per shared queue (`cluster_channel`: SPUBLISH/SSUBSCRIBE, on
-the slot of the queue's own keys, so the publisher's LPUSH and its ring go to the same master in one round trip), and a
+On a Redis Cluster the doorbell is one sharded channel per shared queue (cluster_queues.doorbell_channel:
+SPUBLISH/SSUBSCRIBE, on the slot of the queue's own keys, so the publisher's LPUSH and its ring go to the same master in one round trip), and a
 worker listens to the channels of the queues it consumes: rings spread over the masters with the queues, and no master
 relays every ring to every worker."""
 import logging
 import threading
+
+from .cluster_queues import doorbell_channel
 
 CHANNEL = "tidepool:doorbell"
 SHARD_POLL = 0.02     # seconds a listener waits on one master's connection before the next one's (a cluster)
@@ -42,12 +44,6 @@ def unregister(event: threading.Event) -> None:
         _local.pop(event, None)
 
 
-def cluster_channel(queue: str) -> str:
-    """The doorbell of a queue (any lane of it) on a Redis Cluster: a sharded channel on the queue's hash slot."""
-    from .cluster_queues import tag
-    return f"{CHANNEL}:{tag(queue)}"
-
-
 def ring(client, queue: str = "") -> None:
     """Ring for a message put back on `queue` outside the dispatcher (a requeue, a restore; "" any: on a cluster, where
     each queue has its own doorbell, a ring for any queue rings none, and the workers' full poll finds the message);
@@ -57,7 +53,7 @@ def ring(client, queue: str = "") -> None:
         if not on_cluster(client):
             client.publish(CHANNEL, queue)
         elif queue:
-            client.spublish(cluster_channel(queue), queue)
+            client.spublish(doorbell_channel(queue), queue)
     except Exception:
         pass
 
@@ -78,7 +74,7 @@ def listen(url: str, event: threading.Event, stop: threading.Event, on_ring=_not
                 cluster = redis_conn.on_cluster(client)
                 pubsub = client.pubsub(ignore_subscribe_messages=True)
                 if cluster:
-                    pubsub.ssubscribe(*(cluster_channel(q) for q in queues))
+                    pubsub.ssubscribe(*(doorbell_channel(q) for q in queues))
                 else:
                     pubsub.subscribe(CHANNEL)
                 on_ring(None)

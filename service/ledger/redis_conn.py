@@ -1,5 +1,5 @@
-"""The Redis client for TIDEPOOL_REDIS_URL: one server (`redis.Redis`) or a Redis Cluster (`redis.cluster.RedisCluster`).
-Flask- and torch-free; every process that talks to Redis gets its client here.
+"""The Redis client for TIDEPOOL_REDIS_URL: one server (`redis.Redis`) or a Redis Cluster
+(`redis.cluster.RedisCluster`). Flask- and torch-free; every process that talks to Redis gets its client here.
 
 The URL names one node; whether it is a cluster node is asked of it (`INFO cluster`: cluster_enabled:1) when a process
 first connects, so the URL of any node of a cluster names the whole cluster (the client learns the others from it),

@@ -232,7 +232,8 @@ def test_a_publish_rings_the_doorbell_of_its_queue_on_its_own_slot(redis_cluster
     from tidepool.service.ledger import doorbell
     from tidepool.service.ledger.wire import task_message
     client = redis_conn.client(redis_cluster.url)
-    assert client.keyslot(doorbell.cluster_channel("batch@m>w1")) == client.keyslot(cluster_queues.list_key("batch@m"))
+    assert client.keyslot(cluster_queues.doorbell_channel("batch@m>w1")) == \
+        client.keyslot(cluster_queues.list_key("batch@m"))
     rung, event, stop = [], threading.Event(), threading.Event()
     thread = doorbell.listen(redis_cluster.url, event, stop, rung.append, queues=["interactive@m", "batch@m"])
     try:
