@@ -118,9 +118,12 @@ def drain_private_queues(services: Services) -> int:
     returns a dead worker's unacked messages to the queue they came from, its private one among them."""
     from tidepool.service.ledger import affinity
     client, url = services.redis, services.config.broker_url
-    if client is None or not url.startswith("redis") or redis_conn.on_cluster(client):   # (no private queues there)
+    if client is None or not url.startswith("redis"):
         return 0
-    moved = affinity.drain_dead(client)
+    if redis_conn.on_cluster(client):      # the queues' keys under their hash tags
+        moved = affinity.drain_dead(client, cluster_queues.list_key, cluster_queues.lane_of)
+    else:
+        moved = affinity.drain_dead(client)
     if moved:
         doorbell.ring(client)
         log.warning("moved %d messages from dead workers' private queues to the shared queues", moved)

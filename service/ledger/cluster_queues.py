@@ -5,7 +5,8 @@ waits in kombu's unacked hash and index, two keys for the whole server. A cluste
 hash slot, and a Lua script (the take: workers/broker.py, service/ledger/fair.py TAKE) may only touch keys of one
 slot. So here every key of one queue carries the same hash tag, its shared queue's name, `{<class>[@<model>]}`:
 
-    the list                 {interactive@m}              (a lane: the shared queue or a private one, {q}>worker)
+    the list                 {interactive@m}              (a lane: the shared queue, or a worker's private one:
+                                                           {interactive@m}>worker, service/ledger/affinity.py)
     the fair take's sets     tidepool:fair:q:{interactive@m}|<tenant> ... (fair.py builds them from the lane's key)
     the unacked messages     tidepool:unacked:{interactive@m}             (delivery tag -> [message, exchange, lane])
     their index              tidepool:unacked_index:{interactive@m}       (delivery tag -> when taken)

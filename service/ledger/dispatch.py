@@ -209,7 +209,7 @@ class Dispatcher:
     def route(self, queue: str, prefix: str | None) -> str:
         """Where a job of `queue` whose prompt has prefix key `prefix` (affinity.prefix_key) is published: the
         private queue of the worker holding that prefix, or `queue` itself (affinity.Router)."""
-        if prefix is None or not self.affinity or self.cluster:    # (no private queues on a cluster yet)
+        if prefix is None or not self.affinity:
             return queue
         if self.router is None:
             client = self._direct_client()
@@ -326,19 +326,21 @@ class Dispatcher:
 
     def queue_depths(self, queues=SLA_CLASSES) -> dict[str, int]:
         """Messages waiting per shared queue, counting those routed to a worker's private queue of it."""
-        if self.cluster:
-            try:
-                return {q: cluster_queues.depth(self._direct_client(), q) for q in queues}
-            except Exception:     # the broker is down
-                return {q: 0 for q in queues}
         depths = defaultdict(int)
-        with self.celery.connection_for_read() as conn:
-            channel = conn.default_channel
+        if self.cluster:      # (kombu has no cluster transport: the lists under their hash tags)
             for q in queues:
                 try:
-                    depths[q] = int(channel._size(q))
+                    depths[q] = int(self._direct_client().llen(cluster_queues.list_key(q)))
                 except Exception:
                     depths[q] = 0
+        else:
+            with self.celery.connection_for_read() as conn:
+                channel = conn.default_channel
+                for q in queues:
+                    try:
+                        depths[q] = int(channel._size(q))
+                    except Exception:
+                        depths[q] = 0
         for name, depth in self.private_depths().items():
             shared = affinity.split_private(name)[0]
             if shared in depths:
@@ -359,8 +361,8 @@ class Dispatcher:
 
     def private_depths(self) -> dict[str, int]:
         """Messages waiting in each worker's private queue (affinity routing); {} without a plain Redis broker."""
-        if self.cluster:
-            return {}
+        if self.cluster:      # lanes by name, not by key
+            return self._direct_read(lambda client: affinity.private_depths(client, cluster_queues.lane_of))
         return self._direct_read(affinity.private_depths)
 
     def _direct_read(self, read) -> dict:

@@ -247,3 +247,43 @@ def test_a_publish_rings_the_doorbell_of_its_queue_on_its_own_slot(redis_cluster
         thread.join(5)
         for queue in ("realtime@m", "batch@m", "interactive@m"):
             client.delete(cluster_queues.list_key(queue))
+
+
+def test_prefix_affinity_routes_takes_and_drains_private_queues_on_their_queues_slot(st, tiny_model):
+    """A keyed job goes to the private queue of the worker holding its prefix, under the class's hash tag (so a take
+    over private and shared lane stays one script); a dead worker's private queue goes to the shared one."""
+    from tidepool.service.ledger import affinity, fair
+    from tidepool.service.ledger.snapshots import Heartbeats
+    from tidepool.service.ledger.wire import task_message
+    from tidepool.workers.broker import take
+    client, queue, dispatcher = st.services.redis, "batch@aff", st.services.dispatcher
+    key = affinity.prefix_key("tenant:a", "/v1/completions", {"prompt": "p" * affinity.PREFIX_CHARS})
+    for name, prefixes in (("aff-1", [key]), ("aff-2", [])):
+        Heartbeats(client).put({"name": name, "queues": [queue], "prefixes": prefixes, "inflight": 0, "seats": 4,
+                                "at": time.time()}, ttl=60)
+    lane = affinity.Router(client, refresh=3600).route(queue, key)
+    assert lane == affinity.private_queue(queue, "aff-1")
+    assert client.keyslot(cluster_queues.list_key(lane)) == client.keyslot(cluster_queues.list_key(queue))
+    cluster_queues.publish(client, [(lane, task_message(f"job-{i}", lane, fair.meta("t", 1.0, None, 1)))
+                                    for i in range(3)])
+    assert dispatcher.private_depths() == {lane: 3}
+    assert dispatcher.queue_depths([queue]) == {queue: 3}
+    w = Worker(WorkerConfig(model=tiny_model, database_url=st.engine.url.render_as_string(hide_password=False),
+                            broker_url=st.cluster.url, redis_url=st.cluster.url, device="cpu", name="aff-1",
+                            serves="aff", lease_seconds=30), engine=st.worker.engine)
+    try:
+        w.connect()
+        lanes = [w.intake.queues[name] for name in w.affinity.lanes(queue)]
+        assert [q.name for q in lanes] == [lane, queue]
+        m = take(lanes, accept=["json"], owner="", fair=(queue, 60.0))
+        assert m.delivery_info["routing_key"] == lane and m.decode()[0][0] == "job-0"
+        assert w.affinity.stats()["private_backlog"] == 2
+        m.ack()
+        Heartbeats(client).delete("aff-1")          # dead: beat moves its private queue to the shared one
+        assert beat.drain_private_queues(st.services) == 2
+        assert dispatcher.private_depths() == {} and cluster_queues.depth(client, queue) == 2
+        assert {take(lanes, accept=["json"], owner="", fair=(queue, 60.0)).decode()[0][0] for _ in range(2)} == \
+            {"job-1", "job-2"}
+    finally:
+        w.intake.channel.delivered.clear()
+        w.close()
