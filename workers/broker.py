@@ -168,9 +168,11 @@ def take(queues, accept: list[str], owner: str = "", fair: tuple[str, float] | N
     if not isinstance(queues, (list, tuple)):
         queues = [queues]
     channel = queues[0].channel
+    if exclude is not None and fair is None:
+        return None
     if isinstance(channel, ClusterChannel):
         return _cluster_take(channel, queues, accept, owner, fair, limit, exclude)
-    if exclude is not None and (fair is None or not _redis_channel(channel)):
+    if exclude is not None and not _redis_channel(channel):
         return None
     if not _redis_channel(channel):
         for queue in queues:

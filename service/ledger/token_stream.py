@@ -103,7 +103,8 @@ class RedisStream:
 class Inbox:
     """One web process's inbox: subscribed before the constructor returns, then read by a thread that hands each
     [job id, event] pair to the hub's waiters. Through a Redis restart it resubscribes; events published meanwhile
-    are lost, and their waiters read the ledger."""
+    are lost, and their waiters read the ledger. On a Redis Cluster an error ends it instead (its master failed over,
+    say), and the next request opens a new inbox."""
 
     def __init__(self, client, hub: "LocalStream"):
         from .redis_conn import on_cluster
@@ -135,7 +136,7 @@ class Inbox:
             pass
 
     def _get(self, timeout):
-        if self.sharded:     # (one channel: one master's connection; after a failover redis-py follows the slot)
+        if self.sharded:     # (one channel: one master's connection)
             return self.pubsub.get_sharded_message(timeout=1.0 if timeout is None else timeout)
         return self.pubsub.get_message(timeout=timeout)
 
