@@ -21,6 +21,7 @@ restore (a reject with requeue, a closing channel), the visibility timeout's res
 messages (workers/beat.py); the queues workers consume are listed in QUEUES_KEY so beat knows where to look."""
 import json
 import time
+import weakref
 
 from . import affinity
 
@@ -172,13 +173,17 @@ def restore_orphans(client, is_gone, grace: float, now: float | None = None) -> 
     return restored
 
 
+_seen: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()    # client -> the ids it last wrote to MASTERS_KEY
+
+
 def master_replaced(client) -> bool:
     """Whether a master of the cluster was replaced since the last call (beat's sweep): a replica promoted after its
     master failed, or a master restarted empty; either may have lost the writes of its last moments (replication is
     asynchronous), a published message among them, so beat then republishes every queued job (workers/beat.py; the
     duplicates are dropped at claim). A promoted replica, or a restarted master, starts a new replication id: the
-    masters' ids are compared with those of the last call. False at the first call and while the topology is moving
-    (a node does not answer): the next sweep asks again."""
+    masters' ids are compared with those of the last call, kept in Redis (for the next beat process) and in this
+    process (for when the master holding that key is the one that restarted empty). False at the first call and while
+    the topology is moving (a node does not answer): the next sweep asks again."""
     from redis.cluster import RedisCluster
     try:
         ids = sorted(info["master_replid"] for info in
@@ -186,6 +191,10 @@ def master_replaced(client) -> bool:
                      if isinstance(info, dict) and info.get("role") == "master")
     except Exception:
         return False
-    before = client.get(MASTERS_KEY)
+    before = _seen.get(client)
+    if before is None:
+        stored = client.get(MASTERS_KEY)
+        before = json.loads(stored) if stored else None
     client.set(MASTERS_KEY, json.dumps(ids))
-    return before is not None and not set(json.loads(before)) <= set(ids)
+    _seen[client] = ids
+    return before is not None and not set(before) <= set(ids)

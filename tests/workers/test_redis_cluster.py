@@ -287,3 +287,22 @@ def test_prefix_affinity_routes_takes_and_drains_private_queues_on_their_queues_
     finally:
         w.intake.channel.delivered.clear()
         w.close()
+
+
+def test_a_master_restarted_empty_is_seen_replaced(tmp_path):
+    """A master that comes back without its data (no persistence, no replica) has a new replication id: beat's sweep
+    sees it (cluster_queues.master_replaced) and republishes every queued job; the chaos suite does the same with a
+    replica promoted under load."""
+    from tests.servers import RedisCluster, free_ports
+    cluster = RedisCluster(free_ports(3, start=7190, stop=7200), tmp_path)
+    try:
+        client = redis_conn.client(cluster.url)
+        assert not cluster_queues.master_replaced(client) and not cluster_queues.master_replaced(client)
+        victim = client.get_node_from_key(cluster_queues.MASTERS_KEY).port    # the record of the ids lost too
+        cluster.procs[victim].kill()
+        cluster.procs[victim].wait()
+        cluster.start(victim)                      # empty, back in its slots (its nodes file kept)
+        assert wait(lambda: cluster_queues.master_replaced(client), 20, "the replacement seen")
+        assert not cluster_queues.master_replaced(client)      # once
+    finally:
+        cluster.close()
