@@ -43,7 +43,8 @@ class ClusterStack:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_port}"
         self.worker = Worker(WorkerConfig(model=model, database_url=db_url, broker_url=cluster.url,
-                                          redis_url=cluster.url, device="cpu", name=WORKER, lease_seconds=30))
+                                          redis_url=cluster.url, device="cpu", name=WORKER, lease_seconds=30,
+                                          check_interval=0.05))   # (a cancel reaches the engine within 50 ms)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
         self.thread.start()
 
