@@ -2,6 +2,7 @@
 
     python benchmarks/capacity.py [--online 300] [--lines 2000] [--pg-cores 16] [--wal-mb-s 200]
                                   [--tokens-per-job 500] [--gpu-tokens-s 2500] [--clients 16] [--statements]
+                                  [--redis-cluster N]
 
 Runs the production shape on private servers, so the counters are this run's alone: a Postgres cluster
 (initdb in a temporary folder, pg_stat_statements preloaded), a redis-server, gunicorn (the Procfile's web
@@ -17,6 +18,12 @@ tokens/s at --tokens-per-job) that one Postgres with --pg-cores cores and --wal-
 core: Redis runs commands on one thread) and one web core carry, the GPU workers that rate feeds at
 --gpu-tokens-s per worker, and the part that saturates first. CPU figures come from /proc (Linux); on a
 shared machine they include its noise, the counts (statements, commands, bytes) do not.
+
+--redis-cluster N runs a local Redis Cluster of N masters instead of the one redis-server (TIDEPOOL_REDIS_URL names
+its first node; service/ledger/cluster_queues.py): Redis figures are summed over the masters, and the projection's
+Redis limit is the cluster's, two ways: `Redis CPU`, the cluster's N cores with the load spread evenly over the masters
+(a fleet's many (model, class) queues and web processes' inboxes hash over them), and `Redis busiest master`, one core
+of the master this run loaded most (where this run's one model's queues and inboxes happened to hash).
 """
 import argparse
 import io
@@ -121,8 +128,13 @@ class Postgres:
         self.proc.wait(20)
 
 
-def redis_commands(client: redis.Redis) -> dict[str, float]:
-    return {k.removeprefix("cmdstat_"): float(v["calls"]) for k, v in client.info("commandstats").items()}
+def redis_commands(nodes) -> dict[str, float]:
+    """Calls so far by command, summed over `nodes` (redis.Redis clients: the server, or each master of a cluster)."""
+    out: dict[str, float] = {}
+    for client in nodes:
+        for k, v in client.info("commandstats").items():
+            out[k.removeprefix("cmdstat_")] = out.get(k.removeprefix("cmdstat_"), 0.0) + float(v["calls"])
+    return out
 
 
 def breakdown(before: dict, after: dict, n: int, top: int = 25) -> list[tuple[float, str]]:
@@ -131,15 +143,21 @@ def breakdown(before: dict, after: dict, n: int, top: int = 25) -> list[tuple[fl
     return sorted((r for r in rows if r[0] >= 0.005), reverse=True)[:top]
 
 
-def redis_sample(client: redis.Redis) -> dict:
-    stats, cpu, cmds = client.info("stats"), client.info("cpu"), client.info("commandstats")
-    calls = sum(v["calls"] for k, v in cmds.items() if k not in ("cmdstat_info",))
-    return {"redis_cpu": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), "redis_commands": float(calls),
-            "redis_bytes": float(stats["total_net_input_bytes"] + stats["total_net_output_bytes"])}
+def redis_sample(nodes) -> dict:
+    """CPU, commands and bytes summed over `nodes`, and each node's CPU (`redis_cpu@i`: the busiest master's load)."""
+    out = {"redis_cpu": 0.0, "redis_commands": 0.0, "redis_bytes": 0.0}
+    for i, client in enumerate(nodes):
+        stats, cpu, cmds = client.info("stats"), client.info("cpu"), client.info("commandstats")
+        calls = sum(v["calls"] for k, v in cmds.items() if k not in ("cmdstat_info", "cmdstat_cluster"))
+        out[f"redis_cpu@{i}"] = float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+        out["redis_cpu"] += out[f"redis_cpu@{i}"]
+        out["redis_commands"] += float(calls)
+        out["redis_bytes"] += float(stats["total_net_input_bytes"] + stats["total_net_output_bytes"])
+    return out
 
 
 class Meter:
-    def __init__(self, pg: Postgres, rc: redis.Redis, web_pid: int):
+    def __init__(self, pg: Postgres, rc: list, web_pid: int):
         self.pg, self.redis, self.web_pid = pg, rc, web_pid
 
     def sample(self) -> dict:
@@ -198,20 +216,27 @@ def main():
     ap.add_argument("--idle", type=float, default=6)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--statements", action="store_true")
+    ap.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                    help="a local Redis Cluster of N masters instead of one redis-server")
     args = ap.parse_args()
     if PG_BIN is None:
         raise SystemExit("needs a local PostgreSQL installation (/usr/lib/postgresql/*/bin)")
 
     tmp = Path(tempfile.mkdtemp(prefix="tidepool-capacity-"))
-    procs, pg = [], None
+    procs, pg, cluster = [], None, None
     try:
         pg = Postgres(tmp)
-        rport = free_port()
-        procs.append(subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                                       "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=tmp))
-        rurl = f"redis://127.0.0.1:{rport}/0"
-        rc = redis.Redis.from_url(rurl)
-        wait(lambda: _ping(rc), 10, "redis")
+        if args.redis_cluster:
+            from tests.servers import RedisCluster, free_ports
+            cluster = RedisCluster(free_ports(args.redis_cluster, start=7100), tmp, masters=args.redis_cluster)
+            rurl, rc = cluster.url, [redis.Redis(port=p) for p in cluster.ports]
+        else:
+            rport = free_port()
+            procs.append(subprocess.Popen(["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+                                           "--appendonly", "no"], stdout=subprocess.DEVNULL, cwd=tmp))
+            rurl = f"redis://127.0.0.1:{rport}/0"
+            rc = [redis.Redis.from_url(rurl)]
+            wait(lambda: _ping(rc[0]), 10, "redis")
         from tidepool.workers.tools.tiny_model import make_tiny_model
         model = str(make_tiny_model(str(tmp / "tiny"), seed=1))
         env = {**os.environ, "TIDEPOOL_DATABASE_URL": f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/tidepool",
@@ -303,6 +328,8 @@ def main():
                 p.kill()
         if pg is not None:
             pg.stop()
+        if cluster is not None:
+            cluster.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -340,14 +367,18 @@ def report(args, online: dict, batch: dict, idle: dict, per_token: dict) -> None
         print(f"| {label} | {online[k] * scale:.2f} | {per_token[k] * scale:.3f} | {batch[k] * scale:.2f} |")
     extra = max(0.0, args.tokens_per_job - args.max_tokens)
     online = {k: online[k] + per_token[k] * extra for k in online}      # streamed answers of --tokens-per-job
-    print(f"\nprojection: Postgres {args.pg_cores:g} cores and {args.wal_mb_s:g} MB/s WAL, Redis one core, "
+    redis_part = f"a Redis Cluster of {args.redis_cluster} masters" if args.redis_cluster else "Redis one core"
+    print(f"\nprojection: Postgres {args.pg_cores:g} cores and {args.wal_mb_s:g} MB/s WAL, {redis_part}, "
           f"{args.tokens_per_job:g} tokens per job, {args.gpu_tokens_s:g} tokens/s per GPU worker")
     print("\n| limit | online jobs/s | batch jobs/s | online tokens/s | batch tokens/s | GPU workers fed (online) |"
           " GPU workers fed (batch) |\n|---|---:|---:|---:|---:|---:|---:|")
     limits = {}
     for name, fn in (("Postgres CPU", lambda c: args.pg_cores / c["pg_cpu"]),
                      ("Postgres WAL", lambda c: args.wal_mb_s * 1e6 / c["pg_wal_bytes"]),
-                     ("Redis CPU", lambda c: 1.0 / c["redis_cpu"]),
+                     ("Redis CPU", lambda c: max(1, args.redis_cluster) / c["redis_cpu"]),
+                     *([("Redis busiest master", lambda c: 1.0 / max(v for k, v in c.items()
+                                                                      if k.startswith("redis_cpu@")))]
+                       if args.redis_cluster else []),
                      ("web, per core", lambda c: 1.0 / c["web_cpu"])):
         row = []
         for c in (online, batch):
@@ -367,10 +398,10 @@ def report(args, online: dict, batch: dict, idle: dict, per_token: dict) -> None
     for i, kind in enumerate(("online", "batch")):
         first = min(shared, key=lambda k: shared[k][i])
         print(f"first bottleneck ({kind}): {first} at {shared[first][i]:,.0f} jobs/s")
-    line = {"online": online, "batch": batch, "online_per_token": per_token,
+    line = {"online": online, "batch": batch, "online_per_token": per_token, "redis_cluster": args.redis_cluster,
             "limits_jobs_s": {k: {"online": v[0], "batch": v[1]} for k, v in limits.items()}}
     print(json.dumps(line))
-    record("capacity", line)
+    record(f"capacity{'_cluster' if args.redis_cluster else ''}", line)     # (one result file each)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,8 @@ SECTIONS = [
          "Postgres, redis-server"),
         ("capacity", "capacity.py", "Capacity: what a job costs Postgres and Redis", "PostgreSQL binaries, "
          "redis-server"),
+        ("capacity_cluster", "capacity.py", "Capacity on a Redis Cluster of three masters (`--redis-cluster 3`)",
+         "PostgreSQL binaries, redis-server and redis-cli"),
     ]),
     ("The fleet", [
         ("tide", "tide.py", "Scaling with the tide: a week of tidal traffic, three ways to size the fleet",

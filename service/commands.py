@@ -129,9 +129,7 @@ def _models_registry(args) -> int:
 def _models_warm(args) -> int:
     import time
 
-    import redis
-
-    from tidepool.service.ledger import registry
+    from tidepool.service.ledger import redis_conn, registry
     from tidepool.service.ledger.models import audit
     cfg = _config()
     if not cfg.redis_url:
@@ -140,8 +138,8 @@ def _models_warm(args) -> int:
         entry = registry.Registry(s.get_bind(), cfg.served_model_name, cfg.model).get(args.name)
         if entry is None or not entry.enabled:
             return _fail(LookupError(f"no enabled model named {args.name!r} is registered"))
-        redis.Redis.from_url(cfg.redis_url).set(registry.WARM_KEY.format(args.name), str(time.time()),
-                                                ex=registry.WARM_TTL)
+        redis_conn.client(cfg.redis_url).set(registry.WARM_KEY.format(args.name), str(time.time()),
+                                             ex=registry.WARM_TTL)
         audit(s, "cli", "model.warm", args.name)
         s.commit()
     print(json.dumps({"name": args.name, "warm": True, "for_seconds": registry.WARM_TTL}))

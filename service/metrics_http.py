@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 
 from .error_responses import error_response
-from .ledger import affinity, counters, eta, fair, fleet
+from .ledger import affinity, cluster_queues, counters, eta, fair, fleet
 from .ledger import database as ledger_db
 from .ledger.counters import HTTP_LATENCY, HTTP_REQUESTS, registry_for_scrape
 from .ledger.models import utcnow
@@ -134,8 +134,9 @@ class LedgerCollector:
                     waiting.setdefault(queue, {}).setdefault(tenant_id, 0)
                     waiting[queue][tenant_id] += n
             window = self.services.config.fair_window
-            for queue in sorted(set(waiting) | set(fair.known_queues(client) if client is not None else ())):
-                served = fair.services(client, queue, window) if client is not None else {}
+            known = {cluster_queues.lane_of(key): key for key in (fair.known_queues(client) if client else ())}
+            for queue in sorted(set(waiting) | set(known)):     # (a key on a Redis Cluster: "{queue}")
+                served = fair.services(client, known.get(queue, queue), window) if client is not None else {}
                 queued = waiting.get(queue, {})
                 if self.by_tenant:
                     for tenant_id, (tokens, weight) in sorted(served.items()):

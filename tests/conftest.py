@@ -42,6 +42,21 @@ def redis_server(tmp_path_factory):
     proc.wait()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A local Redis Cluster of three masters (tests/servers.py RedisCluster) on free ports from 7100, for this test
+    process; skipped where redis-server is not installed."""
+    import shutil
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli are not installed")
+    from tests.servers import RedisCluster, free_ports
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")      # test processes look in ranges of their own
+    start = 7100 + 30 * (int(worker[2:]) % 3 if worker[2:].isdigit() else 0)
+    cluster = RedisCluster(free_ports(3, start=start, stop=start + 30), tmp_path_factory.mktemp("redis-cluster"))
+    yield cluster
+    cluster.close()
+
+
 class PgDatabases:
     def __init__(self):
         self._counter = itertools.count()

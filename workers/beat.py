@@ -9,7 +9,8 @@ from datetime import datetime, timedelta, timezone
 
 from kombu import Connection
 
-from tidepool.service.ledger import batches, doorbell, files, fleet, jobs, partitions, planner
+from tidepool.service.ledger import (batches, cluster_queues, doorbell, files, fleet, jobs, partitions, planner,
+                                     redis_conn)
 from tidepool.service.ledger.database import session
 from tidepool.service.ledger.services import Services
 
@@ -48,6 +49,10 @@ def _restore_visible(services: Services, visibility_timeout: float) -> None:
     url = services.config.broker_url
     if not url.startswith("redis"):
         return
+    if redis_conn.on_cluster(services.redis):     # each queue's unacked set (service/ledger/cluster_queues.py)
+        if cluster_queues.restore_visible(services.redis, visibility_timeout):
+            doorbell.ring(services.redis)
+        return
     with Connection(url, transport_options=transport_options(visibility_timeout)) as conn:
         conn.default_channel.qos.restore_visible(num=1000, interval=1)
 
@@ -64,12 +69,25 @@ def restore_orphans(services: Services, grace: float = ORPHAN_GRACE) -> int:
     if client is None or not url.startswith("redis"):
         return 0
     restored = 0
+    heartbeats = Heartbeats(client)
+    if redis_conn.on_cluster(client):      # each queue's unacked set and owners (service/ledger/cluster_queues.py)
+        started: dict[str, float | None] = {}
+
+        def gone(name: str, started_at: float) -> bool:
+            if name not in started:
+                beat = heartbeats.get(name)
+                started[name] = beat.get("started_at") if beat else None
+            return started[name] != started_at
+
+        restored = cluster_queues.restore_orphans(client, gone, grace)
+        if restored:
+            log.warning("returned %d unacked messages of dead workers to their queues", restored)
+        return restored
     with Connection(url, transport_options=transport_options(6 * 3600)) as conn:
         qos = conn.default_channel.qos
         tags = client.zrangebyscore(qos.unacked_index_key, 0, time.time() - grace)
         owners = client.hmget(OWNERS_KEY, tags) if tags else []
         started: dict[str, float | None] = {}
-        heartbeats = Heartbeats(client)
         for tag, owner in zip(tags, owners):
             if owner is None:
                 continue
@@ -102,7 +120,10 @@ def drain_private_queues(services: Services) -> int:
     client, url = services.redis, services.config.broker_url
     if client is None or not url.startswith("redis"):
         return 0
-    moved = affinity.drain_dead(client)
+    if redis_conn.on_cluster(client):      # the queues' keys under their hash tags
+        moved = affinity.drain_dead(client, cluster_queues.list_key, cluster_queues.lane_of)
+    else:
+        moved = affinity.drain_dead(client)
     if moved:
         doorbell.ring(client)
         log.warning("moved %d messages from dead workers' private queues to the shared queues", moved)
@@ -110,10 +131,18 @@ def drain_private_queues(services: Services) -> int:
 
 
 def _check_broker_epoch(services: Services) -> int:
-    """A Redis without persistence that restarted has lost its queues: the epoch key is gone with them.
-    Then every queued job is republished (duplicates of messages that survived are dropped at claim)."""
+    """A Redis without persistence that restarted has lost its queues: the epoch key is gone with them. On a Redis
+    Cluster, a master replaced by its replica (or restarted) may have lost its last writes: its replication id
+    changes (cluster_queues.master_replaced). Then every queued job is republished (duplicates of messages that
+    survived are dropped at claim)."""
     client = services.redis
-    if client is None or not client.set(EPOCH_KEY, str(time.time()), nx=True):
+    if client is None:
+        return 0
+    lost = bool(client.set(EPOCH_KEY, str(time.time()), nx=True))
+    if redis_conn.on_cluster(client) and cluster_queues.master_replaced(client):
+        log.warning("a Redis Cluster master was replaced: republishing every queued job")
+        lost = True
+    if not lost:
         return 0
     with session(services.database) as s:
         n = jobs.undispatch_all(s)

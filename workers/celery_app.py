@@ -4,7 +4,10 @@ ledger's services (service/ledger/services.py) built from the settings: beat nev
 
 Inference messages (`tidepool.run_job(job_id)` on realtime|interactive|batch|deferrable) are consumed
 by the gpu/cpu workers (workers/worker.py), not by a Celery worker pool: they pull offline queues only
-when their engine has room, which a prefetching Celery consumer cannot express."""
+when their engine has room, which a prefetching Celery consumer cannot express.
+
+On a Redis Cluster, which kombu's Redis transport cannot use, `tidepool beat` runs the same upkeep on a loop of its own
+(workers/beat.py run_forever, as embedded mode does), every TIDEPOOL_SWEEP_INTERVAL seconds, until SIGTERM."""
 import functools
 
 from celery import Celery
@@ -67,6 +70,21 @@ def make_celery(cfg: Config | None = None) -> Celery:
     return app
 
 
+def _upkeep_loop(cfg: Config) -> int:
+    """`tidepool beat` on a Redis Cluster: the upkeep on this process's own loop until SIGTERM or SIGINT."""
+    import signal
+    import threading
+
+    from tidepool.workers import beat
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    beat.run_forever(Services.from_config(cfg), interval=cfg.sweep_interval, stop=stop,
+                     republish_after=cfg.republish_after, max_attempts=cfg.max_attempts,
+                     visibility_timeout=cfg.visibility_timeout)
+    return 0
+
+
 def main_beat(args) -> int:
     """`tidepool beat`: Celery beat embedded in a one-thread worker that runs the upkeep tasks."""
     import logging
@@ -81,8 +99,11 @@ def main_beat(args) -> int:
     # its shutdown notice is printed straight to stdout; make it a log line like every other
     celery_worker.safe_say = lambda msg, f=None: logging.getLogger("tidepool.beat").info(msg.strip())
     app = make_celery(cfg)
-    if app.conf.broker_url.startswith("memory"):
+    if cfg.redis_url is None:
         raise SystemExit("tidepool beat needs TIDEPOOL_REDIS_URL; embedded mode (tidepool serve) runs upkeep itself")
+    from tidepool.service.ledger.redis_conn import is_cluster
+    if is_cluster(cfg.redis_url):
+        return _upkeep_loop(cfg)
     worker = app.Worker(beat=True, pool="solo", concurrency=1, queues=["maintenance"],
                         loglevel=cfg.log_level, quiet=True)
     worker.start()

@@ -15,12 +15,12 @@ from functools import partial
 
 from kombu import Connection, Queue
 
-from tidepool.service.ledger import affinity, jobs
+from tidepool.service.ledger import affinity, cluster_queues, jobs, redis_conn
 from tidepool.service.ledger.database import outside_transaction, session
 from tidepool.service.ledger.models import ONLINE_CLASSES, cache_namespace
 from tidepool.service.ledger.wire import job_id as message_job_id, transport_options
 from tidepool.workers.attempt import Attempts, Inflight, build_request, utc
-from tidepool.workers.broker import charge, take, unsort
+from tidepool.workers.broker import ClusterConnection, ClusterQueue, charge, take, unsort
 from tidepool.workers.engine import LoRARequest, PromptTooLong
 from tidepool.workers.engine.llm_engine import RequestOutput
 from tidepool.workers.openai_bodies import echo_text
@@ -71,13 +71,22 @@ class Intake:
                 self.conn.release()
             except Exception:
                 pass
-        self.conn = Connection(self.cfg.broker_url, transport_options=transport_options(self.cfg.visibility_timeout))
+        if redis_conn.is_cluster(self.cfg.broker_url):     # service/ledger/cluster_queues.py
+            self.conn = ClusterConnection(self.cfg.broker_url)
+        else:
+            self.conn = Connection(self.cfg.broker_url,
+                                   transport_options=transport_options(self.cfg.visibility_timeout))
         self.broker_errors = (OSError, *self.conn.connection_errors, *self.conn.channel_errors)
         self.conn.ensure_connection(max_retries=3)
         self.channel = self.conn.channel()
         self.unread.update(self.cfg.queues)
-        self.queues = {lane: Queue(lane, routing_key=lane).bind(self.channel)
-                       for name in self.cfg.queues for lane in self.affinity.lanes(name)}
+        if isinstance(self.conn, ClusterConnection):
+            cluster_queues.register(self.conn.client, self.cfg.queues)     # beat sweeps their unacked messages
+            self.queues = {lane: ClusterQueue(lane, self.channel)
+                           for name in self.cfg.queues for lane in self.affinity.lanes(name)}
+        else:
+            self.queues = {lane: Queue(lane, routing_key=lane).bind(self.channel)
+                           for name in self.cfg.queues for lane in self.affinity.lanes(name)}
         if not self.cfg.fair_intake:      # FIFO: what a fair take sorted in earlier goes back onto the lists
             unsort(self.channel, list(self.queues))
 

@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 
-from tidepool.service.ledger import fair
+from tidepool.service.ledger import cluster_queues, redis_conn
 from tidepool.service.ledger.registry import WARM_KEY   # set by `tidepool models warm NAME`
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,6 @@ def main(args) -> int:
     every enabled one whose weights fit the budget, fitting_models) until SIGTERM, hot ones loaded from the start,
     warm and cold ones as ModelHost decides. When nothing but the deployment's default model is to be served, this
     is the plain one-model worker (workers/worker.py main): same name, queues and metrics ports as ever."""
-    import redis as redis_lib
-
     from tidepool.service.ledger.settings import Config
     from tidepool.workers import worker as one_model
     from tidepool.workers.config_fields import engine_fields, model_engine_fields, refuse_unstartable
@@ -161,7 +159,7 @@ def main(args) -> int:
                          entries)
     for cfg in cfgs:
         refuse_unstartable(cfg.model, cfg.device, cfg.engine, "worker")
-    client = redis_lib.Redis.from_url(settings.redis_url) if settings.redis_url else None
+    client = redis_conn.client(settings.redis_url) if settings.redis_url else None
     host = ModelHost([(n, entries[n].tier, c) for n, c in zip(names, cfgs)], client, budget)
     port = DEFAULT_PORTS[kind] if settings.metrics_port is None else settings.metrics_port
     if port:
@@ -354,7 +352,7 @@ class ModelHost:
     def _depth(self, name: str) -> int:
         if self.redis is None:
             return 0
-        return sum(fair.lane_depth(self.redis, q) for q in self.models[name]["cfg"].queues)
+        return sum(cluster_queues.depth(self.redis, q) for q in self.models[name]["cfg"].queues)
 
     def _wanted(self, name: str) -> bool:
         tier = self.models[name]["tier"]

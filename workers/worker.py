@@ -32,7 +32,7 @@ import time
 from functools import partial
 from dataclasses import dataclass, field
 
-from tidepool.service.ledger import doorbell, token_stream
+from tidepool.service.ledger import doorbell, redis_conn, token_stream
 from tidepool.service.ledger.settings import Config
 from tidepool.service.ledger.database import make_engine
 from tidepool.service.ledger.dispatch import queue_name
@@ -138,8 +138,7 @@ class Worker:
         self.engine = engine or LLMEngine(EngineConfig(model=cfg.model, device=cfg.device, **cfg.engine))
         self._db = make_engine(cfg.database_url)
         if redis_client is None and cfg.redis_url:
-            import redis
-            redis_client = redis.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
+            redis_client = redis_conn.client(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
         self.redis = redis_client
         # Gauges and counters move in the engine thread; the dashboard snapshot goes out with the heartbeat.
         self.metrics = EngineMetrics(worker=cfg.name, device=cfg.device, model=cfg.model)
@@ -268,7 +267,7 @@ class Worker:
         engine_thread = self.engine_thread.start()
         doorbell.register(self._wake, self.intake.rung)
         if self.cfg.broker_url.startswith(("redis://", "rediss://", "unix://")):
-            doorbell.listen(self.cfg.broker_url, self._wake, self._stop, self.intake.rung)
+            doorbell.listen(self.cfg.broker_url, self._wake, self._stop, self.intake.rung, queues=self.cfg.queues)
         log.info("worker %s: %s on %s, queues %s", self.cfg.name, self.cfg.model, self.cfg.device, self.cfg.queues)
         try:
             self.connect()

@@ -4,7 +4,7 @@ and, when it stops, its private queues handed back to the shared ones. The worke
 keys here; the engine knows nothing of it."""
 import logging
 
-from tidepool.service.ledger import affinity, fair
+from tidepool.service.ledger import affinity, cluster_queues, fair, redis_conn
 
 log = logging.getLogger(__name__)
 
@@ -15,6 +15,8 @@ class WorkerAffinity:
         self.name, self.queues, self.redis, self.seats = name, tuple(queues), redis_client, seats
         # Only over a Redis broker that the heartbeat's Redis can see: otherwise nobody can route here.
         self.on = redis_client is not None and broker_url.startswith(("redis://", "rediss://", "unix://"))
+        # a queue's Redis key: its name, or on a Redis Cluster its name under the class's hash tag
+        self.key = cluster_queues.list_key if redis_conn.on_cluster(redis_client) else str
         self.memory = affinity.PrefixMemory()
 
     def lanes(self, queue: str) -> tuple[str, ...]:
@@ -36,9 +38,10 @@ class WorkerAffinity:
         try:
             with self.redis.pipeline(transaction=False) as pipe:
                 for name in self.private_queues():
-                    pipe.llen(name)
+                    pipe.llen(self.key(name))
                 backlog = sum(int(n or 0) for n in pipe.execute())
-            backlog += sum(sum(t.values()) for t in fair.lane_backlogs(self.redis, self.private_queues()).values())
+            keys = [self.key(name) for name in self.private_queues()]
+            backlog += sum(sum(t.values()) for t in fair.lane_backlogs(self.redis, keys).values())
         except Exception:
             pass
         return {"prefixes": self.memory.newest(), "private_backlog": backlog, "seats": self.seats}
@@ -48,7 +51,7 @@ class WorkerAffinity:
         moved = 0
         for name in self.private_queues():
             try:
-                moved += affinity.move_private(self.redis, name)
+                moved += affinity.move_private(self.redis, name, self.key)
             except Exception as exc:   # beat's drain_dead moves them once the heartbeat is gone
                 log.warning("worker %s: handing back %s failed: %s", self.name, name, exc)
         return moved

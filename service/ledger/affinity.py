@@ -128,28 +128,35 @@ end
 """
 
 
-def move_private(client, name: str) -> int:
+def _same(name: str) -> str:
+    return name
+
+
+# key, lane: a queue's Redis key from its name and back; the name itself on one Redis server, the name under its hash
+# tag on a Redis Cluster (service/ledger/cluster_queues.py list_key and lane_of).
+def move_private(client, name: str, key=_same) -> int:
     """Hand the messages waiting in private queue `name` (its list, and what the fair take sorted in) to its shared
     queue, each in one atomic step."""
     parts = split_private(name)
     if parts is None:
         return 0
-    return int(fair.run_script(client, _MOVE, 2, name, parts[0]) or 0) + fair.move_lane(client, name, parts[0])
+    src, dst = key(name), key(parts[0])
+    return int(fair.run_script(client, _MOVE, 2, src, dst) or 0) + fair.move_lane(client, src, dst)
 
 
-def private_depths(client) -> dict[str, int]:
+def private_depths(client, lane=_same) -> dict[str, int]:
     """Messages waiting in each private queue (name -> depth); the queue's shared name is split_private's."""
     depths = {}
     for raw in client.scan_iter(match=f"*{SEP}*", count=1000):
-        name = raw.decode() if isinstance(raw, bytes) else raw
-        if split_private(name) is not None:
-            depth = client.llen(name) if client.type(name) in (b"list", "list") else 0
+        key = raw.decode() if isinstance(raw, bytes) else raw
+        if split_private(lane(key)) is not None:
+            depth = client.llen(key) if client.type(key) in (b"list", "list") else 0
             if depth:
-                depths[name] = int(depth)
+                depths[lane(key)] = int(depth)
     return depths     # (what the fair take sorted in from them: fair.lane_backlogs)
 
 
-def drain_dead(client) -> int:
+def drain_dead(client, key=_same, lane=_same) -> int:
     """Beat: move the private queues of workers without a live heartbeat to their shared queues."""
     moved = 0
     alive: dict[str, bool] = {}
@@ -157,9 +164,9 @@ def drain_dead(client) -> int:
     for raw in client.scan_iter(match=f"*{SEP}*", count=1000):
         name = raw.decode() if isinstance(raw, bytes) else raw
         if name.startswith(fair.PREFIX + "b:"):     # a private lane's fair backlog
-            names.add(name[len(fair.PREFIX) + 2:])
+            names.add(lane(name[len(fair.PREFIX) + 2:]))
         elif client.type(name) in (b"list", "list"):
-            names.add(name)
+            names.add(lane(name))
     for name in sorted(names):
         parts = split_private(name)
         if parts is None:
@@ -168,7 +175,7 @@ def drain_dead(client) -> int:
         if worker not in alive:
             alive[worker] = bool(client.exists(HEARTBEAT_KEY.format(worker)))
         if not alive[worker]:
-            moved += move_private(client, name)
+            moved += move_private(client, name, key)
     return moved
 
 
@@ -189,7 +196,8 @@ class Router:
 
     def _read(self) -> None:
         keys = list(self.client.scan_iter(match=HEARTBEAT_KEY.format("*"), count=1000))
-        beats = self.client.mget(keys) if keys else []
+        mget = getattr(self.client, "mget_nonatomic", self.client.mget)     # (a cluster's keys are on several slots)
+        beats = mget(keys) if keys else []
         workers = {}
         for raw in beats:
             if not raw:

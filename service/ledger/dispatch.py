@@ -21,7 +21,7 @@ from celery import Celery
 from sqlalchemy import select, update
 from sqlalchemy.engine import Engine
 
-from . import affinity, doorbell, fair as fair_queues
+from . import affinity, cluster_queues, doorbell, fair as fair_queues, redis_conn
 from .settings import Config
 from .models import SLA_CLASSES, Batch, Job, JobStatus, Tenant, utcnow
 from .wire import make_celery, publish_task as _publish_task, task_message  # noqa: F401 (make_celery: create_app)
@@ -182,6 +182,7 @@ class Dispatcher:
         self._direct_lock = threading.Lock()
         self.affinity = True     # prefix-affinity routing of keyed jobs (service/ledger/affinity.py); False: shared queues
         self.router: affinity.Router | None = None
+        self._cluster: bool | None = None
 
     def _direct_client(self):
         """A Redis client for publish_one when the broker is plain Redis (no transport options that change
@@ -193,10 +194,17 @@ class Dispatcher:
                     client = False
                     if url.startswith(("redis://", "rediss://", "unix://")) \
                             and not self.celery.conf.broker_transport_options:
-                        import redis
-                        client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+                        client = redis_conn.client(url, socket_timeout=5, socket_connect_timeout=2)
                     self._direct = client
         return self._direct or None
+
+    @property
+    def cluster(self) -> bool:
+        """Whether the broker is a Redis Cluster: then messages go straight onto their lists with their hash tags
+        (service/ledger/cluster_queues.py), never through kombu's producer."""
+        if self._cluster is None:
+            self._cluster = redis_conn.on_cluster(self._direct_client())
+        return self._cluster
 
     def route(self, queue: str, prefix: str | None) -> str:
         """Where a job of `queue` whose prompt has prefix key `prefix` (affinity.prefix_key) is published: the
@@ -222,7 +230,11 @@ class Dispatcher:
         if client is None:
             return self.publish([(job_id, queue, None, fair)]) == 1
         try:
-            _lpush(client, queue, task_message(job_id, queue, fair, reply_to or ""), ring=True)
+            message = task_message(job_id, queue, fair, reply_to or "")
+            if self.cluster:
+                cluster_queues.publish(client, [(queue, message)])
+            else:
+                _lpush(client, queue, message, ring=True)
         except Exception:  # the broker is down: the row stays undispatched and the sweeper retries
             log.exception("publishing job %s failed", job_id)
             return False
@@ -234,6 +246,8 @@ class Dispatcher:
         """Publish (job_id, queue[, prefix key[, fair header]]) tuples (routed by prefix key), in chunks
         over one producer connection and mark each chunk dispatched once it reached the broker. Returns how many were published; a broker
         failure is logged and leaves the rest undispatched for the sweeper."""
+        if self.cluster:
+            return self._publish_cluster(jobs)
         sent = 0
         try:
             with self.celery.producer_or_acquire() as producer:
@@ -246,6 +260,24 @@ class Dispatcher:
                     self._ring()
                     self._mark([job[0] for job in chunk])
                     sent += len(chunk)
+        except Exception:  # the broker is down: the rows stay undispatched and the sweeper retries
+            log.exception("publishing %d jobs failed; %d published", len(jobs), sent)
+        return sent
+
+    def _publish_cluster(self, jobs: list[tuple]) -> int:
+        """publish() on a Redis Cluster: each chunk in one pipeline (a round trip per master), rung per queue."""
+        client, sent = self._direct_client(), 0
+        try:
+            for i in range(0, len(jobs), self.chunk_size):
+                chunk = jobs[i:i + self.chunk_size]
+                entries = []
+                for job_id, queue, *extra in chunk:
+                    lane = self.route(queue, extra[0] if extra else None)
+                    entries.append((lane, task_message(job_id, lane, extra[1] if len(extra) > 1 else None)))
+                cluster_queues.publish(client, entries)
+                doorbell.ring_local()
+                self._mark([job[0] for job in chunk])
+                sent += len(chunk)
         except Exception:  # the broker is down: the rows stay undispatched and the sweeper retries
             log.exception("publishing %d jobs failed; %d published", len(jobs), sent)
         return sent
@@ -295,13 +327,20 @@ class Dispatcher:
     def queue_depths(self, queues=SLA_CLASSES) -> dict[str, int]:
         """Messages waiting per shared queue, counting those routed to a worker's private queue of it."""
         depths = defaultdict(int)
-        with self.celery.connection_for_read() as conn:
-            channel = conn.default_channel
+        if self.cluster:      # (kombu has no cluster transport: the lists under their hash tags)
             for q in queues:
                 try:
-                    depths[q] = int(channel._size(q))
+                    depths[q] = int(self._direct_client().llen(cluster_queues.list_key(q)))
                 except Exception:
                     depths[q] = 0
+        else:
+            with self.celery.connection_for_read() as conn:
+                channel = conn.default_channel
+                for q in queues:
+                    try:
+                        depths[q] = int(channel._size(q))
+                    except Exception:
+                        depths[q] = 0
         for name, depth in self.private_depths().items():
             shared = affinity.split_private(name)[0]
             if shared in depths:
@@ -315,10 +354,15 @@ class Dispatcher:
 
     def fair_backlogs(self) -> dict[str, dict[str, int]]:
         """lane -> {tenant: jobs waiting} of what the fair take sorted in; {} without a plain Redis broker."""
+        if self.cluster:      # lanes by name, not by key ({queue})
+            return {cluster_queues.lane_of(key): tenants
+                    for key, tenants in self._direct_read(fair_queues.lane_backlogs).items()}
         return self._direct_read(fair_queues.lane_backlogs)
 
     def private_depths(self) -> dict[str, int]:
         """Messages waiting in each worker's private queue (affinity routing); {} without a plain Redis broker."""
+        if self.cluster:      # lanes by name, not by key
+            return self._direct_read(lambda client: affinity.private_depths(client, cluster_queues.lane_of))
         return self._direct_read(affinity.private_depths)
 
     def _direct_read(self, read) -> dict:
@@ -331,5 +375,8 @@ class Dispatcher:
             return {}
 
     def ping(self) -> None:
+        if self.cluster:
+            self._direct_client().ping()
+            return
         with self.celery.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=2)

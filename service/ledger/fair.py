@@ -46,6 +46,18 @@ def service_keys(queue: str) -> tuple[str, str]:
     return f"{PREFIX}s:{queue}", f"{PREFIX}t:{queue}"
 
 
+def weights_key(queue: str) -> str:
+    """tenant -> weight for the class of shared queue `queue`: one hash for every class on one Redis server; on a
+    Redis Cluster, where the queue's key carries a hash tag (service/ledger/cluster_queues.py), the class's own, on
+    its slot, like every other key of its take."""
+    return f"{PREFIX}w:{queue}" if queue.startswith("{") else WEIGHTS_KEY
+
+
+def seq_key(queue: str) -> str:
+    """The arrival sequence the take numbers `queue`'s messages with (per class on a cluster: weights_key)."""
+    return f"{PREFIX}n:{queue}" if queue.startswith("{") else SEQ_KEY
+
+
 def meta(tenant_id: str, weight: float | None, deadline, estimated_tokens: int | None) -> list:
     """The `fair` header of a job's message. deadline: a datetime (or None)."""
     return [tenant_id, float(weight or 1.0), None if deadline is None else round(deadline.timestamp(), 3),
@@ -298,7 +310,8 @@ def charge(client, queue: str, tenant: str, tokens: float, window: float, now: f
     """Add `tokens` (negative: a refund) to `tenant`'s decayed service in the class of shared queue `queue`."""
     skey, tkey = service_keys(queue)
     now = time.time() if now is None else now
-    return float(run_script(client, CHARGE, 4, skey, tkey, WEIGHTS_KEY, SEQ_KEY, now, tenant, window, tokens))
+    return float(run_script(client, CHARGE, 4, skey, tkey, weights_key(queue), seq_key(queue), now, tenant, window,
+                            tokens))
 
 
 def move_lane(client, lane: str, to_list: str) -> int:
@@ -342,7 +355,7 @@ def services(client, queue: str, window: float, now: float | None = None) -> dic
     now = time.time() if now is None else now
     skey, tkey = service_keys(queue)
     values, stamps = client.hgetall(skey), client.hgetall(tkey)
-    weights = {_text(k): float(v) for k, v in client.hgetall(WEIGHTS_KEY).items()}
+    weights = {_text(k): float(v) for k, v in client.hgetall(weights_key(queue)).items()}
     out = {}
     for k, v in values.items():
         t = _text(k)

@@ -9,6 +9,7 @@ from celery import Celery
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import sessionmaker
 
+from . import redis_conn
 from .settings import Config
 from .database import make_engine, make_replica_engine, sessions as session_factory
 from .dispatch import Dispatcher, make_celery
@@ -25,7 +26,7 @@ class Services:
     replica: Engine                 # TIDEPOOL_DATABASE_REPLICA_URL's engine (read only); `database` when unset
     replica_sessions: sessionmaker
     storage: Storage
-    redis: redis_lib.Redis | None   # None in embedded mode (no TIDEPOOL_REDIS_URL)
+    redis: redis_lib.Redis | None   # None in embedded mode (no TIDEPOOL_REDIS_URL); a RedisCluster on a cluster
     limiter: RedisLimiter | MemoryLimiter
     slots: RedisSlots | MemorySlots
     admission: GroupAdmission       # groups concurrent admissions of one key (Postgres)
@@ -38,7 +39,7 @@ class Services:
         database = make_engine(cfg.database_url)
         replica = make_replica_engine(cfg.database_replica_url) if cfg.database_replica_url else database
         if cfg.redis_url:
-            client = redis_lib.Redis.from_url(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
+            client = redis_conn.client(cfg.redis_url, socket_timeout=5, socket_connect_timeout=2)
             limiter, slots = RedisLimiter(client), RedisSlots(client)
         else:
             client, limiter, slots = None, MemoryLimiter(), MemorySlots()

@@ -126,7 +126,10 @@ class Config:
         "TIDEPOOL_REDIS_URL", None, "Redis used as Celery broker, token stream and rate-limit counters. While Redis "
         "is unreachable, rate limits fail open within a bound: each web process counts them in memory, so a tenant "
         "gets at most (web processes) × its limit; jobs accepted meanwhile are published by the sweeper once Redis "
-        "is back. Unset: in-process `memory://` broker and in-memory rate limits", shown="unset (embedded mode)",
+        "is back. The URL of any node of a Redis Cluster names the cluster (a process asks the node `INFO cluster` when "
+        "it first connects): queues, token streams and doorbells then spread over its masters, each queue's keys under "
+        "one hash tag (see Scaling). Unset: in-process `memory://` broker and in-memory rate limits",
+        shown="unset (embedded mode)",
         check=(lambda v: v.startswith(("redis://", "rediss://", "unix://")), "must be a redis:// URL"))
     storage_dir: str = setting("TIDEPOOL_STORAGE_DIR", "var/storage",
                                "Folder for uploaded and generated files (bytes never go in the database)")

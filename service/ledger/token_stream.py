@@ -14,6 +14,11 @@ process the step advanced, and one listener thread per web process hands them to
 message names no inbox (one the sweeper republished) streams on its own channel (`CHANNEL`), which nobody listens
 to: its waiter reads the ledger when the stream is quiet, as after any missed event.
 
+On a Redis Cluster the same channels are sharded (SPUBLISH/SSUBSCRIBE): a channel lives on the master of its hash
+slot, so the inboxes, whose names end in random hex, spread over the masters, and a message is relayed by its own
+master alone (classic PUBLISH on a cluster goes to every node). A worker's pipeline of one step's inbox messages goes
+to each master in one round trip.
+
 Pub/sub is fire-and-forget: a waiter subscribes before its job is dispatched, and falls back to the
 ledger (the source of truth) when the stream goes quiet. Never imports torch (the service uses it)."""
 import json
@@ -39,7 +44,9 @@ class RedisStream:
     """Publishing (workers) and this process's inbox (web processes)."""
 
     def __init__(self, client):
+        from .redis_conn import on_cluster
         self.client = client
+        self.sharded = on_cluster(client)      # a Redis Cluster: SPUBLISH / SSUBSCRIBE
         self.lock = threading.Lock()
         self.pid, self.listener = None, None
 
@@ -52,18 +59,18 @@ class RedisStream:
         if self.hub.listening(job_id):
             self.hub.publish(job_id, event)
         else:
-            self.client.publish(CHANNEL.format(job_id), dumps(event))
+            (self.client.spublish if self.sharded else self.client.publish)(CHANNEL.format(job_id), dumps(event))
 
     def publish_inboxes(self, batches: dict[str, list]) -> None:
         """inbox -> [job id, event] pairs for the streams of that web process: one message per inbox, in one round
         trip."""
         if len(batches) == 1:
             [(inbox, pairs)] = batches.items()
-            self.client.publish(inbox, dumps(pairs))
+            (self.client.spublish if self.sharded else self.client.publish)(inbox, dumps(pairs))
             return
         pipe = self.client.pipeline(transaction=False)
         for inbox, pairs in batches.items():
-            pipe.publish(inbox, dumps(pairs))
+            (pipe.spublish if self.sharded else pipe.publish)(inbox, dumps(pairs))
         pipe.execute()
 
     def listening(self, job_id: str) -> bool:
@@ -96,17 +103,20 @@ class RedisStream:
 class Inbox:
     """One web process's inbox: subscribed before the constructor returns, then read by a thread that hands each
     [job id, event] pair to the hub's waiters. Through a Redis restart it resubscribes; events published meanwhile
-    are lost, and their waiters read the ledger."""
+    are lost, and their waiters read the ledger. On a Redis Cluster an error ends it instead (its master failed over,
+    say), and the next request opens a new inbox."""
 
     def __init__(self, client, hub: "LocalStream"):
+        from .redis_conn import on_cluster
         self.hub = hub
         self.channel = INBOX.format(f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}")
+        self.sharded = on_cluster(client)
         self.pubsub = client.pubsub(ignore_subscribe_messages=False)
-        self.pubsub.subscribe(self.channel)
+        (self.pubsub.ssubscribe if self.sharded else self.pubsub.subscribe)(self.channel)
         end = time.monotonic() + 5
         while True:                # confirmed, so no event published after this returns can be missed
-            msg = self.pubsub.get_message(timeout=max(0.0, end - time.monotonic()))
-            if msg is not None and msg.get("type") == "subscribe":
+            msg = self._get(timeout=max(0.0, end - time.monotonic()))
+            if msg is not None and msg.get("type") in ("subscribe", "ssubscribe"):
                 break
             if time.monotonic() > end:
                 self.pubsub.close()
@@ -118,14 +128,29 @@ class Inbox:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
+    def _close(self) -> None:
+        self.stopped = True
+        try:
+            self.pubsub.close()
+        except Exception:
+            pass
+
+    def _get(self, timeout):
+        if self.sharded:     # (one channel: one master's connection)
+            return self.pubsub.get_sharded_message(timeout=1.0 if timeout is None else timeout)
+        return self.pubsub.get_message(timeout=timeout)
+
     def _listen(self) -> None:
         while not self.stopped:
             try:
-                msg = self.pubsub.get_message(timeout=None)     # blocks until a message (or the client's timeout)
+                msg = self._get(timeout=None)     # blocks until a message (or the client's timeout)
             except Exception:  # Redis restarting, or quiet past the socket timeout: redis-py resubscribes on the next read
+                if self.sharded:    # a cluster's master gone: this inbox ends, the next request opens a new one
+                    self._close()
+                    return
                 time.sleep(0.1)
                 continue
-            if msg is None or msg.get("type") != "message":
+            if msg is None or msg.get("type") not in ("message", "smessage"):
                 continue
             try:
                 pairs = json.loads(msg["data"])
@@ -204,8 +229,12 @@ def for_redis(client) -> RedisStream | LocalStream:
     or the process-wide in-process hub when there is none."""
     if client is None:
         return LOCAL
-    kw = client.connection_pool.connection_kwargs
-    server = tuple(kw.get(k) for k in ("host", "port", "path", "db", "username"))
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:     # a Redis Cluster: one stream per client (a process keeps one client of its cluster)
+        server = ("cluster", id(client))
+    else:
+        kw = pool.connection_kwargs
+        server = tuple(kw.get(k) for k in ("host", "port", "path", "db", "username"))
     stream = _streams.get(server)
     if stream is None:
         stream = _streams.setdefault(server, RedisStream(client))

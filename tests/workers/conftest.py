@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from werkzeug.serving import make_server
 
 from tidepool.service import create_app
-from tidepool.service.ledger import tenants
+from tidepool.service.ledger import redis_conn, tenants
 from tidepool.service.ledger.models import Job
 from tidepool.service.ledger.snapshots import HEARTBEAT_KEY, Heartbeats
 
@@ -48,7 +48,7 @@ class Stack:
     def __init__(self, db_url: str, model: str, tmp: Path, redis_url: str):
         self.db_url, self.model, self.tmp = db_url, model, tmp
         self.redis_url = redis_url
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = redis_conn.client(redis_url)      # (a Redis Cluster's too)
         self.storage = str(tmp / "storage")
         self.app = create_app({"database_url": db_url, "redis_url": redis_url, "storage_dir": self.storage,
                                "model": model, "admin_token": "admin"})

@@ -1,6 +1,7 @@
 """Chaos suite (`make chaos`; marked `chaos`, so `make test` leaves it out and runs the fast step-by-step
 tests of the same failures instead): a Postgres restart under load, a Redis restart under load, kill -9 of
-the web process mid batch creation, kill -9 of workers between taking messages and claiming their jobs. Each
+the web process mid batch creation, kill -9 of workers between taking messages and claiming their jobs, kill -9 of
+a Redis Cluster master (its replica promoted) under load. Each
 ends in the ledger check: every accepted job reaches exactly one terminal state, the tenant counters and
 budget reservations are back to zero, and usage equals the completed work. Figures are printed (-s)."""
 import base64
@@ -11,6 +12,7 @@ import threading
 import time
 
 import pytest
+import redis
 import requests
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import Session
@@ -192,6 +194,61 @@ def test_redis_restart_under_load(pg_url, tiny_model, tmp_path):
         st.close()
         server.kill()
         server.wait()
+
+
+def test_redis_cluster_master_killed_under_load(pg_url, tiny_model, tmp_path):
+    """Three masters with a replica each; the master holding the online queues' slot is killed -9 mid load and its
+    replica promoted: publishes, takes and streams on it fail for the failover's seconds, then go on. Nothing lost
+    (beat republishes every queued job once it sees a master replaced, service/ledger/cluster_queues.py
+    master_replaced), nothing run twice (claims are guarded, duplicates dropped)."""
+    import shutil
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        pytest.skip("redis-server and redis-cli are not installed")
+    from tests.servers import RedisCluster, free_ports
+    cluster = RedisCluster(free_ports(6, start=7100), tmp_path, masters=3, replicas=1)
+    st = Stack(pg_url, tiny_model, tmp_path, cluster.url)
+    try:
+        st.serve()
+        _, key = st.tenant()
+        client = st.redis
+        slot = client.keyslot("{interactive}")
+        victim = client.get_node_from_key("{interactive}").port     # (the URL's own node, as it happens)
+        st.worker("cluster-chaos")
+        st.start("beat", TIDEPOOL_SWEEP_INTERVAL=1, TIDEPOOL_REPUBLISH_AFTER=2,
+                 TIDEPOOL_BEAT_SCHEDULE=tmp_path / "beat-schedule")
+        survivor = redis.Redis(port=next(p for p in cluster.ports if p != victim))
+
+        def promoted() -> bool:
+            return any("master" in n["flags"] and "fail" not in n["flags"] and not addr.endswith(f":{victim}")
+                       and slot in _slot_set(n) for addr, n in survivor.cluster("nodes").items())
+
+        with Load(st.url, key) as load:
+            time.sleep(4)
+            t0 = time.monotonic()
+            cluster.procs[victim].send_signal(signal.SIGKILL)
+            cluster.procs[victim].wait()
+            st.wait(promoted, 30, "the replica promoted", every=0.1)
+            failover = time.monotonic() - t0
+            time.sleep(4)
+        recovery = _wait_terminal(st, st.engine, load.accepted, 120)
+        st.wait(lambda: _count(st.engine, Job.status.not_in(TERMINAL)) == 0, 60, "every job terminal", every=0.25)
+        states = ledger_check(st.engine, load.accepted)
+        print(f"\nredis cluster master killed: accepted {len(load.accepted)}, codes {load.codes}, stream ends "
+              f"{sorted(set(load.stream_ends))}, replica promoted after {failover:.1f}s, terminal after "
+              f"{recovery:.1f}s, ledger {states}")
+        assert not any(code >= 500 and code != 503 for code in load.codes)
+        assert all(e == "data: [DONE]" for e in load.stream_ends)
+    finally:
+        st.close()
+        cluster.close()
+
+
+def _slot_set(node: dict) -> set[int]:
+    out = set()
+    for r in node.get("slots") or ():
+        lo, hi = int(r[0]), int(r[-1])
+        out.update(range(lo, hi + 1))
+    return out
 
 
 def test_kill_9_web_mid_batch_creation(stack):
