@@ -9,10 +9,8 @@ transactions: an arriving realtime job waits for one chunk, not for the wave."""
 import logging
 import time
 
-from sqlalchemy.orm import Session
-
 from tidepool.service.ledger import affinity, jobs
-from tidepool.service.ledger.database import autocommit, session
+from tidepool.service.ledger.database import one_statement, session
 from tidepool.workers.attempt import Attempts, Inflight, ledger_text, utc
 from tidepool.workers.broker import charge
 from tidepool.workers.openai_bodies import ledger_result
@@ -113,7 +111,7 @@ class Results:
         job's cancel came before). A cancelled job is billed what its attempt computed, once (settle_cancelled)."""
         if len(done) == 1 and done[0][1].finish_reason != "abort" and self.db.dialect.name == "postgresql":
             # one completion (a batch's lines mostly end one at a time): its one statement commits itself
-            with autocommit(self.db) as conn, Session(bind=conn) as s:
+            with one_statement(self.db) as s:
                 inf, out = done[0]
                 if self._complete(s, inf, self._result(inf, out)):
                     return ["completed"]      # else nothing was written: the path below settles it

@@ -153,6 +153,14 @@ def autocommit(engine: Engine) -> Iterator[Connection]:
 
 
 @contextmanager
+def one_statement(engine: Engine) -> Iterator[Session]:
+    """A Session over autocommit(): for a unit of work that is one statement (the ledger's one-statement
+    transitions), which on Postgres commits itself with no BEGIN or COMMIT around it."""
+    with autocommit(engine) as conn, Session(bind=conn) as s:
+        yield s
+
+
+@contextmanager
 def outside_transaction(engine: Engine) -> Iterator[Connection]:
     """A connection whose statements run in no transaction (AUTOCOMMIT): a read sees what was committed, in one
     round trip, and on SQLite never waits for the write lock."""
