@@ -157,12 +157,29 @@ def _load_jobs(s: Session, storage: Storage, batch: Batch, quota: Quota, spool, 
                              sla_class=sla, model=model, status=JobStatus.queued.value, endpoint=endpoint,
                              request=body, estimated_tokens=estimated, attempts=0, created_at=now, queued_at=now))
             if len(rows) >= chunk_size:
-                s.execute(insert(Job), rows)
+                _insert_jobs(s, rows)
                 rows = []
         if rows:
-            s.execute(insert(Job), rows)
+            _insert_jobs(s, rows)
         quotas.reserve_queued(s, quota, len(created), key_id, tokens=tokens)
     return errors, created
+
+
+_COPIED = ("id", "tenant_id", "batch_id", "custom_id", "sla_class", "model", "status", "endpoint", "request",
+           "estimated_tokens", "attempts", "created_at", "queued_at")   # the rest: NULL or the server's default
+
+
+def _insert_jobs(s: Session, rows: list[dict]) -> None:
+    """A page of a batch's job rows: on Postgres one COPY (one statement, and the fastest way in: one INSERT per
+    row, psycopg's executemany, or one multi-row INSERT, SQLAlchemy's, cost more), elsewhere executemany."""
+    if s.get_bind().dialect.name != "postgresql":
+        s.execute(insert(Job), rows)
+        return
+    from psycopg.types.json import Json
+    with s.connection().connection.dbapi_connection.cursor() as cursor:
+        with cursor.copy(f"COPY jobs ({', '.join(_COPIED)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row([Json(row[c]) if c == "request" else row[c] for c in _COPIED])
 
 
 def status_counts(s: Session, batch_id: str) -> dict[JobStatus, int]:

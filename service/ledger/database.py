@@ -76,9 +76,6 @@ def make_engine(url: str) -> Engine:
     url, connect_args = split_url(url)
     engine = create_engine(url, pool_size=10, max_overflow=20, insertmanyvalues_page_size=5000,
                            connect_args=connect_args)
-    # Many rows in one INSERT ... VALUES (...), (...) statement (up to the page size and 32,700 parameters), as
-    # with RETURNING; psycopg's own executemany would send one INSERT per row (a batch's lines: one each).
-    engine.dialect.use_insertmanyvalues_wo_returning = True
     _check_on_checkout(engine)
     return engine
 

@@ -103,8 +103,7 @@ def test_a_message_batch_body_is_read_a_request_at_a_time(any_app):
         tracemalloc.stop()
     assert r.status_code == 200, r.get_json()
     assert r.get_json()["request_counts"]["processing"] == 250
-    # the body is 8 MB, and read whole it costs twice that or more; one insert holds its rows and their JSON
-    assert peak < len(body) / 4, (peak, len(body))
+    assert peak < len(body) / 8, (peak, len(body))     # the body is 8 MB; read whole it costs twice that or more
 
 
 def test_message_batch_bodies_are_checked_as_they_stream(any_app):
