@@ -6,6 +6,7 @@ import io
 import json
 import threading
 import time
+from functools import partial
 
 import pytest
 import requests
@@ -19,17 +20,12 @@ from tidepool.workers import beat
 from tidepool.workers.engine import LLM, SamplingParams
 from tidepool.workers.worker import Worker, WorkerConfig
 
+from .conftest import Stack
+
 WORKER = "cluster-gpu"
 
 
-def wait(cond, timeout: float = 30, what: str = "condition", every: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = cond()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
+wait = partial(Stack.wait, every=0.05)
 
 
 class ClusterStack:
