@@ -8,11 +8,11 @@ ended it flushed. A waiter that misses an event falls back to the ledger."""
 import threading
 import time
 
-COALESCE_S = 0.01    # the longest a middle token waits for later steps' tokens to share its message
-
 from tidepool.service.ledger.wire import reply_to
 from tidepool.workers.attempt import Attempts, Inflight, ledger_text
 from tidepool.workers.openai_bodies import logprob_entries, prompt_entries
+
+COALESCE_S = 0.01    # the longest a middle token waits for later steps' tokens to share its message
 
 
 class Streaming:

@@ -9,8 +9,8 @@ in embedded mode. Events are small dicts:
         started_at, first_token_at and finished_at as Unix times), published after its commit
 
 On Redis each web process has one inbox channel (`INBOX`), which its jobs' messages name as their reply_to: a worker
-publishes one message per inbox per engine step, a JSON list of [job id, event] pairs for every stream of that
-process the step advanced, and one listener thread per web process hands them to the waiting requests. A job whose
+publishes at most one message per inbox per engine step (workers/streaming.py coalesces fast steps), a JSON list of
+[job id, event] pairs for every stream of that process those steps advanced, and one listener thread per web process hands them to the waiting requests. A job whose
 message names no inbox (one the sweeper republished) streams on its own channel (`CHANNEL`), which nobody listens
 to: its waiter reads the ledger when the stream is quiet, as after any missed event.
 
