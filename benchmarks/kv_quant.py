@@ -11,11 +11,14 @@ memory, accuracy on held-out text, the decode kernel alone, and engine decode th
   cache against 8-bit codes, --kernel-batch sequences of --long-len tokens;
 * engine: the shared workload (../shared/bench/workload.py) of --num-requests with --engine-dtype weights (bf16 by
   default, so that the `auto` cache is 16-bit), output tokens per second end to end and in decode-only steps; then
-  --long-seqs prompts of --long-len tokens each generating --long-out tokens (attention-bound decode). Every
-  quantized figure is a ratio to the `auto` cache's, same run.
+  --long-seqs prompts of --long-len tokens each generating --long-out tokens (attention-bound decode); then the
+  workload again with the KV pool held to --same-memory-mib for every cache dtype (the case a quantized cache is for:
+  memory, not compute, bounds the batch; the default pool holds the whole workload). Every quantized figure is a
+  ratio to the `auto` cache's, same run.
 
     python benchmarks/kv_quant.py [--model models/smollm2-135m] [--kv int8,fp8_e4m3] [--engine-kv int8]
                                   [--num-requests 256] [--long-seqs 16 --long-len 2048 --long-out 32]
+                                  [--same-memory-mib 512]
 """
 import argparse
 import random
@@ -101,9 +104,10 @@ def kernel(kvs: list[str], batch: int, ctx: int) -> list[dict]:
     return rows
 
 
-def run_engine(model: str, kv: str, requests, max_num_seqs: int, dtype: str) -> dict:
+def run_engine(model: str, kv: str, requests, max_num_seqs: int, dtype: str, kv_bytes: int | None = None) -> dict:
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_dtype=kv, max_num_seqs=max_num_seqs,
-                                    online_reserve=0.0, sla_targets={}))
+                                    online_reserve=0.0, sla_targets={}, kv_cache_memory_bytes=kv_bytes))
+    peak = 0
     for i, (prompt, olen) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=olen, temperature=0.0, ignore_eos=True),
                            sla_class="batch")
@@ -115,19 +119,23 @@ def run_engine(model: str, kv: str, requests, max_num_seqs: int, dtype: str) -> 
         outs = engine.step()
         dt = time.perf_counter() - t0
         n = sum(len(o.new_token_ids) for o in outs)
+        peak = max(peak, engine.stats()["running"])
         out_tokens += n
         if engine.stats()["total_prompt_tokens"] == prompt_before:     # a step with no prompt tokens
             decode_tokens += n
             decode_s += dt
     wall = time.perf_counter() - start
-    return {"kv_cache_dtype": kv, "output_tokens": out_tokens, "wall_s": round(wall, 1),
+    stats = engine.stats()
+    return {"kv_cache_dtype": kv, "output_tokens": out_tokens, "wall_s": round(wall, 1), "peak_running": peak,
+            "kv_tokens": stats["kv_blocks_total"] * engine.config.block_size, "preemptions": stats["preemptions"],
             "tok_s": round(out_tokens / wall, 1),
             "decode_tok_s": round(decode_tokens / decode_s, 1) if decode_s else None}
 
 
-def engine_rows(model: str, kvs: list[str], requests, max_num_seqs: int, label: str, dtype: str) -> list[dict]:
+def engine_rows(model: str, kvs: list[str], requests, max_num_seqs: int, label: str, dtype: str,
+                kv_bytes: int | None = None) -> list[dict]:
     run_engine(model, "auto", requests[:2], max_num_seqs, dtype)    # warm-up: the first engine of a process pays more
-    rows = [run_engine(model, kv, requests, max_num_seqs, dtype) for kv in ["auto", *kvs]]
+    rows = [run_engine(model, kv, requests, max_num_seqs, dtype, kv_bytes) for kv in ["auto", *kvs]]
     base = rows[0]
     for r in rows:
         r["workload"], r["weights"] = label, dtype
@@ -148,10 +156,11 @@ def main() -> int:
     p.add_argument("--long-len", type=int, default=2048)
     p.add_argument("--long-out", type=int, default=32)
     p.add_argument("--kernel-batch", type=int, default=64)
+    p.add_argument("--same-memory-mib", type=int, default=512, help="the KV pool of the same-memory engine runs")
     p.add_argument("--accuracy-dtype", default="float32")
     p.add_argument("--engine-dtype", default="bfloat16", help="the engine runs' weights (bf16: a 16-bit cache)")
     p.add_argument("--samples", type=int, default=1000)
-    p.add_argument("--skip", default="", help="parts to leave out: accuracy,kernel,engine,long")
+    p.add_argument("--skip", default="", help="parts to leave out: accuracy,kernel,engine,long,same_memory")
     args = p.parse_args()
     kvs, skip = args.kv.split(","), set(filter(None, args.skip.split(",")))
     engine_kvs = args.engine_kv.split(",")
@@ -166,6 +175,14 @@ def main() -> int:
         vocab = EngineConfig(model=args.model).model_config.vocab_size
         result["engine"] = engine_rows(args.model, engine_kvs, make_workload(args.num_requests, vocab), 256,
                                        f"workload n={args.num_requests}", args.engine_dtype)
+        record("kv_quant", result)
+    if "same_memory" not in skip:
+        from workload import make_workload
+        vocab = EngineConfig(model=args.model).model_config.vocab_size
+        result["engine_same_memory"] = engine_rows(
+            args.model, engine_kvs, make_workload(args.num_requests, vocab), 256,
+            f"workload n={args.num_requests}, {args.same_memory_mib} MiB of KV", args.engine_dtype,
+            args.same_memory_mib * 2**20)
         record("kv_quant", result)
     if "long" not in skip:
         rng = random.Random(0)

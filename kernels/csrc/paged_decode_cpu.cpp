@@ -299,6 +299,18 @@ template <typename T>
 constexpr bool kBf16Dot = false;
 #endif
 
+// An int8 cache with bf16 q on CPUs with AVX512-VNNI: q . k as 16-bit integer dot products (vpdpwssd: 32 products
+// an instruction, summed exactly in int32) of the K codes widened to int16 once per tile and each query row rounded
+// to int16 once per call (one scale a row: at most half a step of 32767 over the row's |max|, far below bf16's own
+// rounding of q). The fp32 path widens each code to fp32 and multiplies it by its row scale first.
+#if defined(__AVX512VNNI__)
+template <typename QT, typename T>
+constexpr bool kInt16Dot = std::is_same_v<T, int8_t> && std::is_same_v<QT, c10::BFloat16>;
+#else
+template <typename QT, typename T>
+constexpr bool kInt16Dot = false;
+#endif
+
 // The next tile's K and V rows (nrows of row_bytes), prefetched evenly over this tile's `slots` steps (one per
 // position of each query row's q . k and of each pass of accumulate): `lines` lines in all, a line or two a step, so
 // that the core's line fill buffers never fill up and stall the arithmetic, as a burst of prefetches does. Into L1,
@@ -362,7 +374,8 @@ constexpr auto kAccumulate = accumulate_table<VT>(std::make_integer_sequence<int
 
 // floats of per-thread scratch attend16 needs
 inline int64_t scratch_floats(const Shape& s, int64_t heads) {
-  return heads * (2 * s.group * s.dim + kTile * s.dim + s.group * (kTile + 1)) + s.group * (kTile + 1);
+  return heads * (2 * s.group * s.dim + kTile * s.dim + s.group * (kTile + 2) + kTile + s.group * s.dim / 2) +
+         s.group * (kTile + 1);
 }
 
 // One sequence's KV heads [h0, h1): their `group` query rows each of q (the sequence's [Hq, D] row) -> the same rows
@@ -392,9 +405,26 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
   float* mx = den + rows * kTile;             // [rows] running max of the scaled scores
   float* pw = mx + rows;                      // [group, kTile] a KV head's probabilities for the tile
   float* alpha = pw + group * kTile;          // [group] and the tile's rescale of its accumulator rows
+  float* qs = alpha + group;                  // [rows] kInt16Dot: each query row's scale (q16 = qf / qs)
+  float* krs = qs + rows;                     // [heads, kTile] and a tile's K row scales
+  int16_t* q16 = reinterpret_cast<int16_t*>(krs + heads * kTile);     // [rows, dim] and q as int16
+  int16_t* k16 = reinterpret_cast<int16_t*>(kf);     // [kTile, heads, dim] a tile's K codes as int16
   for (int64_t i = 0; i < rows * dim; ++i) qf[i] = static_cast<float>(qh[i]);
   if constexpr (kQuantized<T>) {
     for (int64_t i = 0; i < rows * dim; ++i) qf[i] *= k_factor<T>(sc, (h0 + i / dim / group) * dim + i % dim);
+  }
+  const bool int16_dot = kInt16Dot<QT, T> && nc % 2 == 0;
+  if (int16_dot) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* x = qf + r * dim;
+      float m = 0.0f;
+      for (int64_t i = 0; i < dim; ++i) m = std::max(m, std::abs(x[i]));
+      const float inv = m > 0.0f ? 32767.0f / m : 0.0f;
+      qs[r] = m / 32767.0f;
+      for (int64_t i = 0; i < dim; ++i) {
+        q16[r * dim + i] = static_cast<int16_t>(std::min(32767.0f, std::max(-32767.0f, std::nearbyint(x[i] * inv))));
+      }
+    }
   }
   std::fill(acc, acc + rows * dim, 0.0f);
   std::fill(den, den + rows * kTile, 0.0f);
@@ -433,6 +463,17 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
       vb[t] = v_cache + cur[t];
       if constexpr (std::is_same_v<T, float>) {
         kr[t] = kb[t];
+      } else if (int16_dot) {     // codes widened to int16, their row scales aside
+#if defined(__AVX512VNNI__)
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* kt = kb[t] + h * row;
+          krs[h * kTile + t] = row_scale(kt, dim);
+          for (int64_t c = 0; c < nc / 2; ++c) {
+            const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt + 32 * c));
+            _mm512_storeu_si512(k16 + t * span + h * dim + 32 * c, _mm512_cvtepi8_epi16(codes));
+          }
+        }
+#endif
       } else if (!bf16_dot) {     // widened; a quantized row times its own scale
         for (int64_t h = 0; h < heads; ++h) {
           const T* kt = kb[t] + h * row;
@@ -479,6 +520,22 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
           }
         }
 #endif
+#if defined(__AVX512VNNI__)
+        if constexpr (kInt16Dot<QT, T>) {
+          if (int16_dot) {
+            __m512i qv[((NC ? NC : 16) + 1) / 2];
+            for (int64_t c = 0; c < nc / 2; ++c) qv[c] = _mm512_loadu_si512(q16 + r * dim + 32 * c);
+            for (int t = 0; t < n; ++t) {
+              pfr.step();
+              const int16_t* kt = k16 + t * span + hd;
+              __m512i a = _mm512_dpwssd_epi32(_mm512_setzero_si512(), qv[0], _mm512_loadu_si512(kt));
+              for (int64_t c = 1; c < nc / 2; ++c) a = _mm512_dpwssd_epi32(a, qv[c], _mm512_loadu_si512(kt + 32 * c));
+              dots[t] = _mm512_cvtepi32_ps(a);
+            }
+            dotted = true;
+          }
+        }
+#endif
         if (!dotted) {
           __m512 qv[NC ? NC : 16];
           for (int64_t c = 0; c < nc; ++c) qv[c] = _mm512_loadu_ps(qf + r * dim + 16 * c);
@@ -492,6 +549,10 @@ void attend16(const QT* q, QT* out, const T* k_cache, const T* v_cache, const in
         }
         for (int t = n; t < kTile; ++t) pfr.step(), dots[t] = _mm512_setzero_ps();
         sc[i] = _mm512_mul_ps(reduce16(dots), scale);
+        if (int16_dot) {    // times the row's q scale and the K rows' own scales
+          for (int t = n; t < kTile; ++t) krs[h * kTile + t] = 0.0f;
+          sc[i] = _mm512_mul_ps(_mm512_mul_ps(sc[i], _mm512_set1_ps(qs[r])), _mm512_loadu_ps(krs + h * kTile));
+        }
       }
       for (int i = 0; i < RB; ++i) {
         const int64_t r = h * group + g0 + i;

@@ -124,6 +124,18 @@ def test_native_decode_reads_quantized_cache(native_op, dtype, q_dtype, head_dim
         torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_q_on_int8_cache_is_as_exact_as_fp32_q(native_op, head_dim):
+    """With bf16 q an int8 cache's q . k may run as integer dot products (AVX512-VNNI: q rounded to int16 a row), but
+    the result stays the fp32 path's up to the bf16 rounding of the output: one bf16 step, not the 2e-2 above."""
+    contexts = [1, 5, 31, 32, 33, 100, 64, 17, 300]
+    q, kc, vc, tables, lens, ks, vs = quantized_batch(head_dim, contexts, 6, 2, head_dim, 16, torch.int8)
+    qb = q.bfloat16()
+    got = native_op(qb, kc, vc, tables, lens, head_dim ** -0.5, ks.contiguous(), vs.contiguous()).float()
+    exact = native_op(qb.float(), kc, vc, tables, lens, head_dim ** -0.5, ks.contiguous(), vs.contiguous())
+    torch.testing.assert_close(got, exact.bfloat16().float(), atol=1e-3, rtol=2**-7)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_backend_varlen_on_quantized_cache(native_op, monkeypatch, dtype):
     """Prefill chunks, short chunks and decodes in one step through kernels/attention.py (the native kernel under
