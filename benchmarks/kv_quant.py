@@ -3,10 +3,11 @@ memory, accuracy on held-out text, the decode kernel alone, and engine decode th
 
 * capacity: blocks of a fixed KV budget per cache dtype, fp32 and bf16 weights (EngineConfig.kv_block_bytes);
 * accuracy: `tidepool models calibrate-kv`'s measurement (workers/engine/kv_calibration.py: the built-in
-  calibration set, its held-out texts teacher-forced in 16-token chunks so every position reads the cache) with the
-  weights in --accuracy-dtype: next-token top-1 agreement (and its standard error), mean KL and perplexity against
-  the 16-bit cache, the reference's top-two margins where the argmax flipped, and, with fp32 weights, a bf16 cache's
-  figures (16-bit rounding alone);
+  calibration set, with --accuracy-text docs this repository's docs after it, whose last fifth is held out and
+  teacher-forced in 16-token chunks so every position reads the cache, up to --heldout-positions) with the weights in
+  each of --accuracy-dtype (comma-separated): next-token top-1 agreement (and its standard error), mean KL and
+  perplexity against the unquantized cache, the reference's top-two margins where the argmax flipped (0: a tie,
+  also counted apart), and, with fp32 weights, a bf16 cache's figures (16-bit rounding alone);
 * kernel: the native CPU decode op alone, SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64), bf16 q, a bf16
   cache against 8-bit codes, --kernel-batch sequences of --long-len tokens;
 * engine: the shared workload (../shared/bench/workload.py) of --num-requests with --engine-dtype weights (bf16 by
@@ -49,24 +50,53 @@ def capacity(model: str, kvs: list[str]) -> list[dict]:
     return rows
 
 
-def accuracy(model: str, kvs: list[str], dtype: str, samples: int) -> list[dict]:
+def docs_texts() -> list[str]:
+    """The prose paragraphs of this repository's docs (docs/**/*.md, in path order): more held-out text than the
+    built-in set alone, from the checkout, never downloaded. Code blocks and tables are left out."""
+    texts = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "docs").rglob("*.md")):
+        in_code = False
+        for para in path.read_text().split("\n\n"):
+            if para.count("```") % 2:
+                in_code = not in_code
+                continue
+            para = para.strip()
+            if not in_code and len(para) >= 200 and not para.startswith(("|", "```", "    ", "<")):
+                texts.append(para)
+    return texts
+
+
+def accuracy(model: str, kvs: list[str], dtype: str, samples: int, text: str = "builtin",
+             max_positions: int = 4096) -> list[dict]:
     """The guard's figures per dtype, with the binomial standard error of the top-1 agreement (as llama.cpp's
     `perplexity --kl-divergence` prints it) and the margins (nats) the reference's top two had where the argmax
     flipped. With fp32 weights, a bf16 cache is measured beside them: the loss of 16-bit rounding alone."""
     from tidepool.workers.engine.kv_calibration import calibrate
     from tidepool.workers.engine.tokenizer import Tokenizer
     from tidepool.workers.tools.kv_calibrate import builtin_texts, split
-    calib, heldout = split(builtin_texts(), Tokenizer(model), samples)
+    calib, heldout = split(builtin_texts() + (docs_texts() if text == "docs" else []), Tokenizer(model), samples)
+    kept, positions = [], 0
+    for seq in heldout:     # held-out sequences up to about max_positions next-token positions
+        if positions >= max_positions:
+            break
+        kept.append(seq)
+        positions += len(seq) - 1
+    heldout = kept
     rec = calibrate(model, calib, heldout, dtype, tuple(kvs) + (("bfloat16",) if dtype == "float32" else ()))
     rows = []
     for kv, f in rec["accuracy"].items():
         p, n = f["top1_agreement"], f["positions"]
-        rows.append({"weights": dtype, "kv_cache_dtype": kv, "samples": rec["samples"], "heldout_positions": n,
+        rows.append({"weights": dtype, "kv_cache_dtype": kv, "text": text, "samples": rec["samples"],
+                     "heldout_positions": n,
                      "top1_agreement": round(p, 4), "mean_kl": round(f["mean_kl"], 5),
                      "ppl_16bit": round(f["ppl_ref"], 3), "ppl": round(f["ppl"], 3),
                      "ppl_increase": round(f["ppl_increase"], 4),
                      "top1_agreement_se": round((p * (1 - p) / n) ** 0.5, 4),
-                     "disagreements": len(f["flip_margins"]), "flip_margins": f["flip_margins"]})
+                     "disagreements": len(f["flip_margins"]),
+                     # flips where the reference's top two were equal (bf16 logits tie often): no top-1 to keep
+                     "ties": sum(m == 0 for m in f["flip_margins"]),
+                     "top1_agreement_untied": round(1 - sum(m > 0 for m in f["flip_margins"]) / n, 4),
+                     "flip_margins": f["flip_margins"]})
     return rows
 
 
@@ -157,9 +187,12 @@ def main() -> int:
     p.add_argument("--long-out", type=int, default=32)
     p.add_argument("--kernel-batch", type=int, default=64)
     p.add_argument("--same-memory-mib", type=int, default=512, help="the KV pool of the same-memory engine runs")
-    p.add_argument("--accuracy-dtype", default="float32")
+    p.add_argument("--accuracy-dtype", default="float32,bfloat16")
     p.add_argument("--engine-dtype", default="bfloat16", help="the engine runs' weights (bf16: a 16-bit cache)")
     p.add_argument("--samples", type=int, default=1000)
+    p.add_argument("--accuracy-text", choices=("builtin", "docs"), default="docs",
+                   help="builtin: the calibration set shipped with the package; docs: it and this repository's docs")
+    p.add_argument("--heldout-positions", type=int, default=4096)
     p.add_argument("--skip", default="", help="parts to leave out: accuracy,kernel,engine,long,same_memory")
     args = p.parse_args()
     kvs, skip = args.kv.split(","), set(filter(None, args.skip.split(",")))
@@ -193,7 +226,10 @@ def main() -> int:
                                              f"{args.long_seqs} x {args.long_len} tokens", args.engine_dtype)
         record("kv_quant", result)
     if "accuracy" not in skip:
-        result["accuracy"] = accuracy(args.model, kvs, args.accuracy_dtype, args.samples)
+        result["accuracy"] = []
+        for dtype in args.accuracy_dtype.split(","):
+            result["accuracy"] += accuracy(args.model, kvs, dtype, args.samples, args.accuracy_text,
+                                           args.heldout_positions)
         print(result["accuracy"], flush=True)
         record("kv_quant", result)
     return 0
