@@ -26,6 +26,7 @@ class EngineThread:
         self.stepper = None
         self.step_at = 0.0      # when the engine's current step began
         self.error: BaseException | None = None
+        self.warming: threading.Thread | None = None    # the grammar warm-up, if started
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self._loop, name=f"{self.name}-engine", daemon=True)
@@ -38,8 +39,15 @@ class EngineThread:
         except Exception as exc:  # the first structured request then pays for it (or fails with the reason)
             log.warning("worker %s: grammar warm-up failed: %s", self.name, exc)
 
+    def join_warmup(self, timeout: float) -> None:
+        """Wait for the grammar warm-up: a process that ends while xgrammar's compiler threads run is aborted
+        (std::terminate, exit -6), as a worker drained right after its start would be."""
+        if self.warming is not None:
+            self.warming.join(timeout)
+
     def _loop(self) -> None:
-        threading.Thread(target=self._warm_grammars, name=f"{self.name}-grammars", daemon=True).start()
+        self.warming = threading.Thread(target=self._warm_grammars, name=f"{self.name}-grammars", daemon=True)
+        self.warming.start()
         if self.stepper is not None:
             self.stepper.serve(self.name, self.engine, self.step, self.stop, self._failed)
             return

@@ -311,6 +311,7 @@ class Worker:
                 self.intake.release()       # its unacked messages return to their queues
                 self.affinity.hand_back()    # then its private queues go to the shared ones
             self.db.dispose()
+            self.engine_thread.join_warmup(30)
         if self.engine_thread.error is not None:
             raise RuntimeError(f"engine loop failed: {self.engine_thread.error!r}") from self.engine_thread.error
 
