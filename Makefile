@@ -37,7 +37,7 @@ model: $(MODEL_DIR)/config.json
 # includes the documentation: the strict site build and the generated pages (tests/docs).
 TEST_JOBS ?= auto
 test: install services browser model
-	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n $(TEST_JOBS) --dist loadfile
 
 # The chaos suite: Postgres and Redis restarts under load, kill -9 of web and workers (a few minutes).
 chaos: install services

@@ -126,20 +126,13 @@ def minilm_dir(tmp_path_factory):
     return str(pull_model("all-minilm-l6-v2", tmp_path_factory.mktemp("models"), log=lambda *_: None))
 
 
-# Under xdist (`make test` runs two processes, --dist loadfile --no-loadscope-reorder) each file's tests run together
-# in one process, and the next file in this order goes to whichever process is free. The files of 30 s and more
-# (measured with --durations=0, longest first) lead, then files that start worker processes, so that no long file
-# forms the tail of the run. (xdist's own order, by number of tests, put the one-test contract file of 70 s last.)
-_SLOWEST = ("service/test_contract_schemathesis.py", "workers/test_scale_out.py", "workers/test_model_routing.py",
-            "workers/test_production.py", "workers/test_faults.py", "workers/test_affinity.py",
-            "engine/test_tensor_parallel.py")
+# Under xdist (`make test` runs two processes, --dist loadfile) each file's tests run together in one process;
+# files that start worker processes come first so that the long ones don't form the tail of the run.
 _FIRST = ("workers", "engine", "kernels", "admin", "service")
 
 
 def pytest_collection_modifyitems(config, items):
     def rank(item):
         parts = item.path.relative_to(config.rootpath).parts
-        if len(parts) > 2 and "/".join(parts[1:]) in _SLOWEST:
-            return -len(_SLOWEST) + _SLOWEST.index("/".join(parts[1:]))
         return _FIRST.index(parts[1]) if len(parts) > 2 and parts[1] in _FIRST else len(_FIRST)
     items.sort(key=rank)     # stable: the order inside a file is kept
