@@ -103,7 +103,9 @@ def test_a_message_batch_body_is_read_a_request_at_a_time(any_app):
         tracemalloc.stop()
     assert r.status_code == 200, r.get_json()
     assert r.get_json()["request_counts"]["processing"] == 250
-    assert peak < len(body) / 8, (peak, len(body))     # the body is 8 MB; read whole it costs twice that or more
+    # the body is 8 MB; read whole it costs twice that or more. Read a request at a time it measured 0.81-1.02 MB
+    # (a chunk of 10 rows of 32 KB held for one insert, the parser's buffers, and what earlier tests left warm)
+    assert peak < len(body) / 5, (peak, len(body))
 
 
 def test_message_batch_bodies_are_checked_as_they_stream(any_app):
