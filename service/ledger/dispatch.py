@@ -254,9 +254,8 @@ class Dispatcher:
                 for i in range(0, len(jobs), self.chunk_size):
                     chunk = jobs[i:i + self.chunk_size]
                     with producer.batch(max_size=self.chunk_size):
-                        for job_id, queue, *extra in chunk:
-                            _publish_task(producer, job_id, self.route(queue, extra[0] if extra else None),
-                                          extra[1] if len(extra) > 1 else None)
+                        for job_id, lane, header in self._routed(chunk):
+                            _publish_task(producer, job_id, lane, header)
                     self._ring()
                     self._mark([job[0] for job in chunk])
                     sent += len(chunk)
@@ -264,17 +263,19 @@ class Dispatcher:
             log.exception("publishing %d jobs failed; %d published", len(jobs), sent)
         return sent
 
+    def _routed(self, chunk: list[tuple]) -> list[tuple]:
+        """publish()'s (job_id, queue[, prefix key[, fair header]]) rows -> (job_id, its lane, fair header)."""
+        return [(job_id, self.route(queue, extra[0] if extra else None), extra[1] if len(extra) > 1 else None)
+                for job_id, queue, *extra in chunk]
+
     def _publish_cluster(self, jobs: list[tuple]) -> int:
         """publish() on a Redis Cluster: each chunk in one pipeline (a round trip per master), rung per queue."""
         client, sent = self._direct_client(), 0
         try:
             for i in range(0, len(jobs), self.chunk_size):
                 chunk = jobs[i:i + self.chunk_size]
-                entries = []
-                for job_id, queue, *extra in chunk:
-                    lane = self.route(queue, extra[0] if extra else None)
-                    entries.append((lane, task_message(job_id, lane, extra[1] if len(extra) > 1 else None)))
-                cluster_queues.publish(client, entries)
+                cluster_queues.publish(client, [(lane, task_message(job_id, lane, header))
+                                                for job_id, lane, header in self._routed(chunk)])
                 doorbell.ring_local()
                 self._mark([job[0] for job in chunk])
                 sent += len(chunk)
